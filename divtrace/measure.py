@@ -1,0 +1,103 @@
+"""The batched run: compare every site with the split run's rows the moment it is produced."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from divtrace.metrics import block_stats, blocks, combine, tolerances
+from divtrace.record import Observed, SiteInfo
+from divtrace.sites import ROOT
+from divtrace.split import SplitRecording, runs_of
+
+__all__ = ["Measured", "Meter"]
+
+#: Bytes of temporaries per compared element while a block is measured (an upper bound).
+_TEMP_BYTES = 48
+#: Temporaries may take this share of the recorded rows' bytes ...
+_TEMP_SHARE = 0.05
+#: ... but a block of this many elements is always allowed, for speed.
+_MIN_BLOCK = 1 << 20
+
+
+@dataclass
+class Measured:
+    """One site of the batched run: what it is and, if it could be compared, its stats."""
+
+    site: SiteInfo
+    status: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    stats: torch.Tensor | None = None  # [samples, len(FIELDS)], on the site's device
+    flips: torch.Tensor | None = None  # [samples] argmax flips, for 2-D model outputs
+    kept: torch.Tensor | None = None  # batched rows, when keep=True
+
+
+@dataclass
+class Meter:
+    """Measures the batched run's sites against a :class:`SplitRecording`."""
+
+    split: SplitRecording
+    rtol: float | None
+    atol: float | None
+    keep: bool
+    sites: list[Measured] = field(default_factory=list)
+    _index: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._runs = runs_of(self.split.samples)
+        self._budget = max(_MIN_BLOCK, int(_TEMP_SHARE * self.split.stored_bytes / _TEMP_BYTES))
+
+    def _samples_on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._index:
+            self._index[device] = torch.tensor(self.split.samples, device=device)
+        return self._index[device]
+
+    def _status(self, key: str, tensor: torch.Tensor, batch: int) -> str:
+        ref = self.split.refs.get(key)
+        if ref is None:
+            return "missing_in_split"
+        if ref.status != "ok":
+            return ref.status
+        dim = self.split.batch_dim % max(tensor.dim(), 1)
+        if tensor.dim() == 0 or tensor.shape[dim] != batch:
+            return "unbatched"
+        if tuple(tensor.movedim(dim, 0).shape[1:]) != ref.row_shape:
+            return "shape_mismatch"
+        if tensor.dtype != ref.dtype:
+            return "dtype_mismatch"
+        if not all(ref.filled):
+            return "partial_in_split"
+        return "ok"
+
+    def measure(self, obs: Observed, batch: int) -> None:
+        """Measures one observed tensor of the batched run (called from its hook)."""
+        tensor = obs.tensor.detach()
+        key = obs.site.key
+        status = self._status(key, tensor, batch)
+        site = Measured(obs.site, status, tuple(tensor.shape), tensor.dtype)
+        self.sites.append(site)
+        if status != "ok":
+            return
+        ref = self.split.refs[key]
+        assert ref.rows is not None
+        dim = self.split.batch_dim % tensor.dim()
+        rtol, atol = tolerances(tensor.dtype, self.rtol, self.atol)
+        per_run = []
+        for slot, row, n in self._runs:
+            b = tensor.narrow(dim, row, n).movedim(dim, 0).reshape(n, -1)
+            r = ref.rows.narrow(0, slot, n).to(tensor.device, non_blocking=True).reshape(n, -1)
+            per_run.append(combine([
+                block_stats(b[:, lo:hi], r[:, lo:hi], rtol, atol)
+                for lo, hi in blocks(n, b.shape[1], self._budget)
+            ]))
+        site.stats = per_run[0] if len(per_run) == 1 else torch.cat(per_run)
+        if obs.site.module == ROOT and tensor.dim() == 2 and tensor.is_floating_point():
+            picked = tensor.index_select(dim, self._samples_on(tensor.device)).movedim(dim, 0)
+            site.flips = (picked.argmax(1) != ref.rows.to(tensor.device).argmax(1)).double()
+        if self.keep:
+            rows = tensor.index_select(dim, self._samples_on(tensor.device)).movedim(dim, 0)
+            site.kept = rows.to(ref.rows.device).contiguous()
+        else:
+            ref.rows = None  # stream: the split rows are not needed any more

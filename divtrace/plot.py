@@ -1,0 +1,158 @@
+"""Pictures of a comparison, drawn with matplotlib onto a given (or new) Axes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pandas as pd
+
+from divtrace.errors import DivtraceValueError
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+    from divtrace.comparison import Comparison
+
+__all__ = ["overlay", "plot_samples", "plot_snowball"]
+
+METRICS = ("rel_l2", "max_abs", "mean_abs", "max_ulp", "mismatch", "exceed")
+_MARKERS = "osD^v<>pX*hP"
+_FLOOR_LABEL = "bit-identical"
+
+
+def _check_metric(metric: str, allowed: Sequence[str] = METRICS) -> None:
+    if metric not in allowed:
+        raise DivtraceValueError(
+            f"metric {metric!r} cannot be plotted; choose one of {', '.join(allowed)}")
+
+
+def _axes(ax: Axes | None) -> Axes:
+    if ax is not None:
+        return ax
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(10, 4.5))[1]
+
+
+def _leaf_rows(result: Comparison) -> pd.DataFrame:
+    table = result.table
+    return table[table["leaf"] & (table["status"] == "ok")].reset_index(drop=True)
+
+
+def _floor(values: list[np.ndarray]) -> float:
+    """Where bit-identical sites are drawn: a decade below the smallest positive value."""
+    positive = np.concatenate([v[v > 0] for v in values]) if values else np.array([])
+    if positive.size == 0:
+        return 1e-10
+    return 10.0 ** (math.floor(math.log10(float(positive.min()))) - 1)
+
+
+def _draw_floor(ax: Axes, floor: float) -> None:
+    ax.axhspan(floor / 3, floor * 3, color="0.85", zorder=0, label=_FLOOR_LABEL)
+    ax.set_yscale("log")
+
+
+def plot_snowball(result: Comparison, ax: Axes | None = None, metric: str = "rel_l2") -> Axes:
+    """``metric`` against depth (leaf sites in execution order), log scale.
+
+    Bit-identical sites sit on a grey floor band instead of being dropped; each module
+    type has its own marker; a dashed line marks the first divergent leaf site.
+    """
+    _check_metric(metric)
+    ax = _axes(ax)
+    rows = _leaf_rows(result)
+    values = rows[metric].to_numpy(dtype=float)
+    floor = _floor([values])
+    shown = np.where(values > 0, values, floor)
+    depth = np.arange(len(rows))
+    _draw_floor(ax, floor)
+    ax.plot(depth, shown, color="0.6", linewidth=1, zorder=1)
+    for i, (kind, group) in enumerate(rows.groupby("module_type", sort=False)):
+        ax.scatter(group.index, shown[group.index], marker=_MARKERS[i % len(_MARKERS)],
+                   s=36, zorder=3, label=kind)
+    diverged = np.flatnonzero(rows["mismatch"].to_numpy() > 0)
+    if diverged.size:
+        at = int(diverged[0])
+        ax.axvline(at, color="crimson", linestyle="--", linewidth=1, zorder=2,
+                   label=f"first divergence: {rows['site'][at]}")
+    if len(rows) <= 80:
+        ax.set_xticks(depth, rows["site"], rotation=90, fontsize=7)
+    ax.set_xlabel("depth (leaf sites in execution order)")
+    ax.set_ylabel(f"{metric} (batched vs split)")
+    ax.set_title(f"divtrace: {metric} by depth")
+    ax.legend(fontsize=7, loc="upper left")
+    return ax
+
+
+def plot_samples(result: Comparison, ax: Axes | None = None, metric: str = "rel_l2") -> Axes:
+    """A sample × site heatmap of log10(``metric``); bit-identical cells are light grey."""
+    _check_metric(metric, ("rel_l2", "max_abs", "mismatch"))
+    import matplotlib as mpl
+
+    ax = _axes(ax)
+    rows = _leaf_rows(result)
+    samples = result.samples
+    grid = samples.pivot(index="sample", columns="site", values=metric)
+    grid = grid.reindex(columns=list(rows["site"]))
+    values = grid.to_numpy(dtype=float)
+    with np.errstate(divide="ignore"):
+        logged = np.log10(values)
+    finite = logged[np.isfinite(logged)]
+    low = float(finite.min()) if finite.size else -10.0
+    high = float(finite.max()) if finite.size else low + 1
+    cmap = mpl.colormaps["viridis"].with_extremes(under="0.9", bad="0.9")
+    image = ax.imshow(np.where(np.isfinite(logged), logged, low - 1), aspect="auto",
+                      cmap=cmap, vmin=low, vmax=max(high, low + 1e-9),
+                      interpolation="nearest")
+    ax.figure.colorbar(image, ax=ax, label=f"log10 {metric} (grey: bit-identical)")
+    if len(rows) <= 80:
+        ax.set_xticks(np.arange(len(rows)), rows["site"], rotation=90, fontsize=7)
+    if len(grid.index) <= 40:
+        ax.set_yticks(np.arange(len(grid.index)), [str(s) for s in grid.index], fontsize=7)
+    ax.set_xlabel("site (leaf, execution order)")
+    ax.set_ylabel("sample")
+    ax.set_title(f"divtrace: {metric} per sample")
+    return ax
+
+
+def overlay(
+    comparisons: Sequence[Comparison],
+    labels: Sequence[str] | None = None,
+    ax: Axes | None = None,
+    metric: str = "rel_l2",
+) -> Axes:
+    """Several snowball curves on one Axes, e.g. a whole network against one of its layers.
+
+    Example:
+        >>> import torch, divtrace
+        >>> x = torch.randn(6, 4)
+        >>> nets = [torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4))]
+        >>> found = [divtrace.compare(n, x, progress=False) for n in nets]
+        >>> ax = divtrace.overlay(found, labels=["Linear", "Sequential"])
+    """
+    _check_metric(metric)
+    if not comparisons:
+        raise DivtraceValueError("overlay() needs at least one comparison")
+    if labels is None:
+        labels = [f"comparison {i}" for i in range(len(comparisons))]
+    if len(labels) != len(comparisons):
+        raise DivtraceValueError(
+            f"overlay() got {len(comparisons)} comparisons but {len(labels)} labels; "
+            f"give one label per comparison")
+    ax = _axes(ax)
+    series = [_leaf_rows(c) for c in comparisons]
+    floor = _floor([s[metric].to_numpy(dtype=float) for s in series])
+    _draw_floor(ax, floor)
+    for i, (rows, label) in enumerate(zip(series, labels, strict=True)):
+        values = rows[metric].to_numpy(dtype=float)
+        shown = np.where(values > 0, values, floor)
+        ax.plot(np.arange(len(rows)), shown, marker=_MARKERS[i % len(_MARKERS)],
+                markersize=5, linewidth=1.2, label=f"{label} ({len(rows)} sites)")
+    ax.set_xlabel("depth (leaf sites in execution order)")
+    ax.set_ylabel(f"{metric} (batched vs split)")
+    ax.set_title(f"divtrace: {metric} by depth")
+    ax.legend(fontsize=8, loc="upper left")
+    return ax

@@ -1,0 +1,191 @@
+"""Words and HTML for a :class:`~divtrace.Comparison`: the summary and the reports."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+from typing import TYPE_CHECKING
+
+import pandas as pd
+
+from divtrace.metrics import tolerances
+
+if TYPE_CHECKING:
+    from divtrace.comparison import Comparison
+
+__all__ = ["escape", "html_fragment", "html_page", "summary"]
+
+escape = html.escape
+
+
+def _fmt(value: float, spec: str = ".3g") -> str:
+    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else (
+        format(value, spec))
+
+
+def _output_sentences(result: Comparison) -> list[str]:
+    out = result.output
+    if out is None or out["status"] != "ok":
+        return []
+    meta = result.meta
+    lines = []
+    first = result.first_divergence
+    if first is not None and out["mismatch"] > 0:
+        factor = out["rel_l2"] / first["rel_l2"] if first["rel_l2"] > 0 else math.nan
+        grown = "" if first["site"] == out["site"] or math.isnan(factor) else (
+            f" ({factor:.3g}× that of the first divergent site)")
+        lines.append(
+            f"By the model's output '{out['site']}', rel_l2 is {out['rel_l2']:.3g}{grown}; "
+            f"{out['mismatch']:.1%} of its elements are not bit-identical, max "
+            f"{out['max_abs']:.3g} absolute, {_fmt(out['max_ulp'], '.0f')} ULP.")
+    import torch  # the dtype's default tolerances
+
+    dtype = getattr(torch, out["dtype"], None)
+    if isinstance(dtype, torch.dtype):
+        rtol, atol = tolerances(dtype, meta["rtol"], meta["atol"])
+        which = "the given" if meta["rtol"] is not None or meta["atol"] is not None else (
+            f"torch.testing.assert_close's default {out['dtype']}")
+        verdict = "passes" if out["exceed"] == 0 else "fails"
+        beyond = "" if out["exceed"] == 0 else (
+            f": {out['exceed']:.2%} of its elements are beyond them")
+        lines.append(f"The output {verdict} the closeness test at {which} tolerances "
+                     f"(rtol={rtol:.3g}, atol={atol:.3g}){beyond}.")
+    flips = meta.get("flips", {}).get(out["site"])
+    if flips is not None:
+        classes = out["shape"].strip("()").split(",")[-1].strip()
+        lines.append(
+            f"Read as class logits ({classes} columns), the output's argmax differs "
+            f"between the runs for {sum(flips)} of {len(flips)} samples.")
+    return lines
+
+
+def summary(result: Comparison) -> str:
+    """Plain sentences on where the runs part, how far it grows, and what it means."""
+    meta = result.meta
+    table = result.table
+    ok = table[table["status"] == "ok"]
+    samples = meta["samples"]
+    shown = samples if len(samples) <= 8 else [*samples[:8], "..."]
+    chunking = "per sample" if meta["chunk"] == 1 else f"in chunks of {meta['chunk']}"
+    lines = [
+        f"Batched run (B={meta['batch_size']}) vs split run ({chunking}), "
+        f"{len(samples)} compared sample(s) {shown}, {len(ok)} compared sites."
+    ]
+    if meta["train_mode"]:
+        lines.append(
+            "The model ran in train mode (allow_train=True): BatchNorm or Dropout make "
+            "the runs differ for reasons that are not numerical.")
+    identical = int((ok["mismatch"] == 0).sum())
+    first = result.first_divergence
+    if first is None:
+        lines.append(f"All {len(ok)} compared sites are bit-identical: the batched and "
+                     f"split runs agree exactly.")
+    else:
+        position = int((ok.index < first.name).sum())
+        lines.append(
+            f"Divergence first appears at '{first['site']}' ({first['module_type']}), "
+            f"after {position} bit-identical site(s): {first['mismatch']:.1%} of its "
+            f"elements differ, rel_l2 {first['rel_l2']:.3g}, max "
+            f"{_fmt(first['max_ulp'], '.0f')} ULP.")
+        lines.append(f"{identical} of {len(ok)} compared sites are bit-identical.")
+    lines.extend(_output_sentences(result))
+    nonfinite = ok[ok["nonfinite"] > 0]
+    if not nonfinite.empty:
+        lines.append(
+            f"Non-finite values (NaN or inf, in either run) at {len(nonfinite)} site(s), "
+            f"first at '{nonfinite.iloc[0]['site']}'; the error figures leave them out.")
+    skipped = table[table["status"] != "ok"]
+    if not skipped.empty:
+        listed = ", ".join(f"'{s}' ({st})" for s, st in
+                           zip(skipped["site"][:6], skipped["status"][:6], strict=True))
+        more = "" if len(skipped) <= 6 else f" and {len(skipped) - 6} more"
+        lines.append(f"{len(skipped)} site(s) could not be compared: {listed}{more}.")
+    return "\n".join(lines)
+
+
+_CSS = """
+<style>
+.divtrace table{border-collapse:collapse;font:12px/1.4 monospace}
+.divtrace th,.divtrace td{padding:2px 8px;border-bottom:1px solid #ddd;text-align:right}
+.divtrace td.name,.divtrace th.name{text-align:left}
+.divtrace tr.identical td{color:#777}
+.divtrace tr.first td{background:#ffe08a;font-weight:bold}
+.divtrace tr.skipped td{color:#a33;font-style:italic}
+.divtrace p.summary{font:13px/1.5 sans-serif;white-space:pre-line}
+</style>
+"""
+_SHOWN = ("site", "module_type", "status", "shape", "dtype", "mismatch", "rel_l2",
+          "max_abs", "max_ulp", "cosine", "growth")
+
+
+def _cell(column: str, value: object) -> str:
+    if column == "mismatch" and isinstance(value, float) and not math.isnan(value):
+        return f"{value:.1%}"
+    if column == "max_ulp" and isinstance(value, float):
+        return _fmt(value, ".0f")
+    if column == "cosine" and isinstance(value, float):
+        return _fmt(value, ".9f")
+    if isinstance(value, float):
+        return _fmt(value)
+    return escape(str(value))
+
+
+def table_html(result: Comparison) -> str:
+    """The table as HTML: bit-identical rows marked, the first divergence highlighted."""
+    table = result.table
+    first = result.first_divergence
+    head = "".join(
+        f'<th class="{"name" if c in ("site", "module_type") else ""}">{c}</th>'
+        for c in _SHOWN)
+    body = []
+    for index, row in table.iterrows():
+        if row["status"] != "ok":
+            cls, mark = "skipped", ""
+        elif first is not None and index == first.name:
+            cls, mark = "first", " ◀ first divergence"
+        elif row["mismatch"] == 0:
+            cls, mark = "identical", " ≡"
+        else:
+            cls, mark = "diverged", ""
+        cells = "".join(
+            f'<td class="{"name" if c in ("site", "module_type") else ""}">'
+            f'{_cell(c, row[c])}{mark if c == "site" else ""}</td>' for c in _SHOWN)
+        body.append(f'<tr class="{cls}">{cells}</tr>')
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def html_fragment(result: Comparison) -> str:
+    """The HTML that Jupyter shows for a comparison."""
+    return (f'{_CSS}<div class="divtrace"><p class="summary">{escape(result.summary())}'
+            f"</p>{table_html(result)}</div>")
+
+
+def _png(figure: object) -> str:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight")  # type: ignore[attr-defined]
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def html_page(result: Comparison, title: str) -> str:
+    """A self-contained HTML page: summary, snowball plot, sample heatmap, table."""
+    from matplotlib.figure import Figure  # no pyplot: the user's backend stays as it is
+
+    images = []
+    leaves = result.table
+    n_leaf = int(leaves["leaf"].sum())
+    for draw, height in ((result.plot, 4.5), (result.plot_samples,
+                                               1.2 + 0.25 * len(result.meta["samples"]))):
+        fig = Figure(figsize=(max(8.0, 0.35 * n_leaf), min(height, 12.0)))
+        draw(ax=fig.subplots())
+        images.append(f'<img alt="plot" src="data:image/png;base64,{_png(fig)}">')
+    meta = pd.Series(result.meta).drop(labels=["flips"], errors="ignore")
+    settings = "".join(f"<tr><td class='name'>{escape(str(k))}</td>"
+                       f"<td class='name'>{escape(str(v))}</td></tr>" for k, v in meta.items())
+    return (
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{escape(title)}</title>"
+        f"{_CSS}</head><body><div class='divtrace'><h1>{escape(title)}</h1>"
+        f"<p class='summary'>{escape(result.summary())}</p>{''.join(images)}"
+        f"<h2>Sites</h2>{table_html(result)}<h2>Settings</h2><table>{settings}</table>"
+        f"</div></body></html>")

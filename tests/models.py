@@ -1,0 +1,147 @@
+"""Tiny models with known behaviour, for divtrace's tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+class OrderedLinear(nn.Module):
+    """A linear layer that sums its products one by one, in a fixed order.
+
+    With ``variant_from=None`` the order never changes, so the layer is batch-invariant
+    on every machine. With ``variant_from=t`` the products are summed in reverse order
+    whenever the batch has ``t`` or more rows: a deterministic, batch-variant reduction,
+    the way a kernel switches algorithm with the batch size.
+    """
+
+    def __init__(self, n_in: int, n_out: int, variant_from: int | None = None) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(n_in * 1000 + n_out)
+        self.weight = nn.Parameter(torch.randn(n_out, n_in, generator=generator) / n_in**0.5)
+        self.variant_from = variant_from
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        products = x.unsqueeze(-2) * self.weight  # [..., n_out, n_in]
+        order = range(products.shape[-1])
+        if self.variant_from is not None and x.shape[0] >= self.variant_from:
+            order = reversed(order)
+        total = torch.zeros_like(products[..., 0])
+        for j in order:
+            total = total + products[..., j]
+        return total
+
+
+class Scale(nn.Module):
+    """Multiplies by a constant: element-wise, batch-invariant, amplifies error by k."""
+
+    def __init__(self, k: float) -> None:
+        super().__init__()
+        self.k = k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.k
+
+
+def variant_mlp(variant_from: int = 2) -> nn.Sequential:
+    """invariant layers, then the batch-variant layer (index 3), then invariant layers."""
+    return nn.Sequential(
+        OrderedLinear(16, 32),  # 0
+        nn.Hardtanh(-3.0, 3.0),  # 1
+        Scale(0.5),  # 2
+        OrderedLinear(32, 32, variant_from=variant_from),  # 3: the source
+        nn.Hardtanh(-3.0, 3.0),  # 4
+        OrderedLinear(32, 8),  # 5
+    ).eval()
+
+
+def elementwise_model() -> nn.Sequential:
+    """Exactly rounded element-wise ops only. (Transcendental ones such as Sigmoid can
+    differ on a CPU between a vectorised body and a scalar tail, so they are left out.)"""
+    return nn.Sequential(nn.Identity(), Scale(3.0), nn.ReLU(), nn.Hardtanh(-4.0, 4.0),
+                         nn.MaxPool1d(2)).eval()
+
+
+def inplace_relu_model() -> nn.Sequential:
+    """As in VGG: a layer whose output the next ReLU(inplace=True) overwrites."""
+    return nn.Sequential(OrderedLinear(16, 32), nn.ReLU(inplace=True),
+                         OrderedLinear(32, 8, variant_from=2), nn.ReLU(inplace=True)).eval()
+
+
+class ReusedActivation(nn.Module):
+    """One ReLU module called twice per forward pass, as in ResNet's BasicBlock."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = OrderedLinear(16, 16)
+        self.fc2 = OrderedLinear(16, 16, variant_from=2)
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.fc2(self.act(self.fc1(x))))
+
+
+@dataclass
+class Output:
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    name: str
+
+
+class MultiOutput(nn.Module):
+    """Returns tuple, dict, dataclass, integer, bool and non-tensor outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = OrderedLinear(16, 8, variant_from=2)
+
+    def forward(self, x: torch.Tensor) -> tuple[dict[str, torch.Tensor], Output, str]:
+        h = self.fc(x)
+        table = {"argmax": h.argmax(-1), "positive": h > 0, "h": h}
+        return table, Output(logits=h * 2, hidden=h, name="not a tensor"), "meta"
+
+
+class KeywordModel(nn.Module):
+    """Takes keyword arguments, one of them a tensor without the batch dimension."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = OrderedLinear(16, 8, variant_from=2)
+
+    def forward(self, x: torch.Tensor, *, bias: torch.Tensor, scale: float) -> torch.Tensor:
+        return self.fc(x) * scale + bias
+
+
+class BranchOnBatch(nn.Module):
+    """Data-dependent control flow: an extra layer runs only for batches of 4 or more."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = OrderedLinear(16, 16)
+        self.extra = nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return self.extra(h) if x.shape[0] >= 4 else h
+
+
+class Exploding(nn.Module):
+    """Raises inside its forward pass once it sees a marked input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = OrderedLinear(16, 16)
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc(x))
+        if x.shape[0] > 2:
+            raise KeyError("boom in the user's forward")
+        return h
+
+
+def batchnorm_model() -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.Dropout(0.5))

@@ -1,0 +1,259 @@
+"""Where divergence starts, and what the table says about every site."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import divtrace
+from tests import models
+
+
+def run(model: nn.Module, x: object, **kwargs: object) -> divtrace.Comparison:
+    return divtrace.compare(model, x, progress=False, **kwargs)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+def test_first_divergence_is_the_batch_variant_module(chunk: int) -> None:
+    result = run(models.variant_mlp(variant_from=4), torch.randn(8, 16), chunk=chunk)
+    table = result.table.set_index("site")
+    first = result.first_divergence
+    assert first is not None and first["site"] == "3"
+    assert first["module_type"] == "OrderedLinear"
+    assert (table.loc[["0", "1", "2"], "mismatch"] == 0).all()
+    assert (table.loc[["0", "1", "2"], "rel_l2"] == 0).all()
+    assert (table.loc[["3", "4", "5", "(model)"], "mismatch"] > 0).all()
+    assert (table.loc[["3", "4", "5", "(model)"], "rel_l2"] > 0).all()
+
+
+def test_no_divergence_below_the_variant_threshold() -> None:
+    # the split chunks (2) and the batch (3) both stay below variant_from=4
+    result = run(models.variant_mlp(variant_from=4), torch.randn(3, 16), chunk=2)
+    assert result.first_divergence is None
+    assert (result.table["mismatch"] == 0).all()
+
+
+@pytest.mark.parametrize("model", [models.elementwise_model(), nn.Identity(),
+                                   nn.Sequential(models.OrderedLinear(16, 4))])
+def test_elementwise_and_identity_models_never_diverge(model: nn.Module) -> None:
+    result = run(model, torch.randn(6, 16) * 5)
+    table = result.table
+    assert (table["status"] == "ok").all()
+    assert (table["mismatch"] == 0).all()
+    assert (table["rel_l2"] == 0).all()
+    assert (table["max_ulp"] == 0).all()
+    assert (table["cosine"] == 1).all()
+    assert result.first_divergence is None
+    assert "bit-identical" in result.summary()
+
+
+def test_table_columns_are_stable() -> None:
+    result = run(models.variant_mlp(), torch.randn(4, 16))
+    assert tuple(result.table.columns) == divtrace.COLUMNS
+    assert list(result.samples.columns) == ["site", "sample", "mismatch", "rel_l2", "max_abs"]
+
+
+def test_figures_agree_with_a_direct_computation() -> None:
+    model = models.variant_mlp()
+    x = torch.randn(6, 16)
+    result = run(model, x, chunk=1, samples=[1, 4], keep=True)
+    with torch.no_grad():
+        batched = model(x)[[1, 4]]
+        split = torch.cat([model(x[1:2]), model(x[4:5])])
+    row = result.table.set_index("site").loc["(model)"]
+    diff = (batched.double() - split.double())
+    assert row["mismatch"] == pytest.approx((batched != split).float().mean().item())
+    assert row["max_abs"] == pytest.approx(diff.abs().max().item(), rel=1e-6)
+    assert row["mean_abs"] == pytest.approx(diff.abs().mean().item(), rel=1e-5)
+    assert row["rel_l2"] == pytest.approx((diff.norm() / split.double().norm()).item(),
+                                          rel=1e-4)
+    assert row["numel"] == batched.numel()
+    got_b, got_s = result.pair("(model)")
+    torch.testing.assert_close(got_b, batched, rtol=0, atol=0)
+    torch.testing.assert_close(got_s, split, rtol=0, atol=0)
+    per_sample = result.samples.query("site == '(model)'").set_index("sample")
+    for i, s in enumerate([1, 4]):
+        expected = (diff[i].norm() / split[i].double().norm()).item()
+        assert per_sample.loc[s, "rel_l2"] == pytest.approx(expected, rel=1e-4)
+
+
+def test_growth_relates_to_the_preceding_divergent_leaf() -> None:
+    model = nn.Sequential(models.OrderedLinear(16, 16, variant_from=2), models.Scale(1024.0),
+                          models.Scale(3.0))
+    result = run(model, torch.randn(4, 16))
+    table = result.table.set_index("site")
+    assert math.isnan(table.loc["0", "growth"])
+    assert table.loc["1", "growth"] == 1.0  # scaling by a power of two is exact
+    assert table.loc["2", "growth"] == pytest.approx(1.0, rel=0.1)  # rounding in both runs
+    assert table.loc["(model)", "growth"] == 1.0
+
+
+def test_inplace_relu_does_not_alter_the_recorded_site() -> None:
+    result = run(models.inplace_relu_model(), torch.randn(6, 16), keep=True)
+    batched, split = result.pair("0")
+    assert (batched < 0).any() and (split < 0).any()  # recorded before ReLU(inplace=True)
+    after_b, after_s = result.pair("1")
+    assert (after_b >= 0).all() and (after_s >= 0).all()
+    assert result.table.set_index("site").loc["0", "mismatch"] == 0
+
+
+def test_a_module_called_twice_gives_two_sites() -> None:
+    result = run(models.ReusedActivation().eval(), torch.randn(6, 16))
+    table = result.table.set_index("site")
+    assert list(result.table["site"]) == ["fc1", "act", "fc2", "act#1", "(model)"]
+    assert table.loc["act", "call"] == 0 and table.loc["act#1", "call"] == 1
+    assert table.loc["act", "mismatch"] == 0
+    assert table.loc["act#1", "mismatch"] > 0
+    assert result.first_divergence["site"] == "fc2"
+
+
+def test_nested_outputs_are_flattened_and_typed() -> None:
+    result = run(models.MultiOutput().eval(), torch.randn(6, 16))
+    table = result.table.set_index("site")
+    assert list(table.index) == ["fc", "(model)/0/argmax", "(model)/0/positive",
+                                 "(model)/0/h", "(model)/1/logits", "(model)/1/hidden"]
+    assert table.loc["(model)/0/argmax", "dtype"] == "int64"
+    assert table.loc["(model)/0/positive", "dtype"] == "bool"
+    for key in ("(model)/0/argmax", "(model)/0/positive"):  # mismatch only
+        assert table.loc[key, "status"] == "ok"
+        assert not math.isnan(table.loc[key, "mismatch"])
+        assert math.isnan(table.loc[key, "rel_l2"]) and math.isnan(table.loc[key, "max_ulp"])
+    assert table.loc["(model)/1/logits", "path"] == "1/logits"
+    assert table.loc["(model)/1/logits", "mismatch"] > 0
+
+
+def test_integer_outputs_count_mismatches() -> None:
+    class Rounds(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            # batch-variant integers: the batch size leaks into the values
+            return torch.full((x.shape[0], 3), x.shape[0], dtype=torch.int32)
+
+    result = run(Rounds(), torch.randn(4, 2))
+    row = result.table.iloc[0]
+    assert row["mismatch"] == 1.0 and math.isnan(row["rel_l2"])
+
+
+def test_keyword_and_tuple_inputs_slice_only_batched_tensors() -> None:
+    model = models.KeywordModel().eval()
+    x = torch.randn(6, 16)
+    bias = torch.randn(())  # no batch dimension: passes through whole
+    result = run(model, {"x": x, "bias": bias, "scale": 2.0}, samples=[0, 5], keep=True)
+    batched, split = result.pair("(model)")
+    with torch.no_grad():
+        expected = torch.cat([model(x[i:i + 1], bias=bias, scale=2.0) for i in (0, 5)])
+    torch.testing.assert_close(split, expected, rtol=0, atol=0)
+    assert batched.shape == (2, 8)
+
+    class TwoArgs(nn.Module):
+        def forward(self, a: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
+            return a * k + b
+
+    result = run(TwoArgs(), (torch.randn(5, 3), torch.randn(5, 3), 3))
+    assert result.table.iloc[0]["mismatch"] == 0
+
+
+def test_only_the_chunks_holding_compared_samples_run() -> None:
+    model = models.variant_mlp()
+    seen: list[int] = []
+    handle = model.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[0]))
+    try:
+        result = run(model, torch.randn(10, 16), chunk=3, samples=[1, 7])
+    finally:
+        handle.remove()
+    assert seen == [3, 3, 10]  # rows 0:3 and 6:9, then the batched run
+    assert result.meta["split_passes"] == 2
+    assert sorted(result.samples["sample"].unique()) == [1, 7]
+
+
+def test_batch_dim_other_than_zero() -> None:
+    class SeqFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = models.OrderedLinear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [seq, batch, features]
+            return self.fc(x.transpose(0, 1)).transpose(0, 1)
+
+    result = run(SeqFirst(), torch.randn(5, 6, 4), batch_dim=1)
+    table = result.table.set_index("site")
+    assert table.loc["(model)", "status"] == "ok"
+    assert table.loc["(model)", "mismatch"] == 0
+    assert table.loc["(model)", "numel"] == 6 * 5 * 4
+    # inside, the batch sits at dim 0, not batch_dim: reported, not guessed
+    assert table.loc["fc", "status"] == "unbatched"
+
+
+def test_modules_filter_by_glob_and_type() -> None:
+    model = models.variant_mlp()
+    by_glob = run(model, torch.randn(4, 16), modules=["[0-2]"])
+    assert list(by_glob.table["site"]) == ["0", "1", "2", "(model)"]
+    by_type = run(model, torch.randn(4, 16), modules=nn.Hardtanh)
+    assert list(by_type.table["site"]) == ["1", "4", "(model)"]
+
+
+def test_site_present_in_one_run_only_is_reported() -> None:
+    result = run(models.BranchOnBatch().eval(), torch.randn(6, 16))
+    table = result.table.set_index("site")
+    assert table.loc["extra", "status"] == "missing_in_split"
+    assert math.isnan(table.loc["extra", "rel_l2"])
+    assert "missing_in_split" in result.summary()
+
+    class OnlySmall(models.BranchOnBatch):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc(x)
+            return self.extra(h) if x.shape[0] < 4 else h
+
+    result = run(OnlySmall().eval(), torch.randn(6, 16))
+    assert list(result.table["site"]) == ["fc", "extra", "(model)"]
+    assert result.table.set_index("site").loc["extra", "status"] == "missing_in_batched"
+
+
+def test_nonfinite_inputs_are_counted_not_fatal() -> None:
+    x = torch.randn(6, 16)
+    x[1, 3] = float("nan")
+    x[4, 0] = float("inf")
+    result = run(models.elementwise_model(), x)
+    table = result.table.set_index("site")
+    assert table.loc["0", "nonfinite"] == 2  # Identity: NaN and inf in both runs
+    assert table.loc["0", "mismatch"] == 0  # NaN vs NaN and inf vs inf are not divergence
+    assert table.loc["0", "exceed"] > 0  # but NaN is never "close", as torch.isclose says
+    assert table.loc["0", "rel_l2"] == 0
+    assert "Non-finite" in result.summary()
+
+
+def test_first_exceeding_defaults_and_custom_tolerances() -> None:
+    model = nn.Sequential(models.OrderedLinear(16, 16, variant_from=2),
+                          models.Scale(1e7), models.Scale(1e-7))
+    result = run(model, torch.randn(6, 16), keep=True)
+    # the rounding difference is about 1e-7 relative: within assert_close's float32
+    # default at site 0, far beyond its atol once scaled by 1e7 at site 1
+    assert result.first_divergence["site"] == "0"
+    assert result.first_exceeding()["site"] == "1"
+    assert result.first_exceeding(rtol=0.0, atol=0.0)["site"] == "0"
+    assert result.first_exceeding(rtol=1.0, atol=1.0) is None
+    strict = run(model, torch.randn(6, 16), rtol=0.0, atol=0.0)
+    assert strict.first_exceeding()["site"] == "0"
+    with pytest.raises(divtrace.DivtraceValueError, match="keep=True"):
+        strict.first_exceeding(rtol=1e-3, atol=1e-3)
+
+
+def test_offload_gives_the_same_table() -> None:
+    x = torch.randn(6, 16)
+    a = run(models.variant_mlp(), x).table
+    b = run(models.variant_mlp(), x, offload=True).table
+    assert a.equals(b)
+
+
+def test_results_are_immutable() -> None:
+    result = run(models.variant_mlp(), torch.randn(4, 16))
+    table = result.table
+    table.loc[0, "mismatch"] = 99.0
+    result.meta["samples"].append(100)
+    assert result.table.loc[0, "mismatch"] == 0
+    assert 100 not in result.meta["samples"]
+    leaves = result.select(leaf=True)
+    assert "(model)" not in set(leaves.table["site"])
+    assert "(model)" in set(result.table["site"])
