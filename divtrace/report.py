@@ -80,8 +80,8 @@ def summary(result: Comparison) -> str:
     identical = int((ok["mismatch"] == 0).sum())
     first = result.first_divergence
     if first is None:
-        lines.append(f"All {len(ok)} compared sites are bit-identical: the batched and "
-                     f"split runs agree exactly.")
+        every = "The 1 compared site is" if len(ok) == 1 else f"All {len(ok)} compared sites are"
+        lines.append(f"{every} bit-identical: the batched and split runs agree exactly.")
     else:
         position = int((ok.index < first.name).sum())
         lines.append(

@@ -1,0 +1,136 @@
+"""The user's model, data and process come back as they were."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import divtrace
+from tests import models
+
+
+def hook_counts(model: nn.Module) -> list[int]:
+    return [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()]
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_untouched(model: nn.Module, state: dict[str, torch.Tensor],
+                     hooks: list[int], training: list[bool]) -> None:
+    assert hook_counts(model) == hooks
+    assert [m.training for m in model.modules()] == training
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, state[key], rtol=0, atol=0)
+        assert value.dtype == state[key].dtype and value.device == state[key].device
+    assert torch.is_grad_enabled()
+
+
+def test_observer_check_hooked_batched_output_equals_a_plain_forward() -> None:
+    model = models.variant_mlp()
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        plain = model(x)
+    captured: list[torch.Tensor] = []
+    handle = model.register_forward_hook(lambda m, a, out: captured.append(out.clone()))
+    try:
+        divtrace.compare(model, x, progress=False)
+    finally:
+        handle.remove()
+    batched = [t for t in captured if t.shape[0] == 8]
+    assert len(batched) == 1
+    torch.testing.assert_close(batched[0], plain, rtol=0, atol=0)
+
+
+def test_model_and_input_untouched_after_success() -> None:
+    model = models.ReusedActivation()
+    model.fc1.train()  # a mixed mode must survive too
+    x = torch.randn(6, 16)
+    x_before = x.clone()
+    state, hooks = snapshot(model), hook_counts(model)
+    training = [m.training for m in model.modules()]
+    fired: list[str] = []
+    handle = model.act.register_forward_hook(lambda m, a, o: fired.append("act"))
+    hooks = hook_counts(model)
+    divtrace.compare(model, x, progress=False)
+    assert fired  # the user's own hook fired during compare()
+    n = len(fired)
+    model(x)
+    assert len(fired) == n + 2  # ... and still fires after it
+    handle.remove()
+    hooks_after = hook_counts(model)
+    assert hooks_after == [h - (m is model.act) for h, m in zip(hooks, model.modules(),
+                                                                 strict=True)]
+    assert_untouched(model, state, hooks_after, training)
+    torch.testing.assert_close(x, x_before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_grad_mode_is_restored(grad: bool) -> None:
+    with torch.set_grad_enabled(grad):
+        divtrace.compare(models.variant_mlp(), torch.randn(4, 16), progress=False)
+        assert torch.is_grad_enabled() is grad
+
+
+def test_user_exception_keeps_its_type_and_gains_a_note() -> None:
+    model = models.Exploding().eval()
+    state, hooks = snapshot(model), hook_counts(model)
+    training = [m.training for m in model.modules()]
+    with pytest.raises(KeyError, match="boom") as info:
+        divtrace.compare(model, torch.randn(4, 16), chunk=2, progress=False)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "batched run (B=4)" in notes
+    assert "last site reached: act" in notes
+    assert_untouched(model, state, hooks, training)
+
+
+def test_exception_in_the_split_run_names_the_samples() -> None:
+    class FailsAlone(models.Exploding):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc(x)
+            if x.shape[0] == 1 and x[0, 0] > 100:
+                raise RuntimeError("bad sample")
+            return self.act(h)
+
+    x = torch.randn(5, 16)
+    x[3, 0] = 1000.0
+    model = FailsAlone().eval()
+    with pytest.raises(RuntimeError, match="bad sample") as info:
+        divtrace.compare(model, x, progress=False)
+    notes = "\n".join(info.value.__notes__)
+    assert "split run, chunk of rows 3:4 (samples [3])" in notes
+    assert "last site reached: fc" in notes
+    assert hook_counts(model) == [0, 0, 0]
+
+
+def test_progress_bar_goes_to_stderr_and_switches_off(capsys: pytest.CaptureFixture[str]) -> None:
+    divtrace.compare(models.variant_mlp(), torch.randn(4, 16), progress=True)
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "divtrace" in captured.err
+    divtrace.compare(models.variant_mlp(), torch.randn(4, 16), progress=False)
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ""
+
+
+def live_tensors() -> int:
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance() on some lazy torch objects warns
+        warnings.simplefilter("ignore", FutureWarning)
+        return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
+
+
+def test_repeated_calls_do_not_grow_memory() -> None:
+    model = models.variant_mlp()
+    x = torch.randn(8, 16)
+    divtrace.compare(model, x, progress=False)  # warm-up: lazily created state
+    before = live_tensors()
+    for _ in range(15):
+        result = divtrace.compare(model, x, progress=False)
+        del result
+    assert live_tensors() <= before

@@ -1,0 +1,140 @@
+"""Summary, HTML, files and plots."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import pytest
+import torch
+from matplotlib.colors import to_rgba
+
+import divtrace
+from tests import models
+
+
+@pytest.fixture
+def diverging() -> divtrace.Comparison:
+    return divtrace.compare(models.variant_mlp(), torch.randn(6, 16), progress=False)
+
+
+@pytest.fixture
+def identical() -> divtrace.Comparison:
+    return divtrace.compare(models.elementwise_model(), torch.randn(6, 16), progress=False)
+
+
+def test_summary_names_the_first_divergence_and_the_output(diverging) -> None:
+    text = diverging.summary()
+    assert "Divergence first appears at '3' (OrderedLinear), after 3 bit-identical" in text
+    assert "By the model's output '(model)', rel_l2 is" in text
+    assert "4 of 7 compared sites are bit-identical" not in text  # 3 before, none after
+    assert "3 of 7 compared sites are bit-identical" in text
+    assert "passes the closeness test at torch.testing.assert_close's default float32" in text
+    assert re.search(r"argmax differs between the runs for \d of 6 samples", text)
+
+
+def test_summary_counts_argmax_flips() -> None:
+    class Logits(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            # class 0 wins in the batch, class 1 when alone
+            if x.shape[0] > 1:
+                return torch.stack([x[:, 0] + 1, x[:, 0]], 1)
+            return torch.stack([x[:, 0], x[:, 0] + 1], 1)
+
+    result = divtrace.compare(Logits(), torch.randn(5, 2), progress=False)
+    assert "argmax differs between the runs for 5 of 5 samples" in result.summary()
+    assert "fails the closeness test" in result.summary()
+
+
+def test_summary_when_identical(identical) -> None:
+    assert "All 6 compared sites are bit-identical" in identical.summary()
+    assert identical.first_divergence is None
+
+
+def test_repr_is_short(diverging, identical) -> None:
+    assert repr(diverging).startswith("<divtrace.Comparison: 7 sites, first divergence at '3'")
+    assert "no divergence" in repr(identical)
+    assert "\n" not in repr(diverging)
+
+
+def test_html_marks_identical_rows_and_highlights_the_first(diverging) -> None:
+    page = diverging._repr_html_()
+    rows = re.findall(r'<tr class="(\w+)">', page)
+    assert rows == ["identical"] * 3 + ["first"] + ["diverged"] * 3
+    assert "first divergence" in page
+    assert "<table>" in page and "Divergence first appears" in page
+
+
+def test_html_falls_back_to_text(diverging, monkeypatch) -> None:
+    from divtrace import report
+
+    def broken(_result: object) -> str:
+        raise RuntimeError("no")
+
+    monkeypatch.setattr(report, "html_fragment", broken)
+    assert diverging._repr_html_().startswith("<pre>Batched run")
+
+
+def test_files(diverging, tmp_path: Path) -> None:
+    csv = diverging.to_csv(tmp_path / "t.csv")
+    back = pd.read_csv(csv)
+    assert list(back.columns) == list(divtrace.COLUMNS)
+    assert list(back["site"].astype(str)) == list(diverging.table["site"])
+    doc = json.loads(diverging.to_json(tmp_path / "t.json").read_text())
+    assert doc["meta"]["batch_size"] == 6
+    assert doc["table"][3]["site"] == "3" and doc["table"][3]["mismatch"] > 0
+    assert len(doc["samples"]) == 7 * 6
+    page = diverging.to_html(tmp_path / "t.html").read_text()
+    images = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
+    assert len(images) == 2
+    assert base64.b64decode(images[0]).startswith(b"\x89PNG")
+    assert "http" not in page.replace("charset", "")  # nothing fetched from outside
+
+
+def test_snowball_plot(diverging) -> None:
+    fig, ax = plt.subplots()
+    try:
+        assert diverging.plot(ax=ax) is ax
+        assert ax.get_yscale() == "log"
+        labels = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert {"OrderedLinear", "Hardtanh", "Scale", "bit-identical"} <= set(labels)
+        assert "first divergence: 3" in labels
+        marker_y = sorted(y for c in ax.collections for _, y in c.get_offsets())
+        floor = ax.patches[0].get_y() * 3  # the band spans floor/3 .. floor*3
+        # 3 bit-identical leaves on the floor, 3 diverged above it
+        assert sum(y == pytest.approx(floor) for y in marker_y) == 3
+        assert sum(y > floor * 3 for y in marker_y) == 3
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "1", "2", "3", "4", "5"]
+    finally:
+        plt.close(fig)
+    with pytest.raises(divtrace.DivtraceValueError, match="choose one of rel_l2"):
+        diverging.plot(metric="cosine")
+
+
+def test_sample_heatmap(diverging) -> None:
+    fig, ax = plt.subplots()
+    try:
+        assert diverging.plot_samples(ax=ax) is ax
+        image = ax.get_images()[0]
+        assert image.get_array().shape == (6, 6)  # samples × leaf sites
+        grey = to_rgba("0.9")
+        assert image.cmap.get_under() == pytest.approx(grey)
+    finally:
+        plt.close(fig)
+
+
+def test_overlay(diverging, identical) -> None:
+    fig, ax = plt.subplots()
+    try:
+        assert divtrace.overlay([diverging, identical], ["mlp", "elementwise"], ax=ax) is ax
+        labels = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert "mlp (6 sites)" in labels and "elementwise (5 sites)" in labels
+        assert len(ax.get_lines()) == 2
+    finally:
+        plt.close(fig)
+    with pytest.raises(divtrace.DivtraceValueError, match="one label per comparison"):
+        divtrace.overlay([diverging], ["a", "b"])
