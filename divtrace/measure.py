@@ -14,11 +14,13 @@ from divtrace.split import SplitRecording, runs_of
 __all__ = ["Measured", "Meter"]
 
 #: Bytes of temporaries per compared element while a block is measured (an upper bound).
-_TEMP_BYTES = 48
-#: Temporaries may take this share of the recorded rows' bytes ...
+_TEMP_BYTES = 40
+#: On an accelerator, temporaries may take this share of the recorded rows' bytes ...
 _TEMP_SHARE = 0.05
-#: ... but a block of this many elements is always allowed, for speed.
+#: ... but a block of this many elements is always allowed, to keep launches few.
 _MIN_BLOCK = 1 << 20
+#: On the CPU, blocks of this many elements keep the temporaries in cache.
+_CPU_BLOCK = 1 << 18
 
 
 @dataclass
@@ -48,6 +50,9 @@ class Meter:
     def __post_init__(self) -> None:
         self._runs = runs_of(self.split.samples)
         self._budget = max(_MIN_BLOCK, int(_TEMP_SHARE * self.split.stored_bytes / _TEMP_BYTES))
+
+    def _block(self, device: torch.device) -> int:
+        return _CPU_BLOCK if device.type == "cpu" else self._budget
 
     def _samples_on(self, device: torch.device) -> torch.Tensor:
         if device not in self._index:
@@ -90,7 +95,7 @@ class Meter:
             r = ref.rows.narrow(0, slot, n).to(tensor.device, non_blocking=True).reshape(n, -1)
             per_run.append(combine([
                 block_stats(b[:, lo:hi], r[:, lo:hi], rtol, atol)
-                for lo, hi in blocks(n, b.shape[1], self._budget)
+                for lo, hi in blocks(n, b.shape[1], self._block(tensor.device))
             ]))
         site.stats = per_run[0] if len(per_run) == 1 else torch.cat(per_run)
         if obs.site.module == ROOT and tensor.dim() == 2 and tensor.is_floating_point():

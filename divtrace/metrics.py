@@ -38,7 +38,8 @@ FIELDS = (
     "dot",  # sum batched * split
     "max_ulp",  # max distance in units in the last place, in the tensor's own dtype
 )
-_MAX_FIELDS = [FIELDS.index("max_abs"), FIELDS.index("max_ulp")]
+_COL = {name: i for i, name in enumerate(FIELDS)}
+_MAX_FIELDS = [_COL["max_abs"], _COL["max_ulp"]]
 
 _INT_VIEW = {
     torch.float16: torch.int16,
@@ -66,34 +67,76 @@ def ulp_ordered(t: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, lowest - bits, bits)
 
 
-def _float_stats(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> torch.Tensor:
-    acc = torch.float64 if b.dtype == torch.float64 else torch.float32
-    bf, rf = b.to(acc), r.to(acc)
+def _max_ulp(b: torch.Tensor, r: torch.Tensor, finite: torch.Tensor | None,
+             host: bool) -> torch.Tensor:
+    """Per-row max ULP distance of finite pairs (``finite=None``: all pairs are finite)."""
+    view = _INT_VIEW[b.dtype]
+    bits_b, bits_r = b.view(view), r.view(view)
+    if view == torch.int16:  # room for the difference
+        bits_b, bits_r = bits_b.int(), bits_r.int()
+    # same sign: the distance is the difference of the bit patterns (no overflow)
+    dist = (bits_b - bits_r).abs_()
+    crossing = (bits_b ^ bits_r) < 0  # opposite signs: |b| and |r| steps to zero, added
+    if not host or bool(crossing.any()):
+        magnitude = torch.iinfo(view).max
+        across = (bits_b & magnitude).double() + (bits_r & magnitude).double()
+        dist = torch.where(crossing, across, dist.double())
+    if finite is not None:
+        dist = dist.masked_fill(~finite, 0)
+    return dist.amax(1).double()
+
+
+def _identical_stats(r: torch.Tensor) -> torch.Tensor:
+    """Statistics of two bit-identical blocks (no NaN; the split block ``r`` for both)."""
+    rows = r.shape[0]
     f64 = torch.float64
-    diff = bf - rf
-    finite = torch.isfinite(diff)  # false where either run is NaN or infinite
-    differ = b != r
-    unequal = differ & ~(b.isnan() & r.isnan())
-    absdiff = diff.abs_().masked_fill_(~finite, 0)
-    # as torch.isclose: |b - r| <= atol + rtol * |r|, inf == inf, NaN never close
-    exceed = (absdiff > atol + rtol * rf.abs()) | (differ & ~finite)
+    square = torch.linalg.vector_norm(r, dim=1, dtype=f64).square()
+    out = torch.zeros((rows, len(FIELDS)), dtype=f64)
+    out[:, _COL["sq_ref"]] = out[:, _COL["sq_out"]] = out[:, _COL["dot"]] = square
+    if not bool(square.isfinite().all()):  # infinities (or an overflowing sum)
+        out[:, _COL["nonfinite"]] = r.isinf().sum(1, dtype=f64)
+    return out
+
+
+def _float_stats(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> torch.Tensor:
+    # On the CPU there is no device to keep busy, so shortcuts that branch on values are
+    # free; on an accelerator every branch would be a host synchronisation, so none.
+    host = b.device.type == "cpu"
+    if host and torch.equal(b, r):
+        return _identical_stats(r)
+    f64 = torch.float64
+    acc = f64 if b.dtype == f64 else torch.float32
+    bf, rf = b.to(acc), r.to(acc)
+    absdiff = (bf - rf).abs_()
+    finite = absdiff.isfinite()  # false where either run is NaN or infinite
+    nonfinite = finite.logical_not().sum(1, dtype=f64)
+    odd = not host or bool(nonfinite.any())
+    if odd:
+        absdiff.masked_fill_(~finite, 0)
+    max_abs = absdiff.amax(1).to(f64)
+    mismatch = torch.count_nonzero(absdiff, dim=1).to(f64)  # b - r == 0 iff b == r
+    if host and not odd and float(max_abs.max()) <= atol:
+        exceed = torch.zeros_like(max_abs)
+    else:  # as torch.isclose: |b - r| <= atol + rtol * |r|
+        exceed = (absdiff > rf.abs().mul_(rtol).add_(atol)).sum(1, dtype=f64)
+    if odd:  # non-finite pairs: inf == inf matches, NaN vs NaN matches but is never close
+        differ = (b != r) & ~finite
+        both_nan = b.isnan() & r.isnan()
+        mismatch += (differ & ~both_nan).sum(1, dtype=f64)
+        exceed += differ.sum(1, dtype=f64)
     cols = [
-        unequal.sum(1, dtype=f64),
-        (~finite).sum(1, dtype=f64),
-        exceed.sum(1, dtype=f64),
-        absdiff.amax(1).to(f64),
+        mismatch,
+        nonfinite,
+        exceed,
+        max_abs,
         absdiff.sum(1, dtype=f64),
-        absdiff.square().sum(1, dtype=f64),
-        rf.square().sum(1, dtype=f64),
-        bf.square().sum(1, dtype=f64),
-        (bf * rf).sum(1, dtype=f64),
+        torch.linalg.vector_norm(absdiff, dim=1, dtype=f64).square(),
+        torch.linalg.vector_norm(rf, dim=1, dtype=f64).square(),
+        torch.linalg.vector_norm(bf, dim=1, dtype=f64).square(),
+        torch.linalg.vecdot(bf, rf, dim=1).to(f64),
+        _max_ulp(b, r, finite if odd else None, host) if b.dtype in _INT_VIEW
+        else torch.full_like(max_abs, math.nan),  # float8 and other formats: no ULP
     ]
-    if b.dtype in _INT_VIEW:
-        ulp = ulp_ordered(b) - ulp_ordered(r)
-        ulp = ulp.to(f64) if b.dtype == torch.float64 else ulp
-        cols.append(ulp.abs_().masked_fill_(~finite, 0).amax(1).to(f64))
-    else:  # float8 and other exotic formats: no ULP figure
-        cols.append(torch.full_like(cols[0], math.nan))
     return torch.stack(cols, dim=1)
 
 
@@ -119,7 +162,8 @@ def combine(parts: list[torch.Tensor]) -> torch.Tensor:
         return parts[0]
     stacked = torch.stack(parts)
     total = stacked.sum(0)
-    total[:, _MAX_FIELDS] = stacked[:, :, _MAX_FIELDS].amax(0)
+    for field in _MAX_FIELDS:  # int indices: no index tensor to copy to the device
+        total[:, field] = stacked[:, :, field].amax(0)
     return total
 
 

@@ -64,14 +64,27 @@ def observe(
     def make_hook(name: str, module: nn.Module) -> Callable[[nn.Module, Any, Any], None]:
         module_type = type(module).__name__
         leaf = next(module.children(), None) is None
+        infos: dict[tuple[int, str], SiteInfo] = {}
+
+        def info(call: int, path: str) -> SiteInfo:
+            found = infos.get((call, path))
+            if found is None:
+                key = site_key(name, call, path)
+                found = infos[call, path] = SiteInfo(key, name, module_type, call, path, leaf)
+            return found
 
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
             call = tracker.calls[name]
             tracker.calls[name] = call + 1
+            if isinstance(output, torch.Tensor):  # the common case, kept cheap
+                site = info(call, "")
+                tracker.last_site = site.key
+                callback(Observed(site, output))
+                return
             for path, tensor in flatten_output(output):
-                key = site_key(name, call, path)
-                tracker.last_site = key
-                callback(Observed(SiteInfo(key, name, module_type, call, path, leaf), tensor))
+                site = info(call, path)
+                tracker.last_site = site.key
+                callback(Observed(site, tensor))
 
         return hook
 

@@ -1,0 +1,92 @@
+"""Behaviour on a CUDA device (skipped without one)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import divtrace
+from divtrace.metrics import block_stats
+from tests import models
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.fixture
+def vgg_features() -> nn.Module:
+    from torchvision.models import vgg11
+
+    return vgg11().features.eval().cuda()
+
+
+def test_observer_check_on_cuda(vgg_features: nn.Module) -> None:
+    x = torch.rand(16, 3, 64, 64, device="cuda")
+    with torch.no_grad():
+        plain = vgg_features(x)
+    captured: list[torch.Tensor] = []
+    handle = vgg_features.register_forward_hook(lambda m, a, o: captured.append(o.clone()))
+    try:
+        divtrace.compare(vgg_features, x, chunk=2, samples=[0, 1], progress=False)
+    finally:
+        handle.remove()
+    batched = [t for t in captured if t.shape[0] == 16]
+    torch.testing.assert_close(batched[0], plain, rtol=0, atol=0)
+
+
+def test_split_rows_are_what_a_chunked_loop_gives(vgg_features: nn.Module) -> None:
+    x = torch.rand(16, 3, 64, 64, device="cuda")
+    result = divtrace.compare(vgg_features, x, chunk=2, samples=[0, 1, 5], keep=True,
+                              progress=False)
+    with torch.no_grad():
+        split = torch.cat([vgg_features(x[0:2]), vgg_features(x[4:6])[1:]])
+        batched = vgg_features(x)[[0, 1, 5]]
+    got_batched, got_split = result.pair("(model)")
+    torch.testing.assert_close(got_split, split, rtol=0, atol=0)
+    torch.testing.assert_close(got_batched, batched, rtol=0, atol=0)
+    row = result.table.set_index("site").loc["(model)"]
+    assert row["mismatch"] == pytest.approx((batched != split).float().mean().item())
+
+
+def _sync_warnings(model: nn.Module, x: torch.Tensor) -> int:
+    divtrace.compare(model, x, progress=False)  # warm-up
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            divtrace.compare(model, x, progress=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def test_host_synchronisations_do_not_grow_with_depth() -> None:
+    x = torch.randn(8, 16, device="cuda")
+    shallow = nn.Sequential(nn.Linear(16, 16)).cuda().eval()
+    deep = nn.Sequential(*[nn.Linear(16, 16) for _ in range(20)]).cuda().eval()
+    few, many = _sync_warnings(shallow, x), _sync_warnings(deep, x)
+    assert few == many
+    assert many <= 3
+
+
+def test_offload_gives_the_same_table_on_cuda() -> None:
+    model = models.variant_mlp().cuda()
+    x = torch.randn(8, 16, device="cuda")
+    on_device = divtrace.compare(model, x, progress=False).table
+    offloaded = divtrace.compare(model, x, offload=True, progress=False).table
+    assert on_device.equals(offloaded)
+    assert on_device.set_index("site").loc["3", "mismatch"] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_cuda_statistics_match_the_cpu_path(dtype: torch.dtype) -> None:
+    b = torch.randn(4, 5000, dtype=torch.float64)
+    r = b + torch.randn_like(b) * 1e-3
+    b[0, 0], r[0, 0] = 0.0, -0.0
+    b[1, :10] = -r[1, :10]  # opposite signs
+    b, r = b.to(dtype), r.to(dtype)
+    cpu = block_stats(b, r, 1e-3, 1e-5)
+    gpu = block_stats(b.cuda(), r.cuda(), 1e-3, 1e-5).cpu()
+    torch.testing.assert_close(gpu, cpu, rtol=1e-5, atol=1e-6)
