@@ -35,15 +35,18 @@ _FIGURES = ("numel", "mismatch", "exceed", "max_abs", "mean_abs", "rel_l2", "max
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[np.ndarray]:
-    """Brings equally shaped device tensors to the host: one transfer per device."""
+    """Brings device tensors to the host: one transfer (one synchronisation) per device."""
     by_device: dict[torch.device, list[int]] = defaultdict(list)
     for i, t in enumerate(tensors):
         by_device[t.device].append(i)
     out: list[np.ndarray] = [np.empty(0)] * len(tensors)
     for indices in by_device.values():
-        host = torch.stack([tensors[i] for i in indices]).cpu().numpy()
-        for i, array in zip(indices, host, strict=True):
-            out[i] = array
+        flat = torch.cat([tensors[i].reshape(-1) for i in indices]).cpu().numpy()
+        offset = 0
+        for i in indices:
+            size = tensors[i].numel()
+            out[i] = flat[offset:offset + size].reshape(tuple(tensors[i].shape))
+            offset += size
     return out
 
 
@@ -59,9 +62,9 @@ def _row(site: Measured) -> dict[str, Any]:
 def build(sites: list[Measured], split: SplitRecording, meta: dict[str, Any]) -> Comparison:
     """Assembles a :class:`Comparison` (the one host synchronisation happens here)."""
     measured = [s for s in sites if s.stats is not None]
-    stats = _to_host([s.stats for s in measured])  # type: ignore[misc]
     flipped = [s for s in measured if s.flips is not None]
-    flips = _to_host([s.flips for s in flipped])  # type: ignore[misc]
+    host = _to_host([s.stats for s in measured] + [s.flips for s in flipped])  # type: ignore[misc]
+    stats, flips = host[:len(measured)], host[len(measured):]
     per_site = {id(s): a for s, a in zip(measured, stats, strict=True)}
 
     rows: list[dict[str, Any]] = []
