@@ -14,7 +14,7 @@ from divtrace.batch import check_chunk, chunks_for, prepare_input, prepare_sampl
 from divtrace.comparison import Comparison, build
 from divtrace.errors import BatchMixingError, DivtraceTypeError
 from divtrace.measure import Meter
-from divtrace.record import Observed, Tracker, observe
+from divtrace.record import SiteInfo, Tracker, observe
 from divtrace.sites import select_modules
 from divtrace.split import SplitRecording
 
@@ -149,8 +149,8 @@ def compare(
         stored_bytes = split.stored_bytes
         meter = Meter(split, rtol, atol, keep)
 
-        def measure(obs: Observed) -> None:
-            meter.measure(obs, batch.batch_size)
+        def measure(site: SiteInfo, tensor: torch.Tensor) -> None:
+            meter.measure(site, tensor, batch.batch_size)
 
         bar.set_description("divtrace: batched run")
         with observe(selected, measure) as tracker:

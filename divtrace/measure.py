@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from divtrace import kernels
 from divtrace.metrics import block_stats, blocks, combine, tolerances
-from divtrace.record import Observed, SiteInfo
+from divtrace.record import SiteInfo
 from divtrace.sites import ROOT
 from divtrace.split import SplitRecording, runs_of
 
@@ -72,16 +73,15 @@ class Meter:
             return "shape_mismatch"
         if tensor.dtype != ref.dtype:
             return "dtype_mismatch"
-        if not all(ref.filled):
+        if not self.split.complete(ref):
             return "partial_in_split"
         return "ok"
 
-    def measure(self, obs: Observed, batch: int) -> None:
+    def measure(self, info: SiteInfo, tensor: torch.Tensor, batch: int) -> None:
         """Measures one observed tensor of the batched run (called from its hook)."""
-        tensor = obs.tensor.detach()
-        key = obs.site.key
+        key = info.key
         status = self._status(key, tensor, batch)
-        site = Measured(obs.site, status, tuple(tensor.shape), tensor.dtype)
+        site = Measured(info, status, tuple(tensor.shape), tensor.dtype)
         self.sites.append(site)
         if status != "ok":
             return
@@ -89,16 +89,20 @@ class Meter:
         assert ref.rows is not None
         dim = self.split.batch_dim % tensor.dim()
         rtol, atol = tolerances(tensor.dtype, self.rtol, self.atol)
+        fused = kernels.supports(tensor)
         per_run = []
         for slot, row, n in self._runs:
             b = tensor.narrow(dim, row, n).movedim(dim, 0).reshape(n, -1)
             r = ref.rows.narrow(0, slot, n).to(tensor.device, non_blocking=True).reshape(n, -1)
+            if fused:  # one pass, no temporaries beyond a partial row per program
+                per_run.append(kernels.fused_stats(b, r, rtol, atol))
+                continue
             per_run.append(combine([
                 block_stats(b[:, lo:hi], r[:, lo:hi], rtol, atol)
                 for lo, hi in blocks(n, b.shape[1], self._block(tensor.device))
             ]))
         site.stats = per_run[0] if len(per_run) == 1 else torch.cat(per_run)
-        if obs.site.module == ROOT and tensor.dim() == 2 and tensor.is_floating_point():
+        if info.module == ROOT and tensor.dim() == 2 and tensor.is_floating_point():
             picked = tensor.index_select(dim, self._samples_on(tensor.device)).movedim(dim, 0)
             site.flips = (picked.argmax(1) != ref.rows.to(tensor.device).argmax(1)).double()
         if self.keep:

@@ -13,7 +13,7 @@ from torch import nn
 
 from divtrace.sites import flatten_output, site_key
 
-__all__ = ["Observed", "SiteInfo", "Tracker", "observe"]
+__all__ = ["SiteInfo", "Tracker", "observe"]
 
 
 @dataclass(frozen=True)
@@ -26,14 +26,6 @@ class SiteInfo:
     call: int
     path: str
     leaf: bool
-
-
-@dataclass(frozen=True)
-class Observed:
-    """One tensor at one site, as a hook sees it (never kept beyond the hook)."""
-
-    site: SiteInfo
-    tensor: torch.Tensor
 
 
 @dataclass
@@ -50,9 +42,12 @@ class Tracker:
 
 @contextmanager
 def observe(
-    modules: dict[str, nn.Module], callback: Callable[[Observed], None]
+    modules: dict[str, nn.Module], callback: Callable[[SiteInfo, torch.Tensor], None]
 ) -> Iterator[Tracker]:
-    """Calls ``callback`` for every tensor output of every module in ``modules``.
+    """Calls ``callback(site, tensor)`` for every tensor output of every module.
+
+    The tensor is the module's own output: a callback must not keep it beyond the call
+    (a later in-place op may change it), only copies or figures made from it.
 
     The hooks are registered after the user's own, so the user's hooks still fire first
     and any output they replace is what is observed. Every hook is removed on exit, also
@@ -79,12 +74,12 @@ def observe(
             if isinstance(output, torch.Tensor):  # the common case, kept cheap
                 site = info(call, "")
                 tracker.last_site = site.key
-                callback(Observed(site, output))
+                callback(site, output)
                 return
             for path, tensor in flatten_output(output):
                 site = info(call, path)
                 tracker.last_site = site.key
-                callback(Observed(site, tensor))
+                callback(site, tensor)
 
         return hook
 

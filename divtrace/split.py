@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from divtrace.record import Observed, SiteInfo
+from divtrace.record import SiteInfo
 
 __all__ = ["Reference", "SplitRecording", "runs_of"]
 
@@ -28,8 +28,8 @@ class Reference:
     """What the split run produced at one site for the compared samples.
 
     ``rows`` is ``[samples, *row_shape]`` with the batch dimension moved to the front;
-    ``filled[i]`` says whether sample slot ``i`` was written. ``status`` is ``"ok"``
-    unless the site could not be recorded (see :class:`divtrace.Comparison`).
+    ``filled`` counts the sample slots written. ``status`` is ``"ok"`` unless the site
+    could not be recorded (see :class:`divtrace.Comparison`).
     """
 
     site: SiteInfo
@@ -37,7 +37,7 @@ class Reference:
     rows: torch.Tensor | None
     row_shape: tuple[int, ...]
     dtype: torch.dtype
-    filled: list[bool]
+    filled: int = 0
     status: str = "ok"
 
 
@@ -49,15 +49,20 @@ class SplitRecording:
     batch_dim: int
     offload: bool
     refs: dict[str, Reference] = field(default_factory=dict)
-    _chunk: tuple[int, int] = (0, 0)
+    _chunk_len: int = 0
     _runs: list[tuple[int, int, int]] = field(default_factory=list)
+    _whole: tuple[int, int] | None = None  # (slot, rows) when the whole chunk is compared
+    _in_chunk: int = 0
 
     def begin_chunk(self, start: int, stop: int) -> None:
         """Starts a chunk of rows ``start:stop`` of the batch."""
-        self._chunk = (start, stop)
+        self._chunk_len = stop - start
         inside = [s for s in self.samples if start <= s < stop]
         first_slot = self.samples.index(inside[0])
         self._runs = [(first_slot + pos, row - start, n) for pos, row, n in runs_of(inside)]
+        self._in_chunk = len(inside)
+        whole = len(inside) == self._chunk_len
+        self._whole = (first_slot, self._chunk_len) if whole else None
 
     @property
     def stored_bytes(self) -> int:
@@ -68,38 +73,43 @@ class SplitRecording:
             if ref.rows is not None
         )
 
-    def __call__(self, obs: Observed) -> None:
-        tensor = obs.tensor.detach()
-        chunk_len = self._chunk[1] - self._chunk[0]
-        key = obs.site.key
-        ref = self.refs.get(key)
-        if tensor.dim() == 0 or tensor.shape[self.batch_dim % tensor.dim()] != chunk_len:
+    def complete(self, ref: Reference) -> bool:
+        """Whether every compared sample's rows were recorded at this site."""
+        return ref.filled == len(self.samples)
+
+    def _first(self, site: SiteInfo, tensor: torch.Tensor, row_shape: tuple[int, ...]
+               ) -> Reference:
+        device = torch.device("cpu") if self.offload else tensor.device
+        rows = torch.empty((len(self.samples), *row_shape), dtype=tensor.dtype,
+                           device=device, pin_memory=self.offload and tensor.is_cuda)
+        ref = Reference(site, tuple(tensor.shape), rows, row_shape, tensor.dtype)
+        self.refs[site.key] = ref
+        return ref
+
+    def __call__(self, site: SiteInfo, tensor: torch.Tensor) -> None:
+        """Records one tensor of the split run (called from its hook: kept lean)."""
+        ref = self.refs.get(site.key)
+        shape = tensor.shape
+        dim = self.batch_dim % len(shape) if shape else 0
+        if not shape or shape[dim] != self._chunk_len:
             if ref is None:
-                self.refs[key] = Reference(
-                    obs.site, tuple(tensor.shape), None, (), tensor.dtype, [], "unbatched")
-            else:
-                ref.rows, ref.status = None, "unbatched"
+                ref = Reference(site, tuple(shape), None, (), tensor.dtype)
+                self.refs[site.key] = ref
+            ref.rows, ref.status = None, "unbatched"
             return
-        dim = self.batch_dim % tensor.dim()
-        row_shape = tuple(tensor.movedim(dim, 0).shape[1:])
+        row_shape = tuple(shape[:dim] + shape[dim + 1:])
         if ref is None:
-            device = torch.device("cpu") if self.offload else tensor.device
-            rows = torch.empty(
-                (len(self.samples), *row_shape),
-                dtype=tensor.dtype,
-                device=device,
-                pin_memory=self.offload and tensor.is_cuda,
-            )
-            ref = Reference(obs.site, tuple(tensor.shape), rows, row_shape, tensor.dtype,
-                            [False] * len(self.samples))
-            self.refs[key] = ref
-        if ref.rows is None:
+            ref = self._first(site, tensor, row_shape)
+        elif ref.rows is None:
             return
-        if row_shape != ref.row_shape or tensor.dtype != ref.dtype:
+        elif row_shape != ref.row_shape or tensor.dtype != ref.dtype:
             ref.rows, ref.status = None, "shape_mismatch"
             return
-        for slot, row, n in self._runs:
-            ref.rows.narrow(0, slot, n).copy_(
-                tensor.narrow(dim, row, n).movedim(dim, 0), non_blocking=True
-            )
-            ref.filled[slot : slot + n] = [True] * n
+        rows = ref.rows
+        if self._whole is not None and dim == 0:
+            rows.narrow(0, self._whole[0], self._whole[1]).copy_(tensor, self.offload)
+        else:
+            for slot, row, n in self._runs:
+                rows.narrow(0, slot, n).copy_(tensor.narrow(dim, row, n).movedim(dim, 0),
+                                              self.offload)
+        ref.filled += self._in_chunk

@@ -1,0 +1,115 @@
+"""A fused Triton kernel for the per-row statistics of a site on a CUDA device.
+
+The eager path in :mod:`divtrace.metrics` launches a few dozen small kernels per block;
+on a GPU their launch cost, not the arithmetic, is what a comparison pays. This kernel
+reads each pair of elements once and writes one partial row of statistics per program;
+a few torch reductions combine the partials. Same figures as the eager path: the tests
+check one against the other.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton ships with PyTorch's CUDA builds; without it the eager path is used
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installation
+    triton = None
+
+__all__ = ["AVAILABLE", "fused_stats", "supports"]
+
+AVAILABLE = triton is not None
+_BLOCK = 2048
+_N_FIELDS = 10
+_ULP_BITS = {torch.float16: 16, torch.bfloat16: 16, torch.float32: 32, torch.float64: 64}
+
+if AVAILABLE:
+
+    @triton.jit
+    def _stats_kernel(b_ptr, r_ptr, out_ptr, n_cols, stride_b, stride_r, n_blocks, rtol, atol,
+                      BLOCK: tl.constexpr, BITS: tl.constexpr):
+        row = tl.program_id(0)
+        blk = tl.program_id(1)
+        cols = blk * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < n_cols
+        b = tl.load(b_ptr + row * stride_b + cols, mask=inside, other=0)
+        r = tl.load(r_ptr + row * stride_r + cols, mask=inside, other=0)
+        if BITS == 64:
+            bf = b.to(tl.float64)
+            rf = r.to(tl.float64)
+        else:
+            bf = b.to(tl.float32)
+            rf = r.to(tl.float32)
+        equal = bf == rf  # exact upcast: as in the tensor's own dtype; -0.0 == +0.0
+        both_nan = (bf != bf) & (rf != rf)
+        absdiff = tl.abs(bf - rf)
+        finite = absdiff < float("inf")  # false where either run is NaN or infinite
+        clean = tl.where(finite, absdiff, 0.0)
+        mismatch = (~equal) & (~both_nan) & inside
+        nonfinite = (~finite) & inside
+        exceed = ((clean > atol + rtol * tl.abs(rf)) | ((~finite) & (~equal))) & inside
+        # ULP: map the bit patterns to integers ordered like the floats, -0.0 == +0.0
+        if BITS == 64:
+            bits_b = b.to(tl.int64, bitcast=True)
+            bits_r = r.to(tl.int64, bitcast=True)
+            mag_b = bits_b & 0x7FFFFFFFFFFFFFFF
+            mag_r = bits_r & 0x7FFFFFFFFFFFFFFF
+            ord_b = tl.where(bits_b < 0, -mag_b, mag_b).to(tl.float64)
+            ord_r = tl.where(bits_r < 0, -mag_r, mag_r).to(tl.float64)
+            ulp = tl.abs(ord_b - ord_r)
+        else:
+            if BITS == 32:
+                bits_b = b.to(tl.int32, bitcast=True)
+                bits_r = r.to(tl.int32, bitcast=True)
+                mag_b = bits_b & 0x7FFFFFFF
+                mag_r = bits_r & 0x7FFFFFFF
+            else:
+                bits_b = b.to(tl.int16, bitcast=True).to(tl.int32)
+                bits_r = r.to(tl.int16, bitcast=True).to(tl.int32)
+                mag_b = bits_b & 0x7FFF
+                mag_r = bits_r & 0x7FFF
+            ord_b = tl.where(bits_b < 0, -mag_b, mag_b).to(tl.int64)
+            ord_r = tl.where(bits_r < 0, -mag_r, mag_r).to(tl.int64)
+            ulp = tl.abs(ord_b - ord_r).to(tl.float64)
+        ulp = tl.where(finite & inside, ulp, 0.0)
+        base = out_ptr + (row * n_blocks + blk) * 10
+        tl.store(base + 0, tl.sum(mismatch.to(tl.float32), axis=0).to(tl.float64))
+        tl.store(base + 1, tl.sum(nonfinite.to(tl.float32), axis=0).to(tl.float64))
+        tl.store(base + 2, tl.sum(exceed.to(tl.float32), axis=0).to(tl.float64))
+        tl.store(base + 3, tl.max(clean, axis=0).to(tl.float64))
+        tl.store(base + 4, tl.sum(clean, axis=0).to(tl.float64))
+        tl.store(base + 5, tl.sum(clean * clean, axis=0).to(tl.float64))
+        tl.store(base + 6, tl.sum(rf * rf, axis=0).to(tl.float64))
+        tl.store(base + 7, tl.sum(bf * bf, axis=0).to(tl.float64))
+        tl.store(base + 8, tl.sum(bf * rf, axis=0).to(tl.float64))
+        tl.store(base + 9, tl.max(ulp, axis=0))
+
+
+def supports(b: torch.Tensor) -> bool:
+    """Whether :func:`fused_stats` can take this tensor."""
+    return AVAILABLE and b.is_cuda and b.dtype in _ULP_BITS
+
+
+def fused_stats(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> torch.Tensor:
+    """Per-row statistics of two ``[rows, elements]`` tensors, as ``[rows, 10]`` float64.
+
+    The columns are those of :data:`divtrace.metrics.FIELDS`. Rows may be strided;
+    elements within a row must be contiguous.
+    """
+    if b.stride(1) != 1:
+        b = b.contiguous()
+    if r.stride(1) != 1:
+        r = r.contiguous()
+    rows, cols = b.shape
+    n_blocks = max(1, triton.cdiv(cols, _BLOCK))
+    partial = torch.empty((rows, n_blocks, _N_FIELDS), dtype=torch.float64, device=b.device)
+    _stats_kernel[(rows, n_blocks)](
+        b, r, partial, cols, b.stride(0), r.stride(0), n_blocks, float(rtol), float(atol),
+        BLOCK=_BLOCK, BITS=_ULP_BITS[b.dtype])
+    if n_blocks == 1:
+        return partial[:, 0]
+    total = partial.sum(1)
+    total[:, 3] = partial[:, :, 3].amax(1)
+    total[:, 9] = partial[:, :, 9].amax(1)
+    return total
