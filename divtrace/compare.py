@@ -140,11 +140,14 @@ def compare(
     with bar, _untouched(model, restore_buffers=bool(mixing)):
         with observe(selected, split) as tracker:
             for start, stop in chunks:
-                split.begin_chunk(start, stop)
                 args, kwargs = batch.rows(start, stop)
                 compared = [s for s in rows if start <= s < stop]
-                _forward(model, args, kwargs, tracker,
-                         f"split run, chunk of rows {start}:{stop} (samples {compared})")
+                done = False
+                while not done:  # runs again only when an in-place op was found late
+                    split.begin_chunk(start, stop)
+                    _forward(model, args, kwargs, tracker,
+                             f"split run, chunk of rows {start}:{stop} (samples {compared})")
+                    done = split.end_chunk()
                 bar.update()
         stored_bytes = split.stored_bytes
         meter = Meter(split, rtol, atol, keep)

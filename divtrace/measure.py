@@ -10,7 +10,7 @@ from divtrace import kernels
 from divtrace.metrics import block_stats, blocks, combine, tolerances
 from divtrace.record import SiteInfo
 from divtrace.sites import ROOT
-from divtrace.split import SplitRecording, runs_of
+from divtrace.split import Reference, SplitRecording, runs_of
 
 __all__ = ["Measured", "Meter"]
 
@@ -47,6 +47,7 @@ class Meter:
     keep: bool
     sites: list[Measured] = field(default_factory=list)
     _index: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    _tol: dict[torch.dtype, tuple[float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._runs = runs_of(self.split.samples)
@@ -60,16 +61,16 @@ class Meter:
             self._index[device] = torch.tensor(self.split.samples, device=device)
         return self._index[device]
 
-    def _status(self, key: str, tensor: torch.Tensor, batch: int) -> str:
-        ref = self.split.refs.get(key)
+    def _status(self, ref: Reference | None, tensor: torch.Tensor, batch: int) -> str:
         if ref is None:
             return "missing_in_split"
         if ref.status != "ok":
             return ref.status
-        dim = self.split.batch_dim % max(tensor.dim(), 1)
-        if tensor.dim() == 0 or tensor.shape[dim] != batch:
+        shape = tensor.shape
+        dim = self.split.batch_dim % len(shape) if shape else 0
+        if not shape or shape[dim] != batch:
             return "unbatched"
-        if tuple(tensor.movedim(dim, 0).shape[1:]) != ref.row_shape:
+        if tuple(shape[:dim] + shape[dim + 1:]) != ref.row_shape:
             return "shape_mismatch"
         if tensor.dtype != ref.dtype:
             return "dtype_mismatch"
@@ -77,23 +78,31 @@ class Meter:
             return "partial_in_split"
         return "ok"
 
+    def _tolerances(self, dtype: torch.dtype) -> tuple[float, float]:
+        if dtype not in self._tol:
+            self._tol[dtype] = tolerances(dtype, self.rtol, self.atol)
+        return self._tol[dtype]
+
     def measure(self, info: SiteInfo, tensor: torch.Tensor, batch: int) -> None:
         """Measures one observed tensor of the batched run (called from its hook)."""
-        key = info.key
-        status = self._status(key, tensor, batch)
+        ref = self.split.refs.get(info.key)
+        status = self._status(ref, tensor, batch)
         site = Measured(info, status, tuple(tensor.shape), tensor.dtype)
         self.sites.append(site)
-        if status != "ok":
+        if status != "ok" or ref is None or ref.rows is None:
             return
-        ref = self.split.refs[key]
-        assert ref.rows is not None
         dim = self.split.batch_dim % tensor.dim()
-        rtol, atol = tolerances(tensor.dtype, self.rtol, self.atol)
+        rtol, atol = self._tolerances(tensor.dtype)
         fused = kernels.supports(tensor)
+        split_rows = ref.rows
+        if split_rows.device != tensor.device:
+            split_rows = split_rows.to(tensor.device, non_blocking=True)
         per_run = []
         for slot, row, n in self._runs:
-            b = tensor.narrow(dim, row, n).movedim(dim, 0).reshape(n, -1)
-            r = ref.rows.narrow(0, slot, n).to(tensor.device, non_blocking=True).reshape(n, -1)
+            b = tensor if n == batch else tensor.narrow(dim, row, n)
+            b = (b.movedim(dim, 0) if dim else b).reshape(n, -1)
+            r = (split_rows if n == len(split_rows) else split_rows.narrow(0, slot, n))
+            r = r.reshape(n, -1)
             if fused:  # one pass, no temporaries beyond a partial row per program
                 per_run.append(kernels.fused_stats(b, r, rtol, atol))
                 continue
@@ -104,7 +113,7 @@ class Meter:
         site.stats = per_run[0] if len(per_run) == 1 else torch.cat(per_run)
         if info.module == ROOT and tensor.dim() == 2 and tensor.is_floating_point():
             picked = tensor.index_select(dim, self._samples_on(tensor.device)).movedim(dim, 0)
-            site.flips = (picked.argmax(1) != ref.rows.to(tensor.device).argmax(1)).double()
+            site.flips = (picked.argmax(1) != split_rows.argmax(1)).double()
         if self.keep:
             rows = tensor.index_select(dim, self._samples_on(tensor.device)).movedim(dim, 0)
             site.kept = rows.to(ref.rows.device).contiguous()

@@ -53,6 +53,12 @@ class SplitRecording:
     _runs: list[tuple[int, int, int]] = field(default_factory=list)
     _whole: tuple[int, int] | None = None  # (slot, rows) when the whole chunk is compared
     _in_chunk: int = 0
+    # Copies are launched together at the end of a chunk, one foreach launch instead of
+    # one per site, except for sites whose output a later op changes in place: those are
+    # copied in their hook. Such sites are found by the tensors' version counters.
+    _eager: set[str] = field(default_factory=set)
+    _pending: list[tuple[torch.Tensor, torch.Tensor, int, str]] = field(default_factory=list)
+    _touched: list[Reference] = field(default_factory=list)
 
     def begin_chunk(self, start: int, stop: int) -> None:
         """Starts a chunk of rows ``start:stop`` of the batch."""
@@ -63,6 +69,26 @@ class SplitRecording:
         self._in_chunk = len(inside)
         whole = len(inside) == self._chunk_len
         self._whole = (first_slot, self._chunk_len) if whole else None
+        self._pending.clear()
+        self._touched.clear()
+
+    def end_chunk(self) -> bool:
+        """Finishes the chunk. False if it must run again: an op changed a tensor in place
+        after its hook, before its copy was made; that site is copied at once from now on.
+        """
+        changed = [key for _, src, version, key in self._pending if src._version != version]
+        if changed:
+            self._eager.update(changed)
+            self._pending.clear()
+            self._touched.clear()
+            return False
+        if self._pending:
+            torch._foreach_copy_([p[0] for p in self._pending], [p[1] for p in self._pending])
+        for ref in self._touched:
+            ref.filled += self._in_chunk
+        self._pending.clear()
+        self._touched.clear()
+        return True
 
     @property
     def stored_bytes(self) -> int:
@@ -106,10 +132,14 @@ class SplitRecording:
             ref.rows, ref.status = None, "shape_mismatch"
             return
         rows = ref.rows
+        self._touched.append(ref)
         if self._whole is not None and dim == 0:
-            rows.narrow(0, self._whole[0], self._whole[1]).copy_(tensor, self.offload)
-        else:
-            for slot, row, n in self._runs:
-                rows.narrow(0, slot, n).copy_(tensor.narrow(dim, row, n).movedim(dim, 0),
-                                              self.offload)
-        ref.filled += self._in_chunk
+            target = rows.narrow(0, self._whole[0], self._whole[1])
+            if self.offload or site.key in self._eager:
+                target.copy_(tensor, self.offload)
+            else:
+                self._pending.append((target, tensor, tensor._version, site.key))
+            return
+        for slot, row, n in self._runs:
+            rows.narrow(0, slot, n).copy_(tensor.narrow(dim, row, n).movedim(dim, 0),
+                                          self.offload)

@@ -100,6 +100,26 @@ def test_inplace_relu_does_not_alter_the_recorded_site() -> None:
     assert result.table.set_index("site").loc["0", "mismatch"] == 0
 
 
+def test_an_inplace_op_found_late_reruns_the_chunk_once() -> None:
+    model = models.inplace_relu_model()
+    passes: list[int] = []
+    handle = model.register_forward_pre_hook(lambda m, a: passes.append(a[0].shape[0]))
+    x = torch.randn(6, 16)
+    try:
+        result = run(model, x, keep=True)
+    finally:
+        handle.remove()
+    # the split run copies its sites together at the end of each chunk; the first chunk
+    # shows that ReLU(inplace=True) overwrites sites 0 and 2, so it runs once more with
+    # those copied in their hooks, and the later chunks do so from the start
+    assert passes == [1, 1, 1, 1, 1, 1, 1, 6]
+    _, split = result.pair("0")
+    with torch.no_grad():
+        expected = torch.cat([model[0](x[i:i + 1]) for i in range(6)])
+    torch.testing.assert_close(split, expected, rtol=0, atol=0)  # negatives kept
+    assert (split < 0).any()
+
+
 def test_a_module_called_twice_gives_two_sites() -> None:
     result = run(models.ReusedActivation().eval(), torch.randn(6, 16))
     table = result.table.set_index("site")
