@@ -42,12 +42,15 @@ def main() -> int:
             model(x[start:stop])
 
     def hooked_split() -> SplitRecording:
-        split = SplitRecording(samples, 0, False)
+        split = SplitRecording(samples, 0, False, case["chunk"])
         with observe(selected, split) as tracker:
             for start, stop in chunks:
-                tracker.reset()
-                split.begin_chunk(start, stop)
-                model(x[start:stop])
+                done = False
+                while not done:
+                    tracker.reset()
+                    split.begin_chunk(start, stop)
+                    model(x[start:stop])
+                    done = split.end_chunk()
         return split
 
     def hooked_batched(split: SplitRecording) -> None:

@@ -134,7 +134,7 @@ def compare(
             f"allow_train=True to compare anyway"
         )
     chunks = chunks_for(rows, chunk, batch.batch_size)
-    split = SplitRecording(rows, batch_dim, offload)
+    split = SplitRecording(rows, batch_dim, offload, chunk)
     bar = tqdm(total=len(chunks) + 1, desc="divtrace: split run", unit="pass",
                disable=not progress, leave=False)
     with bar, _untouched(model, restore_buffers=bool(mixing)):

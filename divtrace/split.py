@@ -39,6 +39,7 @@ class Reference:
     dtype: torch.dtype
     filled: int = 0
     status: str = "ok"
+    pieces: tuple[torch.Tensor, ...] = ()  # rows split by chunk, when every row is compared
 
 
 @dataclass
@@ -48,11 +49,13 @@ class SplitRecording:
     samples: list[int]
     batch_dim: int
     offload: bool
+    chunk: int = 1
     refs: dict[str, Reference] = field(default_factory=dict)
     _chunk_len: int = 0
     _runs: list[tuple[int, int, int]] = field(default_factory=list)
     _whole: tuple[int, int] | None = None  # (slot, rows) when the whole chunk is compared
     _in_chunk: int = 0
+    _piece: int | None = None  # index into Reference.pieces for this chunk
     # Copies are launched together at the end of a chunk, one foreach launch instead of
     # one per site, except for sites whose output a later op changes in place: those are
     # copied in their hook. Such sites are found by the tensors' version counters.
@@ -69,6 +72,8 @@ class SplitRecording:
         self._in_chunk = len(inside)
         whole = len(inside) == self._chunk_len
         self._whole = (first_slot, self._chunk_len) if whole else None
+        every = len(self.samples) == self.samples[-1] + 1  # rows 0..S-1: slot == row
+        self._piece = start // self.chunk if every and whole else None
         self._pending.clear()
         self._touched.clear()
 
@@ -109,6 +114,8 @@ class SplitRecording:
         rows = torch.empty((len(self.samples), *row_shape), dtype=tensor.dtype,
                            device=device, pin_memory=self.offload and tensor.is_cuda)
         ref = Reference(site, tuple(tensor.shape), rows, row_shape, tensor.dtype)
+        if self.samples[-1] + 1 == len(self.samples):
+            ref.pieces = rows.split(self.chunk)  # one call makes every chunk's view
         self.refs[site.key] = ref
         return ref
 
@@ -134,7 +141,8 @@ class SplitRecording:
         rows = ref.rows
         self._touched.append(ref)
         if self._whole is not None and dim == 0:
-            target = rows.narrow(0, self._whole[0], self._whole[1])
+            target = (ref.pieces[self._piece] if self._piece is not None
+                      else rows.narrow(0, self._whole[0], self._whole[1]))
             if self.offload or site.key in self._eager:
                 target.copy_(tensor, self.offload)
             else:
