@@ -27,8 +27,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import divtrace  # noqa: E402
-from divtrace.batch import chunks_for  # noqa: E402
+import divtrace
+from divtrace.batch import chunks_for
 
 CASES: dict[str, dict[str, Any]] = {
     "vgg11_features_b128_chunk2": {

@@ -15,13 +15,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from overhead import CASES, build, timed  # noqa: E402
+from overhead import CASES, build, timed
 
-from divtrace.batch import chunks_for  # noqa: E402
-from divtrace.measure import Meter  # noqa: E402
-from divtrace.record import observe  # noqa: E402
-from divtrace.sites import select_modules  # noqa: E402
-from divtrace.split import SplitRecording  # noqa: E402
+from divtrace.batch import chunks_for
+from divtrace.measure import Meter
+from divtrace.record import observe
+from divtrace.sites import select_modules
+from divtrace.split import SplitRecording
 
 
 def main() -> int:
@@ -79,8 +79,10 @@ def main() -> int:
             rows["bare split"].append(timed(bare_split, device))
             rows["split, empty hooks"].append(timed(empty_hooks_split, device))
             box: list[SplitRecording] = []
-            rows["split, recording"].append(timed(lambda: box.append(hooked_split()), device))
-            rows["batched, measuring"].append(timed(lambda: hooked_batched(box[0]), device))
+            rows["split, recording"].append(
+                timed(lambda box=box: box.append(hooked_split()), device))
+            rows["batched, measuring"].append(
+                timed(lambda box=box: hooked_batched(box[0]), device))
     for name, times in rows.items():
         print(f"{name:>20}: {statistics.median(times) * 1e3:8.2f} ms")
     return 0

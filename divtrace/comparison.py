@@ -61,9 +61,11 @@ def _row(site: Measured) -> dict[str, Any]:
 
 def build(sites: list[Measured], split: SplitRecording, meta: dict[str, Any]) -> Comparison:
     """Assembles a :class:`Comparison` (the one host synchronisation happens here)."""
-    measured = [s for s in sites if s.stats is not None]
-    flipped = [s for s in measured if s.flips is not None]
-    host = _to_host([s.stats for s in measured] + [s.flips for s in flipped])  # type: ignore[misc]
+    stats_of = [(s, s.stats) for s in sites if s.stats is not None]
+    flips_of = [(s, s.flips) for s, _ in stats_of if s.flips is not None]
+    host = _to_host([t for _, t in stats_of] + [t for _, t in flips_of])
+    measured = [s for s, _ in stats_of]
+    flipped = [s for s, _ in flips_of]
     stats, flips = host[:len(measured)], host[len(measured):]
     per_site = {id(s): a for s, a in zip(measured, stats, strict=True)}
 
@@ -77,7 +79,7 @@ def build(sites: list[Measured], split: SplitRecording, meta: dict[str, Any]) ->
             per_sample = int(np.prod(site.shape)) // meta["batch_size"]
             row |= site_figures(array, per_sample)
             col = {name: array[:, i] for i, name in enumerate(FIELDS)}
-            sample_rel = rel_l2(np.sqrt(col["sq_diff"]), np.sqrt(col["sq_ref"]))
+            sample_rel = np.atleast_1d(rel_l2(np.sqrt(col["sq_diff"]), np.sqrt(col["sq_ref"])))
             for j, sample in enumerate(samples):
                 sample_rows.append({
                     "site": site.site.key, "sample": sample,
@@ -87,7 +89,7 @@ def build(sites: list[Measured], split: SplitRecording, meta: dict[str, Any]) ->
         rows.append(row)
 
     seen = {s.site.key for s in sites}
-    order = [key for key in split.refs]
+    order = list(split.refs)
     for i, key in enumerate(order):  # sites the split run reached and the batched did not
         if key in seen:
             continue
@@ -109,8 +111,8 @@ def build(sites: list[Measured], split: SplitRecording, meta: dict[str, Any]) ->
         "flips": {s.site.key: a.astype(bool).tolist() for s, a in zip(flipped, flips,
                                                                      strict=True)},
     }
-    pairs = {s.site.key: (s.kept, split.refs[s.site.key].rows)
-             for s in sites if s.kept is not None}
+    pairs: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {
+        s.site.key: (s.kept, split.refs[s.site.key].rows) for s in sites if s.kept is not None}
     return Comparison(table, sample_table, meta | extras, pairs)
 
 
@@ -228,7 +230,8 @@ class Comparison:
             shown = ", ".join(known[:12]) + (", ..." if len(known) > 12 else "")
             raise DivtraceValueError(f"no compared site {site!r}; the sites are: {shown}")
         batched, split = self._pairs[site]
-        assert batched is not None and split is not None
+        assert batched is not None
+        assert split is not None
         return batched, split
 
     # -- words ---------------------------------------------------------------------

@@ -133,12 +133,11 @@ class SplitRecording:
         row_shape = tuple(shape[:dim] + shape[dim + 1:])
         if ref is None:
             ref = self._first(site, tensor, row_shape)
-        elif ref.rows is None:
-            return
         elif row_shape != ref.row_shape or tensor.dtype != ref.dtype:
             ref.rows, ref.status = None, "shape_mismatch"
-            return
         rows = ref.rows
+        if rows is None:
+            return
         self._touched.append(ref)
         if self._whole is not None and dim == 0:
             target = (ref.pieces[self._piece] if self._piece is not None

@@ -27,7 +27,8 @@ def assert_untouched(model: nn.Module, state: dict[str, torch.Tensor],
     assert [m.training for m in model.modules()] == training
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, state[key], rtol=0, atol=0)
-        assert value.dtype == state[key].dtype and value.device == state[key].device
+        assert value.dtype == state[key].dtype
+        assert value.device == state[key].device
     assert torch.is_grad_enabled()
 
 
@@ -115,7 +116,8 @@ def test_progress_bar_goes_to_stderr_and_switches_off(capsys: pytest.CaptureFixt
     assert "divtrace" in captured.err
     divtrace.compare(models.variant_mlp(), torch.randn(4, 16), progress=False)
     captured = capsys.readouterr()
-    assert captured.out == "" and captured.err == ""
+    assert captured.out == ""
+    assert captured.err == ""
 
 
 def live_tensors() -> int:

@@ -21,7 +21,8 @@ def test_first_divergence_is_the_batch_variant_module(chunk: int) -> None:
     result = run(models.variant_mlp(variant_from=4), torch.randn(8, 16), chunk=chunk)
     table = result.table.set_index("site")
     first = result.first_divergence
-    assert first is not None and first["site"] == "3"
+    assert first is not None
+    assert first["site"] == "3"
     assert first["module_type"] == "OrderedLinear"
     assert (table.loc[["0", "1", "2"], "mismatch"] == 0).all()
     assert (table.loc[["0", "1", "2"], "rel_l2"] == 0).all()
@@ -94,9 +95,11 @@ def test_growth_relates_to_the_preceding_divergent_leaf() -> None:
 def test_inplace_relu_does_not_alter_the_recorded_site() -> None:
     result = run(models.inplace_relu_model(), torch.randn(6, 16), keep=True)
     batched, split = result.pair("0")
-    assert (batched < 0).any() and (split < 0).any()  # recorded before ReLU(inplace=True)
+    assert (batched < 0).any()
+    assert (split < 0).any()
     after_b, after_s = result.pair("1")
-    assert (after_b >= 0).all() and (after_s >= 0).all()
+    assert (after_b >= 0).all()
+    assert (after_s >= 0).all()
     assert result.table.set_index("site").loc["0", "mismatch"] == 0
 
 
@@ -124,7 +127,8 @@ def test_a_module_called_twice_gives_two_sites() -> None:
     result = run(models.ReusedActivation().eval(), torch.randn(6, 16))
     table = result.table.set_index("site")
     assert list(result.table["site"]) == ["fc1", "act", "fc2", "act#1", "(model)"]
-    assert table.loc["act", "call"] == 0 and table.loc["act#1", "call"] == 1
+    assert table.loc["act", "call"] == 0
+    assert table.loc["act#1", "call"] == 1
     assert table.loc["act", "mismatch"] == 0
     assert table.loc["act#1", "mismatch"] > 0
     assert result.first_divergence["site"] == "fc2"
@@ -140,7 +144,8 @@ def test_nested_outputs_are_flattened_and_typed() -> None:
     for key in ("(model)/0/argmax", "(model)/0/positive"):  # mismatch only
         assert table.loc[key, "status"] == "ok"
         assert not math.isnan(table.loc[key, "mismatch"])
-        assert math.isnan(table.loc[key, "rel_l2"]) and math.isnan(table.loc[key, "max_ulp"])
+        assert math.isnan(table.loc[key, "rel_l2"])
+        assert math.isnan(table.loc[key, "max_ulp"])
     assert table.loc["(model)/1/logits", "path"] == "1/logits"
     assert table.loc["(model)/1/logits", "mismatch"] > 0
 
@@ -153,7 +158,8 @@ def test_integer_outputs_count_mismatches() -> None:
 
     result = run(Rounds(), torch.randn(4, 2))
     row = result.table.iloc[0]
-    assert row["mismatch"] == 1.0 and math.isnan(row["rel_l2"])
+    assert row["mismatch"] == 1.0
+    assert math.isnan(row["rel_l2"])
 
 
 def test_keyword_and_tuple_inputs_slice_only_batched_tensors() -> None:

@@ -34,7 +34,8 @@ def test_allow_train_compares_and_restores_buffers() -> None:
     after = model.state_dict()
     for key, value in before.items():
         torch.testing.assert_close(after[key], value, rtol=0, atol=0)
-    assert model.training and model[1].training
+    assert model.training
+    assert model[1].training
     # batch statistics of 4 samples vs of 1: not a rounding matter
     assert result.table.set_index("site").loc["1", "rel_l2"] > 1e-3
     assert "train mode" in result.summary()
@@ -125,7 +126,7 @@ def test_disagreeing_batch_sizes_warn_and_pass_through() -> None:
 
 
 def test_model_must_be_a_module() -> None:
-    with pytest.raises(divtrace.DivtraceTypeError, match="torch.nn.Module"):
+    with pytest.raises(divtrace.DivtraceTypeError, match=r"torch\.nn\.Module"):
         run(lambda x: x, torch.randn(4, 2))  # type: ignore[arg-type]
 
 
@@ -144,5 +145,5 @@ def test_pair_needs_keep() -> None:
     with pytest.raises(divtrace.DivtraceValueError, match="keep=True"):
         result.pair("0")
     kept = run(models.variant_mlp(), torch.randn(4, 16), keep=True)
-    with pytest.raises(divtrace.DivtraceValueError, match="no compared site 'nope'.*0, 1"):
+    with pytest.raises(divtrace.DivtraceValueError, match=r"no compared site 'nope'.*0, 1"):
         kept.pair("nope")

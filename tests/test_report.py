@@ -66,7 +66,8 @@ def test_html_marks_identical_rows_and_highlights_the_first(diverging) -> None:
     rows = re.findall(r'<tr class="(\w+)">', page)
     assert rows == ["identical"] * 3 + ["first"] + ["diverged"] * 3
     assert "first divergence" in page
-    assert "<table>" in page and "Divergence first appears" in page
+    assert "<table>" in page
+    assert "Divergence first appears" in page
 
 
 def test_html_falls_back_to_text(diverging, monkeypatch) -> None:
@@ -86,7 +87,8 @@ def test_files(diverging, tmp_path: Path) -> None:
     assert list(back["site"].astype(str)) == list(diverging.table["site"])
     doc = json.loads(diverging.to_json(tmp_path / "t.json").read_text())
     assert doc["meta"]["batch_size"] == 6
-    assert doc["table"][3]["site"] == "3" and doc["table"][3]["mismatch"] > 0
+    assert doc["table"][3]["site"] == "3"
+    assert doc["table"][3]["mismatch"] > 0
     assert len(doc["samples"]) == 7 * 6
     page = diverging.to_html(tmp_path / "t.html").read_text()
     images = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
@@ -132,7 +134,8 @@ def test_overlay(diverging, identical) -> None:
     try:
         assert divtrace.overlay([diverging, identical], ["mlp", "elementwise"], ax=ax) is ax
         labels = [t.get_text() for t in ax.get_legend().get_texts()]
-        assert "mlp (6 sites)" in labels and "elementwise (5 sites)" in labels
+        assert "mlp (6 sites)" in labels
+        assert "elementwise (5 sites)" in labels
         assert len(ax.get_lines()) == 2
     finally:
         plt.close(fig)

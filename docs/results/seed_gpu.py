@@ -19,7 +19,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import divtrace  # noqa: E402
+import divtrace
 
 
 def main() -> int:
