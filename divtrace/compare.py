@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from divtrace.batch import check_chunk, chunks_for, prepare_input, prepare_samples
 from divtrace.comparison import Comparison, build
