@@ -155,6 +155,9 @@ def overlay(
         noun = "site" if len(rows) == 1 else "sites"
         ax.plot(np.arange(len(rows)), shown, marker=_MARKERS[i % len(_MARKERS)],
                 markersize=5, linewidth=1.2, label=f"{label} ({len(rows)} {noun})")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("depth (leaf sites in execution order)")
     ax.set_ylabel(f"{metric} (batched vs split)")
     ax.set_title(f"divtrace: {metric} by depth")
