@@ -118,4 +118,4 @@ class Meter:
             rows = tensor.index_select(dim, self._samples_on(tensor.device)).movedim(dim, 0)
             site.kept = rows.to(ref.rows.device).contiguous()
         else:
-            ref.rows = None  # stream: the split rows are not needed any more
+            ref.drop()  # stream: the split rows are not needed any more

@@ -41,6 +41,12 @@ class Reference:
     status: str = "ok"
     pieces: tuple[torch.Tensor, ...] = ()  # rows split by chunk, when every row is compared
 
+    def drop(self, status: str | None = None) -> None:
+        """Releases the rows (and the views into them); optionally marks the site."""
+        self.rows, self.pieces = None, ()
+        if status is not None:
+            self.status = status
+
 
 @dataclass
 class SplitRecording:
@@ -128,13 +134,13 @@ class SplitRecording:
             if ref is None:
                 ref = Reference(site, tuple(shape), None, (), tensor.dtype)
                 self.refs[site.key] = ref
-            ref.rows, ref.status = None, "unbatched"
+            ref.drop("unbatched")
             return
         row_shape = tuple(shape[:dim] + shape[dim + 1:])
         if ref is None:
             ref = self._first(site, tensor, row_shape)
         elif row_shape != ref.row_shape or tensor.dtype != ref.dtype:
-            ref.rows, ref.status = None, "shape_mismatch"
+            ref.drop("shape_mismatch")
         rows = ref.rows
         if rows is None:
             return

@@ -266,6 +266,38 @@ def test_first_exceeding_defaults_and_custom_tolerances() -> None:
         strict.first_exceeding(rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("samples", [None, [1, 4]])
+def test_split_rows_are_released_as_soon_as_measured(samples: list[int] | None) -> None:
+    import weakref
+
+    model = models.variant_mlp()
+    alive: list[bool] = []
+    watched: list[weakref.ref] = []
+
+    def watch(module: nn.Module, args: object, output: torch.Tensor) -> None:
+        if output.shape[0] == 6:  # the batched run: site 0 was measured just before
+            alive.append(watched[0]() is not None)
+
+    from divtrace import split as split_module
+
+    original = split_module.SplitRecording._first
+
+    def first(self, site, tensor, row_shape):  # type: ignore[no-untyped-def]
+        ref = original(self, site, tensor, row_shape)
+        if site.key == "0":
+            watched.append(weakref.ref(ref.rows))
+        return ref
+
+    handle = model[1].register_forward_hook(watch)
+    split_module.SplitRecording._first = first  # type: ignore[method-assign]
+    try:
+        run(model, torch.randn(6, 16), samples=samples)
+    finally:
+        split_module.SplitRecording._first = original  # type: ignore[method-assign]
+        handle.remove()
+    assert alive == [False]  # site 0's split rows were freed before site 1 ran
+
+
 def test_offload_gives_the_same_table() -> None:
     x = torch.randn(6, 16)
     a = run(models.variant_mlp(), x).table
