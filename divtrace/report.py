@@ -9,6 +9,7 @@ import math
 from typing import TYPE_CHECKING
 
 import pandas as pd
+import torch
 
 from divtrace.metrics import tolerances
 
@@ -40,8 +41,6 @@ def _output_sentences(result: Comparison) -> list[str]:
             f"By the model's output '{out['site']}', rel_l2 is {out['rel_l2']:.3g}{grown}; "
             f"{out['mismatch']:.1%} of its elements are not bit-identical, max "
             f"{out['max_abs']:.3g} absolute, {_fmt(out['max_ulp'], '.0f')} ULP.")
-    import torch  # the dtype's default tolerances
-
     dtype = getattr(torch, out["dtype"], None)
     if isinstance(dtype, torch.dtype):
         rtol, atol = tolerances(dtype, meta["rtol"], meta["atol"])
