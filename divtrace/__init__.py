@@ -8,8 +8,9 @@ Example:
     'site'
 """
 
+from divtrace.assemble import COLUMNS, EXPLAIN_COLUMNS
 from divtrace.compare import compare
-from divtrace.comparison import COLUMNS, Comparison
+from divtrace.comparison import Comparison
 from divtrace.errors import (
     BatchMixingError,
     DivtraceError,
@@ -23,6 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "COLUMNS",
+    "EXPLAIN_COLUMNS",
     "BatchMixingError",
     "Comparison",
     "DivtraceError",

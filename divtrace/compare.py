@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 from tqdm import tqdm
 
-from divtrace.batch import check_chunk, chunks_for, prepare_input, prepare_samples
-from divtrace.comparison import Comparison, build
-from divtrace.errors import BatchMixingError, DivtraceTypeError
-from divtrace.measure import Meter
+from divtrace.assemble import build
+from divtrace.batch import (
+    BatchedInput,
+    check_chunk,
+    chunks_for,
+    prepare_input,
+    prepare_samples,
+)
+from divtrace.comparison import Comparison
+from divtrace.errors import BatchMixingError, DivtraceTypeError, DivtraceValueError
+from divtrace.measure import Measured, Meter
+from divtrace.profiling import kernels_by_site
 from divtrace.record import SiteInfo, Tracker, observe
 from divtrace.sites import select_modules
-from divtrace.split import SplitRecording
+from divtrace.split import Reference, SplitRecording
 
 __all__ = ["compare"]
 
@@ -62,6 +72,49 @@ def _forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
         raise
 
 
+def _truth_run(model: nn.Module, modules: str | type | Iterable[str | type] | None,
+               batch: BatchedInput, rows: list[int]) -> SplitRecording:
+    """Runs a float64 copy of the model on the compared samples; records every site."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if device.type == "mps":  # no float64 there
+        device = torch.device("cpu")
+    exact = copy.deepcopy(model).to(device=device, dtype=torch.float64)
+    index = torch.tensor(rows)
+
+    def pick(leaf: Any, cut: bool) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        if cut:
+            leaf = leaf.index_select(batch.batch_dim, index.to(leaf.device))
+        return leaf.to(device=device, dtype=torch.float64 if leaf.is_floating_point()
+                       else leaf.dtype)
+
+    leaves = [pick(leaf, cut) for leaf, cut in zip(batch.leaves, batch.sliced, strict=True)]
+    args, kwargs = pytree.tree_unflatten(leaves, batch.spec)
+    truth = SplitRecording(list(range(len(rows))), batch.batch_dim, False, len(rows))
+    with observe(select_modules(exact, modules), truth) as tracker:
+        truth.begin_chunk(0, len(rows))
+        _forward(exact, args, kwargs, tracker, "float64 truth run")
+        truth.end_chunk()
+    return truth
+
+
+def _repeat(meter: Meter, selected: dict[str, nn.Module], model: nn.Module,
+            batch: BatchedInput, split: SplitRecording) -> list[Measured]:
+    """One more batched run, compared with the first batched run's rows."""
+    first = SplitRecording(split.samples, split.batch_dim, False, split.chunk)
+    for site in meter.sites:
+        if site.kept is not None:
+            first.refs[site.site.key] = Reference(
+                site.site, site.shape, site.kept, tuple(site.kept.shape[1:]), site.dtype,
+                filled=len(split.samples))
+    again = Meter(first, meter.rtol, meter.atol, keep=False)
+    with observe(selected, lambda s, t: again.measure(s, t, batch.batch_size)) as tracker:
+        args, kwargs = batch.whole()
+        _forward(model, args, kwargs, tracker, "repeated batched run")
+    return again.sites
+
+
 def compare(
     model: nn.Module,
     x: Any,
@@ -76,6 +129,11 @@ def compare(
     rtol: float | None = None,
     atol: float | None = None,
     allow_train: bool = False,
+    local: bool = False,
+    replay_skip: Iterable[str] = (),
+    truth: str | None = None,
+    repeat: int = 0,
+    kernels: bool = False,
 ) -> Comparison:
     """Traces where a batched run and a split run of ``model`` on ``x`` part, layer by layer.
 
@@ -83,6 +141,10 @@ def compare(
     compared samples' outputs at every site. Then the batched run: ``x`` as one batch,
     each site compared with the split run's rows the moment it is produced. Both run
     under ``torch.no_grad()``; the model and ``x`` come back untouched.
+
+    Every leaf site also gets ``input_mismatch`` and a ``role``: ``source`` (its input
+    was bit-identical in both runs, its output is not), ``carrier`` (its input already
+    differed) or ``clean`` (its output is bit-identical).
 
     Args:
         model: The model, usually in eval mode.
@@ -102,13 +164,25 @@ def compare(
         atol: Absolute tolerance, likewise.
         allow_train: Compare even when train-mode BatchNorm or Dropout make the runs
             differ for reasons that are not numerical (buffers are restored afterwards).
+        local: Replay every leaf module in the batched run on the split run's inputs for
+            the compared rows: the error a layer adds on its own (``local_rel_l2``), and
+            ``amplification`` (‖error out‖ / ‖error in‖). Keeps split rows until replayed.
+        replay_skip: Glob patterns of module names not to replay (stateful modules, or
+            ones with side effects).
+        truth: ``"fp64"``: also run a float64 copy of the model on the compared samples
+            and measure how far each run is from it (``batched_err_fp64``,
+            ``split_err_fp64``).
+        repeat: Run the batched pass this many more times and measure how much it
+            differs from itself (``noise_mismatch``, ``noise_rel_l2``).
+        kernels: Profile one split pass and one batched pass and list, per site, the GPU
+            kernels (on the CPU: the innermost ops) each launched.
 
     Returns:
         A :class:`Comparison`, one row per site.
 
     Raises:
         BatchMixingError: The model is in train mode with BatchNorm or Dropout.
-        DivtraceValueError: Unusable ``x``, ``chunk`` or ``samples``.
+        DivtraceValueError: Unusable ``x``, ``chunk``, ``samples`` or options.
 
     Example:
         >>> import torch, divtrace
@@ -121,6 +195,11 @@ def compare(
         raise DivtraceTypeError(
             f"model must be a torch.nn.Module; got {type(model).__name__}"
         )
+    if truth not in (None, "fp64"):
+        raise DivtraceValueError(f"truth must be None or 'fp64'; got {truth!r}")
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 0:
+        raise DivtraceValueError(f"repeat must be a whole number >= 0; got {repeat!r}")
+    skip = (replay_skip,) if isinstance(replay_skip, str) else tuple(replay_skip)
     batch = prepare_input(x, batch_dim)
     rows = prepare_samples(samples, batch.batch_size)
     chunk = check_chunk(chunk, batch.batch_size)
@@ -135,10 +214,16 @@ def compare(
         )
     chunks = chunks_for(rows, chunk, batch.batch_size)
     split = SplitRecording(rows, batch_dim, offload, chunk)
-    bar = tqdm(total=len(chunks) + 1, desc="divtrace: split run", unit="pass",
-               disable=not progress, leave=False)
+    steps = len(chunks) + 1 + repeat + (truth is not None) + 2 * kernels
+    bar = tqdm(total=steps, desc="divtrace", unit="pass", disable=not progress, leave=False)
     with bar, _untouched(model, restore_buffers=bool(mixing)):
-        with observe(selected, split) as tracker:
+        exact = None
+        if truth is not None:
+            bar.set_description("divtrace: float64 truth run")
+            exact = _truth_run(model, modules, batch, rows)
+            bar.update()
+        bar.set_description("divtrace: split run")
+        with observe(selected, split, split.on_call) as tracker:
             for start, stop in chunks:
                 args, kwargs = batch.rows(start, stop)
                 compared = [s for s in rows if start <= s < stop]
@@ -150,16 +235,34 @@ def compare(
                     done = split.end_chunk()
                 bar.update()
         stored_bytes = split.stored_bytes
-        meter = Meter(split, rtol, atol, keep)
-
-        def measure(site: SiteInfo, tensor: torch.Tensor) -> None:
-            meter.measure(site, tensor, batch.batch_size)
+        meter = Meter(split, rtol, atol, keep or repeat > 0, local, skip, exact)
+        size = batch.batch_size
 
         bar.set_description("divtrace: batched run")
-        with observe(selected, measure) as tracker:
+        def on_call(site: SiteInfo, module: nn.Module, args: tuple[Any, ...],
+                    kwargs: dict[str, Any], output: Any, tracker: Tracker) -> None:
+            meter.on_call(site, module, args, kwargs, output, tracker, size)
+
+        with observe(selected, lambda s, t: meter.measure(s, t, size), on_call) as tracker:
             args, kwargs = batch.whole()
-            _forward(model, args, kwargs, tracker, f"batched run (B={batch.batch_size})")
+            _forward(model, args, kwargs, tracker, f"batched run (B={size})")
         bar.update()
+        noise = []
+        for _ in range(repeat):
+            bar.set_description("divtrace: repeated batched run")
+            noise.append(_repeat(meter, selected, model, batch, split))
+            bar.update()
+        if not keep:
+            for site in meter.sites:
+                site.kept = None
+        found = None
+        if kernels:
+            bar.set_description("divtrace: profiling")
+            start, stop = chunks[0]
+            split_kernels = kernels_by_site(model, selected, *batch.rows(start, stop))
+            bar.update()
+            found = (kernels_by_site(model, selected, *batch.whole()), split_kernels)
+            bar.update()
     meta = {
         "batch_size": batch.batch_size,
         "chunk": chunk,
@@ -171,5 +274,9 @@ def compare(
         "atol": atol,
         "train_mode": bool(mixing),
         "torch": torch.__version__,
+        "local": local,
+        "truth": truth,
+        "repeat": repeat,
+        "kernels": kernels,
     }
-    return build(meter.sites, split, meta)
+    return build(meter.sites, split, meta, meter.calls, noise, found)

@@ -4,129 +4,21 @@ from __future__ import annotations
 
 import json
 import math
-from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import pandas as pd
 import torch
 
 from divtrace import report
 from divtrace.errors import DivtraceValueError
-from divtrace.measure import Measured
-from divtrace.metrics import FIELDS, rel_l2, site_figures, tolerances
+from divtrace.metrics import tolerances
 from divtrace.sites import ROOT
-from divtrace.split import SplitRecording
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-__all__ = ["COLUMNS", "Comparison", "build"]
-
-#: The columns of :attr:`Comparison.table`, in order. They are an API: stable names.
-COLUMNS = (
-    "site", "module", "module_type", "call", "path", "leaf", "status", "shape", "dtype",
-    "numel", "mismatch", "exceed", "max_abs", "mean_abs", "rel_l2", "max_ulp", "cosine",
-    "nonfinite", "growth",
-)
-_FIGURES = ("numel", "mismatch", "exceed", "max_abs", "mean_abs", "rel_l2", "max_ulp",
-            "cosine", "nonfinite")
-
-
-def _to_host(tensors: list[torch.Tensor]) -> list[np.ndarray]:
-    """Brings device tensors to the host: one transfer (one synchronisation) per device."""
-    by_device: dict[torch.device, list[int]] = defaultdict(list)
-    for i, t in enumerate(tensors):
-        by_device[t.device].append(i)
-    out: list[np.ndarray] = [np.empty(0)] * len(tensors)
-    for indices in by_device.values():
-        flat = torch.cat([tensors[i].reshape(-1) for i in indices]).cpu().numpy()
-        offset = 0
-        for i in indices:
-            size = tensors[i].numel()
-            out[i] = flat[offset:offset + size].reshape(tuple(tensors[i].shape))
-            offset += size
-    return out
-
-
-def _row(site: Measured) -> dict[str, Any]:
-    obs = site.site
-    return {
-        "site": obs.key, "module": obs.module, "module_type": obs.module_type,
-        "call": obs.call, "path": obs.path, "leaf": obs.leaf, "status": site.status,
-        "shape": str(site.shape), "dtype": str(site.dtype).removeprefix("torch."),
-    }
-
-
-def build(sites: list[Measured], split: SplitRecording, meta: dict[str, Any]) -> Comparison:
-    """Assembles a :class:`Comparison` (the one host synchronisation happens here)."""
-    stats_of = [(s, s.stats) for s in sites if s.stats is not None]
-    flips_of = [(s, s.flips) for s, _ in stats_of if s.flips is not None]
-    host = _to_host([t for _, t in stats_of] + [t for _, t in flips_of])
-    measured = [s for s, _ in stats_of]
-    flipped = [s for s, _ in flips_of]
-    stats, flips = host[:len(measured)], host[len(measured):]
-    per_site = {id(s): a for s, a in zip(measured, stats, strict=True)}
-
-    rows: list[dict[str, Any]] = []
-    sample_rows: list[dict[str, Any]] = []
-    samples = meta["samples"]
-    for site in sites:
-        row = _row(site) | dict.fromkeys(_FIGURES, math.nan)
-        array = per_site.get(id(site))
-        if array is not None:
-            per_sample = int(np.prod(site.shape)) // meta["batch_size"]
-            row |= site_figures(array, per_sample)
-            col = {name: array[:, i] for i, name in enumerate(FIELDS)}
-            sample_rel = np.atleast_1d(rel_l2(np.sqrt(col["sq_diff"]), np.sqrt(col["sq_ref"])))
-            for j, sample in enumerate(samples):
-                sample_rows.append({
-                    "site": site.site.key, "sample": sample,
-                    "mismatch": col["mismatch"][j] / per_sample if per_sample else 0.0,
-                    "rel_l2": float(sample_rel[j]), "max_abs": col["max_abs"][j],
-                })
-        rows.append(row)
-
-    seen = {s.site.key for s in sites}
-    order = list(split.refs)
-    for i, key in enumerate(order):  # sites the split run reached and the batched did not
-        if key in seen:
-            continue
-        ref = split.refs[key]
-        missing = Measured(ref.site, "missing_in_batched", ref.shape, ref.dtype)
-        before = next((k for k in reversed(order[:i]) if k in seen), None)
-        at = 0 if before is None else 1 + next(
-            j for j, r in enumerate(rows) if r["site"] == before)
-        rows.insert(at, _row(missing) | dict.fromkeys(_FIGURES, math.nan))
-        seen.add(key)
-
-    table = pd.DataFrame(rows, columns=[c for c in COLUMNS if c != "growth"])
-    table["numel"] = table["numel"].astype("Int64")
-    table["nonfinite"] = table["nonfinite"].astype("Int64")
-    table["growth"] = _growth(table)
-    sample_table = pd.DataFrame(
-        sample_rows, columns=["site", "sample", "mismatch", "rel_l2", "max_abs"])
-    extras = {
-        "flips": {s.site.key: a.astype(bool).tolist() for s, a in zip(flipped, flips,
-                                                                     strict=True)},
-    }
-    pairs: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {
-        s.site.key: (s.kept, split.refs[s.site.key].rows) for s in sites if s.kept is not None}
-    return Comparison(table, sample_table, meta | extras, pairs)
-
-
-def _growth(table: pd.DataFrame) -> pd.Series:
-    """rel_l2 over that of the nearest preceding divergent leaf site (NaN if none)."""
-    growth = []
-    previous = math.nan
-    for rel, leaf, mismatch in zip(table["rel_l2"], table["leaf"], table["mismatch"],
-                                   strict=True):
-        growth.append(rel / previous if previous > 0 else math.nan)
-        if leaf and mismatch > 0 and rel > 0:
-            previous = rel
-    return pd.Series(growth, index=table.index, dtype=float)
-
+__all__ = ["Comparison"]
 
 class Comparison:
     """How a batched run and a split run of one model compare, site by site.
@@ -184,6 +76,12 @@ class Comparison:
         hits = self._compared()
         hits = hits[hits["mismatch"] > 0]
         return None if hits.empty else hits.iloc[0]
+
+    @property
+    def sources(self) -> pd.DataFrame:
+        """The leaf sites where divergence starts: input bit-identical, output not."""
+        table = self._table
+        return table[table["role"] == "source"].reset_index(drop=True)
 
     @property
     def output(self) -> pd.Series | None:
@@ -268,6 +166,12 @@ class Comparison:
         from divtrace.plot import plot_samples
 
         return plot_samples(self, ax=ax, metric=metric)
+
+    def plot_sources(self, ax: Axes | None = None) -> Axes:
+        """The sources' divergence, each labelled with the kernels the two runs used."""
+        from divtrace.plot import plot_sources
+
+        return plot_sources(self, ax=ax)
 
     # -- files ---------------------------------------------------------------------
 

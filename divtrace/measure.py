@@ -1,15 +1,25 @@
-"""The batched run: compare every site with the split run's rows the moment it is produced."""
+"""The batched run: compare every site with the split run's rows the moment it is produced.
+
+Optionally, per leaf call, replay the module on the split run's inputs (local error), and
+compare both runs with a float64 run of the same samples (truth).
+"""
 
 from __future__ import annotations
 
+import fnmatch
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from torch import nn
+from torch.utils import _pytree as pytree
 
 from divtrace import kernels
+from divtrace.lineage import input_parts, input_site
 from divtrace.metrics import block_stats, blocks, combine, tolerances
-from divtrace.record import SiteInfo
-from divtrace.sites import ROOT
+from divtrace.record import SiteInfo, Tracker
+from divtrace.sites import ROOT, flatten_output, site_key
 from divtrace.split import Reference, SplitRecording, runs_of
 
 __all__ = ["Measured", "Meter"]
@@ -34,7 +44,17 @@ class Measured:
     dtype: torch.dtype
     stats: torch.Tensor | None = None  # [samples, len(FIELDS)], on the site's device
     flips: torch.Tensor | None = None  # [samples] argmax flips, for 2-D model outputs
-    kept: torch.Tensor | None = None  # batched rows, when keep=True
+    kept: torch.Tensor | None = None  # batched rows, when kept
+    truth: torch.Tensor | None = None  # [2]: rel_l2 of batched and of split vs float64
+
+
+@dataclass
+class Call:
+    """A leaf module call of the batched run: its inputs' lineage and its local error."""
+
+    inputs: list[tuple[str, str | None, Measured | None]]  # (kind, site key, measured)
+    local: dict[str, torch.Tensor] = field(default_factory=dict)  # output key -> stats
+    local_status: str = ""
 
 
 @dataclass
@@ -45,13 +65,21 @@ class Meter:
     rtol: float | None
     atol: float | None
     keep: bool
+    local: bool = False
+    replay_skip: tuple[str, ...] = ()
+    truth: SplitRecording | None = None
     sites: list[Measured] = field(default_factory=list)
+    calls: dict[str, Call] = field(default_factory=dict)
     _index: dict[torch.device, torch.Tensor] = field(default_factory=dict)
     _tol: dict[torch.dtype, tuple[float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._runs = runs_of(self.split.samples)
         self._budget = max(_MIN_BLOCK, int(_TEMP_SHARE * self.split.stored_bytes / _TEMP_BYTES))
+        # with local=True a site's split rows stay until every call that reads them replayed
+        self._readers: Counter[str] = Counter(
+            key for parts in self.split.calls.values() for kind, key in parts
+            if key is not None) if self.local else Counter()
 
     def _block(self, device: torch.device) -> int:
         return _CPU_BLOCK if device.type == "cpu" else self._budget
@@ -83,26 +111,21 @@ class Meter:
             self._tol[dtype] = tolerances(dtype, self.rtol, self.atol)
         return self._tol[dtype]
 
-    def measure(self, info: SiteInfo, tensor: torch.Tensor, batch: int) -> None:
-        """Measures one observed tensor of the batched run (called from its hook)."""
-        ref = self.split.refs.get(info.key)
-        status = self._status(ref, tensor, batch)
-        site = Measured(info, status, tuple(tensor.shape), tensor.dtype)
-        self.sites.append(site)
-        if status != "ok" or ref is None or ref.rows is None:
-            return
+    def _rows_on(self, ref: Reference, device: torch.device) -> torch.Tensor:
+        assert ref.rows is not None
+        rows = ref.rows
+        return rows if rows.device == device else rows.to(device, non_blocking=True)
+
+    def stats(self, tensor: torch.Tensor, rows: torch.Tensor, batch: int) -> torch.Tensor:
+        """Per-sample statistics of the compared rows of ``tensor`` against ``rows``."""
         dim = self.split.batch_dim % tensor.dim()
         rtol, atol = self._tolerances(tensor.dtype)
         fused = kernels.supports(tensor)
-        split_rows = ref.rows
-        if split_rows.device != tensor.device:
-            split_rows = split_rows.to(tensor.device, non_blocking=True)
         per_run = []
         for slot, row, n in self._runs:
             b = tensor if n == batch else tensor.narrow(dim, row, n)
             b = (b.movedim(dim, 0) if dim else b).reshape(n, -1)
-            r = (split_rows if n == len(split_rows) else split_rows.narrow(0, slot, n))
-            r = r.reshape(n, -1)
+            r = (rows if n == len(rows) else rows.narrow(0, slot, n)).reshape(n, -1)
             if fused:  # one pass, no temporaries beyond a partial row per program
                 per_run.append(kernels.fused_stats(b, r, rtol, atol))
                 continue
@@ -110,12 +133,114 @@ class Meter:
                 block_stats(b[:, lo:hi], r[:, lo:hi], rtol, atol)
                 for lo, hi in blocks(n, b.shape[1], self._block(tensor.device))
             ]))
-        site.stats = per_run[0] if len(per_run) == 1 else torch.cat(per_run)
+        return per_run[0] if len(per_run) == 1 else torch.cat(per_run)
+
+    def _picked(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The compared samples' rows of a batched tensor, batch dimension first."""
+        dim = self.split.batch_dim % tensor.dim()
+        return tensor.index_select(dim, self._samples_on(tensor.device)).movedim(dim, 0)
+
+    def _truth(self, key: str, tensor: torch.Tensor, split_rows: torch.Tensor
+               ) -> torch.Tensor | None:
+        ref = self.truth.refs.get(key) if self.truth is not None else None
+        if ref is None or ref.rows is None or not tensor.is_floating_point():
+            return None
+        exact = self._rows_on(ref, tensor.device)
+        if exact.shape != split_rows.shape:
+            return None
+        norm = torch.linalg.vector_norm(exact)
+        errors = torch.stack([torch.linalg.vector_norm(self._picked(tensor).double() - exact),
+                              torch.linalg.vector_norm(split_rows.double() - exact)])
+        ref.drop()
+        return torch.where(norm > 0, errors / norm, errors)
+
+    def _measure(self, info: SiteInfo, tensor: torch.Tensor, batch: int) -> Measured:
+        ref = self.split.refs.get(info.key)
+        status = self._status(ref, tensor, batch)
+        site = Measured(info, status, tuple(tensor.shape), tensor.dtype)
+        if status != "ok" or ref is None or ref.rows is None:
+            return site
+        split_rows = self._rows_on(ref, tensor.device)
+        site.stats = self.stats(tensor, split_rows, batch)
+        site.truth = self._truth(info.key, tensor, split_rows)
         if info.module == ROOT and tensor.dim() == 2 and tensor.is_floating_point():
-            picked = tensor.index_select(dim, self._samples_on(tensor.device)).movedim(dim, 0)
-            site.flips = (picked.argmax(1) != split_rows.argmax(1)).double()
+            site.flips = (self._picked(tensor).argmax(1) != split_rows.argmax(1)).double()
         if self.keep:
-            rows = tensor.index_select(dim, self._samples_on(tensor.device)).movedim(dim, 0)
-            site.kept = rows.to(ref.rows.device).contiguous()
-        else:
+            site.kept = self._picked(tensor).to(ref.rows.device).contiguous()
+        elif self._readers[info.key] == 0:
             ref.drop()  # stream: the split rows are not needed any more
+        return site
+
+    def measure(self, info: SiteInfo, tensor: torch.Tensor, batch: int) -> None:
+        """Measures one observed tensor of the batched run (called from its hook)."""
+        self.sites.append(self._measure(info, tensor, batch))
+
+    def on_call(self, info: SiteInfo, module: nn.Module, args: tuple[Any, ...],
+                kwargs: dict[str, Any], output: Any, tracker: Tracker, batch: int) -> None:
+        """A leaf call of the batched run: its inputs' lineage, and its local error."""
+        parts = input_parts(info, args, kwargs, output, tracker)
+        inputs: list[tuple[str, str | None, Measured | None]] = []
+        for index, part in enumerate(parts):
+            measured = (self._measure(input_site(info, index), part.tensor, batch)
+                        if part.kind == "input" else None)
+            inputs.append((part.kind, part.key, measured))
+        call = self.calls[info.key] = Call(inputs)
+        if self.local:
+            self._replay(info, module, args, kwargs, parts, call, tracker, batch)
+
+    def _replay(self, info: SiteInfo, module: nn.Module, args: tuple[Any, ...],
+                kwargs: dict[str, Any], parts: list[Any], call: Call, tracker: Tracker,
+                batch: int) -> None:
+        """Runs the module again on the batched input with the compared rows replaced by
+        the split run's: same values in both runs, the batched run's kernels."""
+        sources = [self.split.refs.get(part.key) if part.kind != "unknown" else None
+                   for part in parts]
+        try:
+            if module.training:
+                call.local_status = "train_mode"
+                return
+            if any(fnmatch.fnmatchcase(info.module, pattern) for pattern in self.replay_skip):
+                call.local_status = "skipped"
+                return
+            if any(ref is None or ref.rows is None for ref in sources):
+                call.local_status = "no_input"
+                return
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+            refs = iter(sources)
+            replaced = []
+            for leaf in leaves:
+                if not isinstance(leaf, torch.Tensor):
+                    replaced.append(leaf)
+                    continue
+                ref = next(refs)
+                dim = self.split.batch_dim % max(leaf.dim(), 1)
+                if leaf.dim() == 0 or leaf.shape[dim] != batch or ref is None:
+                    replaced.append(leaf)
+                    continue
+                copy = leaf.clone()
+                rows = self._rows_on(ref, leaf.device).movedim(0, dim).to(leaf.dtype)
+                copy.index_copy_(dim, self._samples_on(leaf.device), rows)
+                replaced.append(copy)
+            new_args, new_kwargs = pytree.tree_unflatten(replaced, spec)
+            tracker.replaying = True
+            try:
+                output = module(*new_args, **new_kwargs)
+            finally:
+                tracker.replaying = False
+            outputs = ([("", output)] if isinstance(output, torch.Tensor)
+                       else flatten_output(output))
+            for path, tensor in outputs:
+                key = site_key(info.module, info.call, path)
+                ref = self.split.refs.get(key)
+                if ref is not None and ref.rows is not None and (
+                        self._status(ref, tensor, batch) == "ok"):
+                    call.local[key] = self.stats(tensor, self._rows_on(ref, tensor.device),
+                                                 batch)
+            call.local_status = "ok"
+        finally:  # the last reader of a site's split rows releases them
+            for part, ref in zip(parts, sources, strict=True):
+                if part.key is None:
+                    continue
+                self._readers[part.key] -= 1
+                if self._readers[part.key] <= 0 and ref is not None and not self.keep:
+                    ref.drop()

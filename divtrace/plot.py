@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
     from divtrace.comparison import Comparison
 
-__all__ = ["overlay", "plot_samples", "plot_snowball"]
+__all__ = ["overlay", "plot_samples", "plot_snowball", "plot_sources"]
 
 METRICS = ("rel_l2", "max_abs", "mean_abs", "max_ulp", "mismatch", "exceed")
 _MARKERS = "osD^v<>pX*hP"
@@ -73,6 +73,17 @@ def plot_snowball(result: Comparison, ax: Axes | None = None, metric: str = "rel
     for i, (kind, group) in enumerate(rows.groupby("module_type", sort=False)):
         ax.scatter(group.index, shown[group.index], marker=_MARKERS[i % len(_MARKERS)],
                    s=36, zorder=3, label=kind)
+    if "local_rel_l2" in rows and metric == "rel_l2":
+        local = rows["local_rel_l2"].to_numpy(dtype=float)
+        own = local > 0
+        ax.scatter(depth[own], local[own], s=90, facecolors="none", edgecolors="black",
+                   linewidths=1, zorder=4, label="local (replayed on identical input)")
+    if "batched_err_fp64" in rows and metric == "rel_l2":
+        for column, style, label in (("batched_err_fp64", "--", "batched vs float64"),
+                                     ("split_err_fp64", ":", "split vs float64")):
+            values = rows[column].to_numpy(dtype=float)
+            ax.plot(depth, np.where(values > 0, values, floor), linestyle=style,
+                    color="0.3", linewidth=1, zorder=1, label=label)
     diverged = np.flatnonzero(rows["mismatch"].to_numpy() > 0)
     if diverged.size:
         at = int(diverged[0])
@@ -84,6 +95,42 @@ def plot_snowball(result: Comparison, ax: Axes | None = None, metric: str = "rel
     ax.set_ylabel(f"{metric} (batched vs split)")
     ax.set_title(f"divtrace: {metric} by depth")
     ax.legend(fontsize=7, loc="upper left")
+    return ax
+
+
+def plot_sources(result: Comparison, ax: Axes | None = None) -> Axes:
+    """The sources' rel_l2 as bars, labelled with the kernel families each run used."""
+    from divtrace.profiling import kernel_family
+
+    ax = _axes(ax)
+    sources = result.sources
+    if sources.empty:
+        ax.text(0.5, 0.5, "no sources: every leaf site is bit-identical or a carrier",
+                ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return ax
+    labels = []
+    for row in sources.itertuples():
+        label = f"{row.site} ({row.module_type})"
+        if "kernels_batched" in sources:
+            def families(names: str) -> str:
+                found = dict.fromkeys(kernel_family(k) for k in str(names).split("; ") if k)
+                return ", ".join(found) or "-"
+            label += (f"\nbatched: {families(row.kernels_batched)}"
+                      f"\nsplit: {families(row.kernels_split)}")
+        labels.append(label)
+    position = np.arange(len(sources))
+    ax.barh(position, sources["rel_l2"].to_numpy(dtype=float), color="crimson",
+            label="rel_l2 (batched vs split)")
+    if "local_rel_l2" in sources:
+        ax.scatter(sources["local_rel_l2"].to_numpy(dtype=float), position, color="black",
+                   zorder=3, label="local (replayed)")
+    ax.set_yticks(position, labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("rel_l2")
+    ax.set_title("divtrace: sources of divergence")
+    ax.legend(fontsize=7, loc="lower right")
     return ax
 
 

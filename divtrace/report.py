@@ -60,6 +60,96 @@ def _output_sentences(result: Comparison) -> list[str]:
     return lines
 
 
+def _listed(rows: pd.DataFrame, limit: int = 6) -> str:
+    names = [f"'{r.site}' ({r.module_type})" for r in rows.head(limit).itertuples()]
+    more = "" if len(rows) <= limit else f" and {len(rows) - limit} more"
+    return ", ".join(names) + more
+
+
+def _role_sentences(result: Comparison) -> list[str]:
+    table = result.table
+    sources = result.sources
+    if sources.empty:
+        return []
+    carriers = table[table["role"] == "carrier"]
+    lines = [f"Source(s) of divergence (input bit-identical in both runs, output not): "
+             f"{_listed(sources)}. {len(carriers)} divergent leaf site(s) after them are "
+             f"carriers: they pass on, and may amplify, the error they received."]
+    unknown = table[table["role"] == "unknown"]
+    if not unknown.empty:
+        lines.append(f"For {_listed(unknown, 3)} the input could not be traced (made outside "
+                     f"any module and then changed in place), so the role is unknown.")
+    return lines
+
+
+def _explain_sentences(result: Comparison) -> list[str]:
+    from divtrace.profiling import kernel_family
+
+    meta, table, lines = result.meta, result.table, []
+    ok = table[table["status"] == "ok"]
+    if meta.get("local") and "local_rel_l2" in table:
+        sources = result.sources
+        carriers = ok[ok["role"] == "carrier"]
+        if not sources.empty:
+            own = ", ".join(f"'{r.site}' {r.local_rel_l2:.3g}"
+                            for r in sources.head(4).itertuples())
+            lines.append(f"Replayed on identical inputs with the batched run's kernels, the "
+                         f"sources add on their own (local rel_l2): {own}.")
+        if not carriers.empty and carriers["local_rel_l2"].notna().any():
+            worst = carriers.loc[carriers["local_rel_l2"].idxmax()]
+            lines.append(f"The carriers add at most local rel_l2 {worst['local_rel_l2']:.3g} "
+                         f"(at '{worst['site']}').")
+        amp = ok["amplification"].replace(math.inf, math.nan).dropna()
+        if not amp.empty:
+            top = ok.loc[amp.idxmax()]
+            lines.append(f"The largest amplification of the incoming error is "
+                         f"{top['amplification']:.3g}× at '{top['site']}' ({top['module_type']}).")
+    out = result.output
+    if meta.get("truth") and out is not None and not math.isnan(out.get("batched_err_fp64",
+                                                                            math.nan)):
+        b, s_ = out["batched_err_fp64"], out["split_err_fp64"]
+        low, high = min(b, s_), max(b, s_)
+        if high == 0 or (low > 0 and high / low < 10):
+            verdict = ("neither run is closer to the exact answer: both sit within the "
+                       "rounding that this dtype incurs anyway")
+        else:
+            worse, better = ("batched", "split") if b > s_ else ("split", "batched")
+            factor = "infinitely" if low == 0 else f"{high / low:.3g}×"
+            verdict = f"the {worse} run is {factor} further from it than the {better} run"
+        lines.append(f"Against a float64 run of the same samples, the output of the batched "
+                     f"run is off by rel_l2 {b:.3g} and that of the split run by {s_:.3g}: "
+                     f"{verdict}.")
+    if meta.get("repeat") and "noise_mismatch" in table:
+        noisy = ok[ok["noise_mismatch"] > 0]
+        times = f"{meta['repeat']} more time(s)"
+        if noisy.empty:
+            lines.append(f"Repeating the batched run {times} gave bit-identical results: the "
+                         f"divergence comes from the batch size, not from run-to-run "
+                         f"nondeterminism.")
+        else:
+            lines.append(f"The batched run is not deterministic: repeated {times}, it "
+                         f"differed from itself at {len(noisy)} site(s), first at "
+                         f"'{noisy.iloc[0]['site']}' (rel_l2 up to "
+                         f"{noisy['noise_rel_l2'].max():.3g}); part of the divergence is "
+                         f"run-to-run noise.")
+    if meta.get("kernels") and "kernels_batched" in table:
+        for r in result.sources.head(4).itertuples():
+            batched = [k for k in str(r.kernels_batched).split("; ") if k]
+            split = [k for k in str(r.kernels_split).split("; ") if k]
+            if not batched and not split:
+                continue
+            if set(batched) == set(split):
+                lines.append(f"'{r.site}' launched the same kernels in both runs "
+                             f"({', '.join(sorted({kernel_family(k) for k in batched}))}): "
+                             f"the difference comes from how they split the work.")
+                continue
+            fam_b = ", ".join(dict.fromkeys(kernel_family(k) for k in batched)) or "none"
+            fam_s = ", ".join(dict.fromkeys(kernel_family(k) for k in split)) or "none"
+            lines.append(f"'{r.site}' ({r.module_type}): the batched run used {fam_b}, the "
+                         f"split run {fam_s}.")
+    return lines
+
+
 def summary(result: Comparison) -> str:
     """Plain sentences on where the runs part, how far it grows, and what it means."""
     meta = result.meta
@@ -89,7 +179,9 @@ def summary(result: Comparison) -> str:
             f"elements differ, rel_l2 {first['rel_l2']:.3g}, max "
             f"{_fmt(first['max_ulp'], '.0f')} ULP.")
         lines.append(f"{identical} of {len(ok)} compared sites are bit-identical.")
+    lines.extend(_role_sentences(result))
     lines.extend(_output_sentences(result))
+    lines.extend(_explain_sentences(result))
     nonfinite = ok[ok["nonfinite"] > 0]
     if not nonfinite.empty:
         lines.append(

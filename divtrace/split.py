@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from torch import nn
 
-from divtrace.record import SiteInfo
+from divtrace.lineage import input_parts, input_site
+from divtrace.record import SiteInfo, Tracker
 
 __all__ = ["Reference", "SplitRecording", "runs_of"]
 
@@ -57,6 +60,8 @@ class SplitRecording:
     offload: bool
     chunk: int = 1
     refs: dict[str, Reference] = field(default_factory=dict)
+    #: per leaf call: where each tensor input came from, as ``(kind, key)``
+    calls: dict[str, list[tuple[str, str | None]]] = field(default_factory=dict)
     _chunk_len: int = 0
     _runs: list[tuple[int, int, int]] = field(default_factory=list)
     _whole: tuple[int, int] | None = None  # (slot, rows) when the whole chunk is compared
@@ -113,6 +118,15 @@ class SplitRecording:
     def complete(self, ref: Reference) -> bool:
         """Whether every compared sample's rows were recorded at this site."""
         return ref.filled == len(self.samples)
+
+    def on_call(self, call: SiteInfo, module: nn.Module, args: tuple[Any, ...],
+                kwargs: dict[str, Any], output: Any, tracker: Tracker) -> None:
+        """Notes where a leaf call's inputs came from; records those made unseen."""
+        parts = input_parts(call, args, kwargs, output, tracker)
+        for index, part in enumerate(parts):
+            if part.kind == "input":
+                self(input_site(call, index), part.tensor)
+        self.calls[call.key] = [(part.kind, part.key) for part in parts]
 
     def _first(self, site: SiteInfo, tensor: torch.Tensor, row_shape: tuple[int, ...]
                ) -> Reference:

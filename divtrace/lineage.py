@@ -1,0 +1,53 @@
+"""Where a leaf module's inputs came from: another site's output, or somewhere unseen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from divtrace.record import SiteInfo, Tracker
+from divtrace.sites import flatten_output
+
+__all__ = ["InputPart", "input_parts", "input_site"]
+
+
+@dataclass(frozen=True)
+class InputPart:
+    """One tensor input of a module call.
+
+    ``kind`` is ``"site"`` (it is the unchanged output of site ``key``), ``"input"`` (made
+    outside any observed module, e.g. by a functional op; recorded under ``key``), or
+    ``"unknown"`` (made unseen and then changed in place by the module itself).
+    """
+
+    kind: str
+    key: str | None
+    tensor: torch.Tensor
+
+
+def input_site(call: SiteInfo, index: int) -> SiteInfo:
+    """The pseudo-site under which an unseen input of ``call`` is recorded."""
+    path = f"<in{index}>"
+    return SiteInfo(f"{call.key}{path}", call.module, call.module_type, call.call, path, True)
+
+
+def input_parts(call: SiteInfo, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any,
+                tracker: Tracker) -> list[InputPart]:
+    """Classifies the tensor inputs of one leaf module call (see :class:`InputPart`)."""
+    outputs = ({id(output)} if isinstance(output, torch.Tensor)
+               else {id(t) for _, t in flatten_output(output)})
+    parts = []
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    for index, tensor in enumerate(tensors):
+        in_place = id(tensor) in outputs
+        key = tracker.producer(tensor, in_place)
+        if key is not None:
+            parts.append(InputPart("site", key, tensor))
+        elif in_place:
+            parts.append(InputPart("unknown", None, tensor))
+        else:
+            parts.append(InputPart("input", input_site(call, index).key, tensor))
+    return parts

@@ -1,0 +1,132 @@
+"""Which kernels each site launched: one profiled forward pass, a range per module call."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.profiler import record_function
+from torch.profiler import ProfilerActivity, profile
+
+from divtrace.sites import site_key
+
+__all__ = ["kernel_family", "kernels_by_site"]
+
+_PREFIX = "divtrace::"
+
+#: Substrings of kernel (or CPU op) names, most specific first, and the family they name.
+_FAMILIES = (
+    ("winograd", "Winograd"),
+    ("fft", "FFT"),
+    ("implicit_precomp", "implicit GEMM (precomputed)"),
+    ("implicit", "implicit GEMM"),
+    ("direct", "direct convolution"),
+    ("gemv", "GEMV"),
+    ("splitk", "split-K GEMM"),
+    ("split_k", "split-K GEMM"),
+    ("cutlass", "CUTLASS GEMM"),
+    ("xmma", "xmma GEMM"),
+    ("gemm", "GEMM"),
+    ("mkldnn_conv", "oneDNN convolution"),
+    ("conv", "convolution"),
+    ("addmm", "GEMM"),
+)
+
+
+#: CPU ops that move, view or allocate rather than compute.
+_PLUMBING = frozenset({
+    "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::as_strided",
+    "aten::view", "aten::reshape", "aten::_reshape_alias", "aten::to", "aten::_to_copy",
+    "aten::copy_", "aten::detach", "aten::resolve_conj", "aten::resolve_neg",
+    "aten::expand", "aten::unsqueeze", "aten::squeeze", "aten::t", "aten::transpose",
+    "aten::permute", "aten::contiguous", "aten::clone", "aten::select", "aten::slice",
+    "aten::narrow", "aten::zeros", "aten::zero_", "aten::fill_", "aten::result_type",
+    "aten::item", "aten::_local_scalar_dense", "aten::alias", "aten::lift_fresh",
+    "aten::flatten", "aten::_unsafe_view", "aten::expand_as", "aten::unbind",
+    "aten::as_strided_", "aten::resize_", "aten::set_", "aten::_nnpack_available",
+})
+
+
+def _innermost(event: Any) -> bool:
+    """A CPU op that computes and has no computing op below it."""
+    if event.name in _PLUMBING:
+        return False
+    return not any(child.name not in _PLUMBING and not child.name.startswith(_PREFIX)
+                   for child in event.cpu_children)
+
+
+def kernel_family(name: str) -> str:
+    """A short family name for a GPU kernel or CPU op name (the name itself if unknown)."""
+    low = name.lower()
+    for pattern, family in _FAMILIES:
+        if pattern in low:
+            return family
+    return name
+
+
+@contextmanager
+def _ranges(modules: dict[str, nn.Module]) -> Iterator[None]:
+    """A profiler range per module call, named after the call's site."""
+    calls: defaultdict[str, int] = defaultdict(int)
+    open_ranges: list[Any] = []
+    handles = []
+
+    def make(name: str) -> tuple[Any, Any]:
+        def pre(_module: nn.Module, _args: Any) -> None:
+            scope = record_function(_PREFIX + site_key(name, calls[name], ""))
+            scope.__enter__()
+            open_ranges.append(scope)
+
+        def post(_module: nn.Module, _args: Any, _output: Any) -> None:
+            calls[name] += 1
+            open_ranges.pop().__exit__(None, None, None)
+
+        return pre, post
+
+    try:
+        for name, module in modules.items():
+            pre, post = make(name)
+            handles.append(module.register_forward_pre_hook(pre))
+            handles.append(module.register_forward_hook(post, always_call=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def kernels_by_site(model: nn.Module, modules: dict[str, nn.Module], args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> dict[str, list[str]]:
+    """Runs one forward pass under ``torch.profiler``; per module call, what it launched.
+
+    On CUDA: the names of the GPU kernels, attributed to the innermost module call whose
+    range holds the op that launched them. On the CPU: the names of the innermost ops.
+    """
+    cuda = any(t.is_cuda for t in model.parameters()) or any(
+        isinstance(a, torch.Tensor) and a.is_cuda for a in (*args, *kwargs.values()))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof, _ranges(modules), torch.no_grad():
+        model(*args, **kwargs)
+        if cuda:
+            torch.cuda.synchronize()
+    found: dict[str, list[str]] = defaultdict(list)
+    for event in prof.events():
+        if event.name.startswith(_PREFIX):
+            continue
+        names = ([k.name for k in getattr(event, "kernels", [])] if cuda
+                 else ([event.name] if _innermost(event) else []))
+        if not names:
+            continue
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith(_PREFIX):
+            parent = parent.cpu_parent
+        if parent is None:
+            continue
+        site = parent.name[len(_PREFIX):]
+        for name in names:
+            if name not in found[site]:
+                found[site].append(name)
+    return dict(found)
