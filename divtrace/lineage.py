@@ -13,6 +13,8 @@ from divtrace.sites import flatten_output
 
 __all__ = ["InputPart", "input_parts", "input_site"]
 
+_PLAIN = (torch.Tensor, int, float, bool, str, type(None))
+
 
 @dataclass(frozen=True)
 class InputPart:
@@ -40,7 +42,10 @@ def input_parts(call: SiteInfo, args: tuple[Any, ...], kwargs: dict[str, Any], o
     outputs = ({id(output)} if isinstance(output, torch.Tensor)
                else {id(t) for _, t in flatten_output(output)})
     parts = []
-    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if not kwargs and all(isinstance(a, _PLAIN) for a in args):  # the common case, cheap
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    else:
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     for index, tensor in enumerate(tensors):
         in_place = id(tensor) in outputs
         key = tracker.producer(tensor, in_place)

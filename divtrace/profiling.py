@@ -34,6 +34,9 @@ _FAMILIES = (
     ("mkldnn_conv", "oneDNN convolution"),
     ("conv", "convolution"),
     ("addmm", "GEMM"),
+    ("aten::mm", "GEMM"),
+    ("aten::bmm", "GEMM"),
+    ("matmul", "GEMM"),
 )
 
 

@@ -145,3 +145,49 @@ class Exploding(nn.Module):
 def batchnorm_model() -> nn.Sequential:
     return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
                          nn.Dropout(0.5))
+
+
+class SwitchOp(nn.Module):
+    """Computes x @ W one way for batches of 2 or more rows and another way for one row:
+    the same numbers from different ops, as a library picks a kernel by batch size."""
+
+    def __init__(self, n_in: int = 16, n_out: int = 8) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(7)
+        self.weight = nn.Parameter(torch.randn(n_out, n_in, generator=generator))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= 2:
+            return torch.mm(x, self.weight.t())
+        return (x.unsqueeze(-2) * self.weight).sum(-1)
+
+
+class Noisy(nn.Module):
+    """Adds fresh random noise on every call: nondeterministic from run to run."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1e-3 * torch.rand_like(x)
+
+
+class FunctionalBetween(nn.Module):
+    """A functional op between two modules: the second one's input is made unseen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = OrderedLinear(16, 16, variant_from=2)
+        self.second = OrderedLinear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x) * 2.0)
+
+
+class InplaceOnFunctional(nn.Module):
+    """An in-place module applied to a tensor made by a functional op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = OrderedLinear(16, 16, variant_from=2)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.first(x) - 0.1)

@@ -1,0 +1,201 @@
+"""The explain stage: sources and carriers, local error, fp64 truth, noise, kernels."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import divtrace
+from tests import models
+
+
+def run(model: nn.Module, x: object, **kwargs: object) -> divtrace.Comparison:
+    return divtrace.compare(model, x, progress=False, **kwargs)
+
+
+@pytest.fixture
+def chain() -> nn.Sequential:
+    """clean, clean, clean, source (3), carriers, and a ×4 and a ×3 layer at the end."""
+    return nn.Sequential(*models.variant_mlp(), models.Scale(4.0), models.Scale(3.0)).eval()
+
+
+def test_roles_without_options(chain: nn.Sequential) -> None:
+    result = run(chain, torch.randn(8, 16))
+    table = result.table.set_index("site")
+    assert list(table.loc[["0", "1", "2"], "role"]) == ["clean"] * 3
+    assert table.loc["3", "role"] == "source"
+    assert table.loc["3", "input_mismatch"] == 0
+    assert list(table.loc[["4", "5", "6", "7"], "role"]) == ["carrier"] * 4
+    assert (table.loc[["4", "5", "6", "7"], "input_mismatch"] > 0).all()
+    assert table.loc["(model)", "role"] == ""  # not a leaf
+    assert list(result.sources["site"]) == ["3"]
+    assert "Source(s) of divergence (input bit-identical in both runs, output not): '3'" in (
+        result.summary())
+
+
+def test_local_error_of_a_source_equals_its_divergence(chain: nn.Sequential) -> None:
+    result = run(chain, torch.randn(8, 16), local=True)
+    table = result.table.set_index("site")
+    assert table.loc["3", "local_rel_l2"] == table.loc["3", "rel_l2"]
+    assert table.loc["3", "local_max_abs"] == table.loc["3", "max_abs"]
+    assert table.loc["3", "local_status"] == "ok"
+    assert math.isinf(table.loc["3", "amplification"])  # error out of nothing
+
+
+def test_carriers_add_no_local_error(chain: nn.Sequential) -> None:
+    result = run(chain, torch.randn(8, 16), local=True)
+    table = result.table.set_index("site")
+    for site in ("4", "5", "6", "7"):  # Hardtanh, batch-invariant OrderedLinear, Scales
+        assert table.loc[site, "local_rel_l2"] == 0
+        assert table.loc[site, "local_max_abs"] == 0
+    assert "sources add on their own (local rel_l2): '3'" in result.summary()
+
+
+def test_scaling_by_k_amplifies_error_by_k(chain: nn.Sequential) -> None:
+    table = run(chain, torch.randn(8, 16), local=True).table.set_index("site")
+    assert table.loc["6", "amplification"] == 4.0  # a power of two: exact
+    # ×3 rounds in both runs, and the error is a few units in the last place
+    assert table.loc["7", "amplification"] == pytest.approx(3.0, rel=0.1)
+    assert table.loc["6", "growth"] == 1.0  # the relative error is unchanged
+
+
+def test_local_replay_leaves_the_table_and_the_model_alone(chain: nn.Sequential) -> None:
+    calls: list[int] = []
+    handle = chain[3].register_forward_hook(lambda m, a, o: calls.append(o.shape[0]))
+    try:
+        plain = run(chain, torch.randn(8, 16))
+        replayed = run(chain, torch.randn(8, 16), local=True)
+    finally:
+        handle.remove()
+    assert list(plain.table["site"]) == list(replayed.table["site"])
+    # 8 split passes + 1 batched, twice, and one replay of module 3 in the second run
+    assert calls.count(8) == 3
+    assert all(h == 0 for m in chain.modules() for h in (len(m._forward_hooks),))
+
+
+def test_replay_is_skipped_where_asked_or_in_train_mode(chain: nn.Sequential) -> None:
+    chain[5].train()  # no BatchNorm or Dropout: compare() allows it, replay does not
+    try:
+        result = run(chain, torch.randn(8, 16), local=True, replay_skip=["3"])
+    finally:
+        chain[5].eval()
+    table = result.table.set_index("site")
+    assert table.loc["3", "local_status"] == "skipped"
+    assert math.isnan(table.loc["3", "local_rel_l2"])
+    assert table.loc["5", "local_status"] == "train_mode"
+    assert table.loc["4", "local_status"] == "ok"
+
+
+def test_an_input_made_by_a_functional_op_is_measured() -> None:
+    result = run(models.FunctionalBetween().eval(), torch.randn(6, 16), local=True)
+    table = result.table.set_index("site")
+    assert table.loc["first", "role"] == "source"
+    assert table.loc["second", "role"] == "carrier"
+    assert table.loc["second", "input_mismatch"] > 0  # measured on the recorded input
+    assert table.loc["second", "local_rel_l2"] == 0
+
+
+def test_an_input_changed_in_place_unseen_is_unknown() -> None:
+    result = run(models.InplaceOnFunctional().eval(), torch.randn(6, 16))
+    table = result.table.set_index("site")
+    assert table.loc["first", "role"] == "source"
+    assert table.loc["act", "role"] == "unknown"
+    assert math.isnan(table.loc["act", "input_mismatch"])
+    assert "the role is unknown" in result.summary()
+
+
+def test_repeat_reports_no_noise_for_a_deterministic_model(chain: nn.Sequential) -> None:
+    result = run(chain, torch.randn(8, 16), repeat=2)
+    ok = result.table[result.table["status"] == "ok"]
+    assert (ok["noise_mismatch"] == 0).all()
+    assert (ok["noise_rel_l2"] == 0).all()
+    assert "gave bit-identical results" in result.summary()
+
+
+def test_repeat_finds_run_to_run_noise() -> None:
+    model = nn.Sequential(models.OrderedLinear(16, 16), models.Noisy(), nn.ReLU()).eval()
+    result = run(model, torch.randn(6, 16), repeat=1)
+    table = result.table.set_index("site")
+    assert table.loc["0", "noise_mismatch"] == 0
+    assert table.loc["1", "noise_mismatch"] > 0.9
+    assert table.loc["1", "noise_rel_l2"] > 0
+    assert "not deterministic" in result.summary()
+
+
+def test_fp64_truth(chain: nn.Sequential) -> None:
+    result = run(chain, torch.randn(8, 16), truth="fp64")
+    table = result.table.set_index("site")
+    for column in ("batched_err_fp64", "split_err_fp64"):
+        assert (table[column] > 0).all()  # float32 vs float64: rounding everywhere
+        assert (table[column] < 1e-5).all()
+    # before the source both runs are the same numbers, so equally far from the truth
+    assert table.loc["2", "batched_err_fp64"] == table.loc["2", "split_err_fp64"]
+    assert table.loc["3", "batched_err_fp64"] != table.loc["3", "split_err_fp64"]
+    assert "neither run is closer to the exact answer" in result.summary()
+    assert next(chain.parameters()).dtype == torch.float32  # the user's model untouched
+
+
+def test_fp64_truth_spots_the_wrong_run() -> None:
+    class Sloppy(nn.Module):  # rounds to bfloat16 in the batched run only
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] > 1 and x.dtype == torch.float32:
+                return x.bfloat16().float()
+            return x
+
+    model = nn.Sequential(models.OrderedLinear(16, 16), Sloppy()).eval()
+    result = run(model, torch.randn(6, 16), truth="fp64")
+    assert "the batched run is" in result.summary()
+    assert "further from it than the split run" in result.summary()
+
+
+def test_kernels_on_the_cpu_name_the_ops() -> None:
+    model = nn.Sequential(models.OrderedLinear(16, 16), models.SwitchOp(16, 8)).eval()
+    result = run(model, torch.randn(6, 16), kernels=True)
+    table = result.table.set_index("site")
+    assert "aten::mul" in table.loc["0", "kernels_batched"]
+    assert not table.loc["0", "kernels_differ"]
+    assert "aten::mm" in table.loc["1", "kernels_batched"]
+    assert "aten::mm" not in table.loc["1", "kernels_split"]
+    assert table.loc["1", "kernels_differ"]
+    assert table.loc["1", "role"] == "source"
+    assert "'1' (SwitchOp): the batched run used GEMM" in result.summary()
+
+
+def test_option_columns_only_with_their_option(chain: nn.Sequential) -> None:
+    plain = run(chain, torch.randn(4, 16)).table
+    assert tuple(plain.columns) == divtrace.COLUMNS
+    full = run(chain, torch.randn(4, 16), local=True, truth="fp64", repeat=1).table
+    extra = [c for c in full.columns if c not in divtrace.COLUMNS]
+    expected = [*divtrace.EXPLAIN_COLUMNS["local"], *divtrace.EXPLAIN_COLUMNS["truth"],
+                *divtrace.EXPLAIN_COLUMNS["repeat"]]
+    assert extra == expected
+
+
+@pytest.mark.parametrize(("option", "message"), [
+    ({"truth": "fp32"}, "truth must be None or 'fp64'"),
+    ({"repeat": -1}, "repeat must be a whole number"),
+])
+def test_bad_options(chain: nn.Sequential, option: dict, message: str) -> None:
+    with pytest.raises(divtrace.DivtraceValueError, match=message):
+        run(chain, torch.randn(4, 16), **option)
+
+
+def test_plots_show_local_error_fp64_and_sources(chain: nn.Sequential) -> None:
+    import matplotlib.pyplot as plt
+
+    result = run(chain, torch.randn(8, 16), local=True, truth="fp64", kernels=True)
+    fig, (top, bottom) = plt.subplots(2, 1)
+    try:
+        result.plot(ax=top)
+        labels = [t.get_text() for t in top.get_legend().get_texts()]
+        assert "local (replayed on identical input)" in labels
+        assert {"batched vs float64", "split vs float64"} <= set(labels)
+        assert result.plot_sources(ax=bottom) is bottom
+        ticks = [t.get_text() for t in bottom.get_yticklabels()]
+        assert len(ticks) == 1
+        assert ticks[0].startswith("3 (OrderedLinear)\nbatched:")
+    finally:
+        plt.close(fig)
