@@ -38,6 +38,16 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
+#: compare() options whose cost the benchmark can measure, each on its own.
+OPTIONS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "local": {"local": True},
+    "truth=fp64": {"truth": "fp64"},
+    "repeat=1": {"repeat": 1},
+    "kernels": {"kernels": True},
+}
+
+
 def build(case: dict[str, Any], device: torch.device) -> tuple[nn.Module, torch.Tensor]:
     from torchvision.models import alexnet, vgg11
 
@@ -55,9 +65,10 @@ def bare_passes(model: nn.Module, x: torch.Tensor, case: dict[str, Any]) -> None
         model(x)
 
 
-def with_divtrace(model: nn.Module, x: torch.Tensor, case: dict[str, Any]) -> divtrace.Comparison:
+def with_divtrace(model: nn.Module, x: torch.Tensor, case: dict[str, Any],
+                  options: dict[str, Any] | None = None) -> divtrace.Comparison:
     return divtrace.compare(model, x, chunk=case["chunk"], samples=case["samples"],
-                            progress=False)
+                            progress=False, **(options or {}))
 
 
 def timed(fn: Callable[[], object], device: torch.device) -> float:
@@ -99,22 +110,23 @@ def cpu_peak(fn: Callable[[], object]) -> tuple[int, object]:
     return (_status_kib("VmHWM") - base) * 1024, out
 
 
-def measure(name: str, device: torch.device, repeats: int) -> dict[str, Any]:
-    case = CASES[name]
+def measure(name: str, device: torch.device, repeats: int, option: str = "default"
+            ) -> dict[str, Any]:
+    case, options = CASES[name], OPTIONS[option]
     model, x = build(case, device)
     bare_passes(model, x, case)  # warm-up: kernels, algorithm choice, allocator
-    with_divtrace(model, x, case)
+    with_divtrace(model, x, case, options)
     bare_times, divtrace_times = [], []
     for _ in range(repeats):
         bare_times.append(timed(lambda: bare_passes(model, x, case), device))
-        divtrace_times.append(timed(lambda: with_divtrace(model, x, case), device))
+        divtrace_times.append(timed(lambda: with_divtrace(model, x, case, options), device))
     peak_of = cpu_peak if device.type == "cpu" else lambda fn: cuda_peak(fn, device)
     bare_peak, _ = peak_of(lambda: bare_passes(model, x, case))
-    peak, result = peak_of(lambda: with_divtrace(model, x, case))
+    peak, result = peak_of(lambda: with_divtrace(model, x, case, options))
     stored = result.meta["stored_bytes"]  # type: ignore[attr-defined]
     bare_t, div_t = statistics.median(bare_times), statistics.median(divtrace_times)
     return {
-        "case": name, "device": str(device), "repeats": repeats,
+        "case": name, "options": option, "device": str(device), "repeats": repeats,
         "bare_s": bare_t, "compare_s": div_t, "time_ratio": div_t / bare_t,
         "bare_peak_bytes": bare_peak, "compare_peak_bytes": peak, "stored_bytes": stored,
         "extra_over_stored": (peak - bare_peak) / stored if stored else float("nan"),
@@ -127,6 +139,8 @@ def main() -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--options", nargs="*", default=["default"], choices=list(OPTIONS),
+                        help="compare() options to measure, each on its own")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -139,16 +153,18 @@ def main() -> int:
         torch.backends.cudnn.deterministic = True
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    rows = [measure(name, device, args.repeats) for name in args.cases]
+    rows = [measure(name, device, args.repeats, option)
+            for name in args.cases for option in args.options]
     env = {"torch": torch.__version__, "threads": torch.get_num_threads(),
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
     print(f"environment: {env}")
-    print("| case | device | bare (s) | compare (s) | time ratio | stored (MiB) "
+    print("| case | options | device | bare (s) | compare (s) | time ratio | stored (MiB) "
           "| extra peak (MiB) | extra / stored |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         extra = (r["compare_peak_bytes"] - r["bare_peak_bytes"]) / 2**20
-        print(f"| {r['case']} | {r['device']} | {r['bare_s']:.4f} | {r['compare_s']:.4f} "
+        print(f"| {r['case']} | {r['options']} | {r['device']} | {r['bare_s']:.4f} "
+              f"| {r['compare_s']:.4f} "
               f"| {r['time_ratio']:.3f} | {r['stored_bytes'] / 2**20:.1f} | {extra:.1f} "
               f"| {r['extra_over_stored']:.3f} |")
     if args.json:

@@ -90,3 +90,26 @@ def test_cuda_statistics_match_the_cpu_path(dtype: torch.dtype) -> None:
     cpu = block_stats(b, r, 1e-3, 1e-5)
     gpu = block_stats(b.cuda(), r.cuda(), 1e-3, 1e-5).cpu()
     torch.testing.assert_close(gpu, cpu, rtol=1e-5, atol=1e-6)
+
+
+def test_explain_options_on_cuda() -> None:
+    model = nn.Sequential(*models.variant_mlp(), models.Scale(4.0)).eval().cuda()
+    result = divtrace.compare(model, torch.randn(8, 16, device="cuda"), progress=False,
+                              local=True, truth="fp64", repeat=1, kernels=True)
+    table = result.table.set_index("site")
+    assert list(result.sources["site"]) == ["3"]
+    assert table.loc["3", "local_rel_l2"] == table.loc["3", "rel_l2"]
+    assert table.loc["4", "local_rel_l2"] == 0
+    assert table.loc["6", "amplification"] == 4.0
+    assert (table.loc[["0", "3", "6"], "noise_mismatch"] == 0).all()
+    assert (table["batched_err_fp64"] < 1e-5).all()
+    assert table.loc["3", "kernels_batched"]  # CUDA kernel names were found
+
+
+def test_kernels_of_a_convolution_on_cuda(vgg_features: nn.Module) -> None:
+    x = torch.rand(16, 3, 64, 64, device="cuda")
+    result = divtrace.compare(vgg_features, x, chunk=2, samples=[0, 1], kernels=True,
+                              progress=False)
+    conv = result.table.set_index("site").loc["0"]
+    assert conv["kernels_batched"]
+    assert conv["kernels_split"]

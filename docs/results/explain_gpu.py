@@ -1,0 +1,89 @@
+"""Why the runs part, on a GPU: sources, local error, float64 truth, noise and kernels.
+
+For vgg11().features (batch 128 vs its first 2), AlexNet (batch 100 vs per sample) and
+efficientnet_v2_s (batch 64 vs its first 2), random weights, fp32, TF32 off, cuDNN
+deterministic, no benchmark mode — the seed reports' settings. Writes one table per model,
+a summary with the environment, and two figures into --out.
+
+    python docs/results/explain_gpu.py --out docs/results/h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import divtrace
+
+OPTIONS = {"local": True, "truth": "fp64", "repeat": 2, "kernels": True}
+
+
+def cases() -> dict[str, tuple[torch.nn.Module, torch.Tensor, dict]]:
+    from torchvision.models import alexnet, efficientnet_v2_s, vgg11
+
+    torch.manual_seed(0)
+    return {
+        "vgg11_features": (vgg11().features, torch.rand(128, 3, 128, 128),
+                           {"chunk": 2, "samples": [0, 1]}),
+        "alexnet": (alexnet(), torch.rand(100, 3, 224, 224), {"chunk": 1}),
+        "efficientnet_v2_s": (efficientnet_v2_s(), torch.rand(64, 3, 224, 224),
+                              {"chunk": 2, "samples": [0, 1]}),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    from matplotlib.figure import Figure
+
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "cudnn": torch.backends.cudnn.version(), "options": OPTIONS}
+    lines = [json.dumps(env), ""]
+    snowballs = Figure(figsize=(11, 13))
+    sources = Figure(figsize=(11, 10))
+    axes = snowballs.subplots(3, 1)
+    source_axes = sources.subplots(3, 1)
+    for i, (name, (model, x, how)) in enumerate(cases().items()):
+        model = model.eval().cuda()
+        start = time.perf_counter()
+        result = divtrace.compare(model, x.cuda(), progress=False, **how, **OPTIONS)
+        seconds = time.perf_counter() - start
+        result.to_csv(args.out / f"explain_{name}.csv")
+        lines += [f"== {name}: batch {x.shape[0]}, {how} ({seconds:.1f} s) ==",
+                  result.summary(), ""]
+        table = result.sources
+        shown = ["site", "module_type", "mismatch", "rel_l2", "local_rel_l2",
+                 "kernels_differ", "kernels_batched", "kernels_split"]
+        lines += ["sources:", table[shown].to_string(max_colwidth=90), ""]
+        result.plot(ax=axes[i])
+        axes[i].set_title(f"{name}: rel_l2 by depth ({env['gpu']})")
+        if len(result.table) > 60:
+            axes[i].set_xticks([])
+        result.plot_sources(ax=source_axes[i])
+        source_axes[i].set_title(f"{name}: sources")
+        print("\n".join(lines[-4:]), flush=True)
+        del model, result
+        torch.cuda.empty_cache()
+    snowballs.tight_layout()
+    snowballs.savefig(args.out / "explain_snowball.png", dpi=100)
+    sources.tight_layout()
+    sources.savefig(args.out / "explain_sources.png", dpi=100)
+    (args.out / "explain_summary.txt").write_text("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
