@@ -14,7 +14,7 @@ import torch
 from divtrace.comparison import Comparison
 from divtrace.measure import Call, Measured
 from divtrace.metrics import FIELDS, rel_l2, site_figures
-from divtrace.sites import site_key
+from divtrace.sites import INPUT, site_key
 from divtrace.split import SplitRecording
 
 __all__ = ["COLUMNS", "EXPLAIN_COLUMNS", "build"]
@@ -186,6 +186,8 @@ def _explain(row: dict[str, Any], calls: dict[str, Call],
     parts: list[tuple[np.ndarray, int]] = []
     known = True
     for kind, key, measured in call.inputs:
+        if kind == "site" and key == INPUT:
+            continue  # the model's own input: the same rows in both runs
         if kind == "site" and key in by_key:
             parts.append(by_key[key])
         elif kind == "input" and measured is not None and measured.stats is not None:

@@ -25,7 +25,7 @@ from divtrace.errors import BatchMixingError, DivtraceTypeError, DivtraceValueEr
 from divtrace.measure import Measured, Meter
 from divtrace.profiling import kernels_by_site
 from divtrace.record import SiteInfo, Tracker, observe
-from divtrace.sites import select_modules
+from divtrace.sites import INPUT, select_modules
 from divtrace.split import Reference, SplitRecording
 
 __all__ = ["compare"]
@@ -64,6 +64,9 @@ def _untouched(model: nn.Module, restore_buffers: bool) -> Iterator[None]:
 def _forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
              tracker: Tracker, run: str) -> Any:
     tracker.reset()
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor):
+            tracker.produced(INPUT, leaf)
     try:
         return model(*args, **kwargs)
     except Exception as exc:
@@ -229,6 +232,7 @@ def compare(
                 compared = [s for s in rows if start <= s < stop]
                 done = False
                 while not done:  # runs again only when an in-place op was found late
+                    tracker.lineage = not split.calls  # learnt from the first chunk
                     split.begin_chunk(start, stop)
                     _forward(model, args, kwargs, tracker,
                              f"split run, chunk of rows {start}:{stop} (samples {compared})")

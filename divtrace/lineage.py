@@ -11,7 +11,7 @@ from torch.utils import _pytree as pytree
 from divtrace.record import SiteInfo, Tracker
 from divtrace.sites import flatten_output
 
-__all__ = ["InputPart", "input_parts", "input_site"]
+__all__ = ["InputPart", "input_parts", "input_site", "tensor_inputs"]
 
 _PLAIN = (torch.Tensor, int, float, bool, str, type(None))
 
@@ -36,17 +36,20 @@ def input_site(call: SiteInfo, index: int) -> SiteInfo:
     return SiteInfo(f"{call.key}{path}", call.module, call.module_type, call.call, path, True)
 
 
+def tensor_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors among a call's arguments, in order."""
+    if not kwargs and all(isinstance(a, _PLAIN) for a in args):  # the common case, cheap
+        return [a for a in args if isinstance(a, torch.Tensor)]
+    return [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+
+
 def input_parts(call: SiteInfo, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any,
                 tracker: Tracker) -> list[InputPart]:
     """Classifies the tensor inputs of one leaf module call (see :class:`InputPart`)."""
     outputs = ({id(output)} if isinstance(output, torch.Tensor)
                else {id(t) for _, t in flatten_output(output)})
     parts = []
-    if not kwargs and all(isinstance(a, _PLAIN) for a in args):  # the common case, cheap
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    else:
-        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    for index, tensor in enumerate(tensors):
+    for index, tensor in enumerate(tensor_inputs(args, kwargs)):
         in_place = id(tensor) in outputs
         key = tracker.producer(tensor, in_place)
         if key is not None:

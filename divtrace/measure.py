@@ -19,7 +19,7 @@ from divtrace import kernels
 from divtrace.lineage import input_parts, input_site
 from divtrace.metrics import block_stats, blocks, combine, tolerances
 from divtrace.record import SiteInfo, Tracker
-from divtrace.sites import ROOT, flatten_output, site_key
+from divtrace.sites import INPUT, ROOT, flatten_output, site_key
 from divtrace.split import Reference, SplitRecording, runs_of
 
 __all__ = ["Measured", "Meter"]
@@ -193,6 +193,8 @@ class Meter:
                 batch: int) -> None:
         """Runs the module again on the batched input with the compared rows replaced by
         the split run's: same values in both runs, the batched run's kernels."""
+        # the model's own input rows are the same in both runs: nothing to replace
+        same = [part.key == INPUT for part in parts]
         sources = [self.split.refs.get(part.key) if part.kind != "unknown" else None
                    for part in parts]
         try:
@@ -202,7 +204,8 @@ class Meter:
             if any(fnmatch.fnmatchcase(info.module, pattern) for pattern in self.replay_skip):
                 call.local_status = "skipped"
                 return
-            if any(ref is None or ref.rows is None for ref in sources):
+            if any((ref is None or ref.rows is None) and not keep_as_is
+                   for ref, keep_as_is in zip(sources, same, strict=True)):
                 call.local_status = "no_input"
                 return
             leaves, spec = pytree.tree_flatten((args, kwargs))

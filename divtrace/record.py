@@ -37,6 +37,7 @@ class Tracker:
     calls: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
     last_site: str | None = None
     replaying: bool = False
+    lineage: bool = True  # note which site produced which tensor
     _made: dict[int, tuple[weakref.ref[torch.Tensor], str, int]] = field(default_factory=dict)
 
     def reset(self) -> None:
@@ -45,8 +46,9 @@ class Tracker:
         self._made.clear()
 
     def produced(self, key: str, tensor: torch.Tensor) -> None:
-        """Notes that the site ``key`` output ``tensor``."""
-        self._made[id(tensor)] = (weakref.ref(tensor), key, tensor._version)
+        """Notes that the site ``key`` output ``tensor`` (while ``lineage`` is on)."""
+        if self.lineage:
+            self._made[id(tensor)] = (weakref.ref(tensor), key, tensor._version)
 
     def producer(self, tensor: torch.Tensor, in_place: bool = False) -> str | None:
         """The site that output this very tensor, unchanged since, in this pass (or None).

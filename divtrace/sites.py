@@ -13,10 +13,12 @@ from torch.utils import _pytree as pytree
 
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
 
-__all__ = ["ROOT", "flatten_output", "select_modules", "site_key"]
+__all__ = ["INPUT", "ROOT", "flatten_output", "select_modules", "site_key"]
 
 #: The name under which the model itself (its final output) appears in the table.
 ROOT = "(model)"
+#: The producer of the model's own input tensors: the same rows in both runs.
+INPUT = "(input)"
 
 
 def site_key(module: str, call: int, path: str) -> str:

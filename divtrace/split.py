@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from divtrace.lineage import input_parts, input_site
+from divtrace.lineage import input_parts, input_site, tensor_inputs
 from divtrace.record import SiteInfo, Tracker
 
 __all__ = ["Reference", "SplitRecording", "runs_of"]
@@ -121,7 +121,20 @@ class SplitRecording:
 
     def on_call(self, call: SiteInfo, module: nn.Module, args: tuple[Any, ...],
                 kwargs: dict[str, Any], output: Any, tracker: Tracker) -> None:
-        """Notes where a leaf call's inputs came from; records those made unseen."""
+        """Notes where a leaf call's inputs came from; records those made unseen.
+
+        The lineage is worked out in the first chunk; later chunks of the same structure
+        only record the inputs found unseen there (a call first met later is worked out
+        then, with no lineage: all its inputs are recorded).
+        """
+        known = self.calls.get(call.key)
+        if known is not None:
+            if any(kind == "input" for kind, _ in known):
+                tensors = tensor_inputs(args, kwargs)
+                for index, (kind, _) in enumerate(known):
+                    if kind == "input" and index < len(tensors):
+                        self(input_site(call, index), tensors[index])
+            return
         parts = input_parts(call, args, kwargs, output, tracker)
         for index, part in enumerate(parts):
             if part.kind == "input":

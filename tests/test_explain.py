@@ -199,3 +199,12 @@ def test_plots_show_local_error_fp64_and_sources(chain: nn.Sequential) -> None:
         assert ticks[0].startswith("3 (OrderedLinear)\nbatched:")
     finally:
         plt.close(fig)
+
+
+def test_the_model_input_is_not_recorded_again(chain: nn.Sequential) -> None:
+    result = run(chain, torch.randn(8, 16))
+    table = result.table
+    # the split run keeps the output rows of every site and nothing else: the model's
+    # own input is the same rows in both runs, so the first layer's input is not copied
+    assert result.meta["stored_bytes"] == int(table["numel"].sum()) * 4
+    assert table.set_index("site").loc["0", "input_mismatch"] == 0
