@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils import _pytree as pytree
 
 from divtrace.record import SiteInfo, Tracker
@@ -43,19 +44,27 @@ def tensor_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.T
     return [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
 
 
-def input_parts(call: SiteInfo, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any,
-                tracker: Tracker) -> list[InputPart]:
-    """Classifies the tensor inputs of one leaf module call (see :class:`InputPart`)."""
+def input_parts(call: SiteInfo, module: nn.Module, args: tuple[Any, ...],
+                kwargs: dict[str, Any], output: Any, tracker: Tracker) -> list[InputPart]:
+    """Classifies the tensor inputs of one leaf module call (see :class:`InputPart`).
+
+    A module that returns its input tensor itself either changed it in place (it has
+    ``inplace=True``, as ``nn.ReLU(inplace=True)``) or passed it through untouched (as
+    ``nn.Dropout`` and ``nn.Identity`` in eval mode): then the input is its own output.
+    """
     outputs = ({id(output)} if isinstance(output, torch.Tensor)
                else {id(t) for _, t in flatten_output(output)})
     parts = []
     for index, tensor in enumerate(tensor_inputs(args, kwargs)):
-        in_place = id(tensor) in outputs
+        returned = id(tensor) in outputs
+        in_place = returned and bool(getattr(module, "inplace", False))
         key = tracker.producer(tensor, in_place)
         if key is not None:
             parts.append(InputPart("site", key, tensor))
         elif in_place:
             parts.append(InputPart("unknown", None, tensor))
+        elif returned and isinstance(output, torch.Tensor):  # passed through untouched
+            parts.append(InputPart("site", call.key, tensor))
         else:
             parts.append(InputPart("input", input_site(call, index).key, tensor))
     return parts

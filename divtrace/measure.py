@@ -178,7 +178,7 @@ class Meter:
     def on_call(self, info: SiteInfo, module: nn.Module, args: tuple[Any, ...],
                 kwargs: dict[str, Any], output: Any, tracker: Tracker, batch: int) -> None:
         """A leaf call of the batched run: its inputs' lineage, and its local error."""
-        parts = input_parts(info, args, kwargs, output, tracker)
+        parts = input_parts(info, module, args, kwargs, output, tracker)
         inputs: list[tuple[str, str | None, Measured | None]] = []
         for index, part in enumerate(parts):
             measured = (self._measure(input_site(info, index), part.tensor, batch)

@@ -63,12 +63,18 @@ def _innermost(event: Any) -> bool:
 
 
 def kernel_family(name: str) -> str:
-    """A short family name for a GPU kernel or CPU op name (the name itself if unknown)."""
+    """A short family name for a GPU kernel or CPU op name.
+
+    Known algorithms get their family (``FFT``, ``implicit GEMM``, ``GEMV``, ...); any
+    other kernel its bare function name (``void at::native::elementwise_kernel<...>(...)``
+    becomes ``elementwise_kernel``).
+    """
     low = name.lower()
     for pattern, family in _FAMILIES:
         if pattern in low:
             return family
-    return name
+    bare = name.removeprefix("void ").split("<", 1)[0].split("(", 1)[0]
+    return bare.rsplit("::", 1)[-1].strip() or name
 
 
 @contextmanager

@@ -72,9 +72,11 @@ def _role_sentences(result: Comparison) -> list[str]:
     if sources.empty:
         return []
     carriers = table[table["role"] == "carrier"]
+    after = ("No divergent leaf site follows." if carriers.empty else
+             f"{len(carriers)} divergent leaf site(s) after them are carriers: they pass "
+             f"on, and may amplify, the error they received.")
     lines = [f"Source(s) of divergence (input bit-identical in both runs, output not): "
-             f"{_listed(sources)}. {len(carriers)} divergent leaf site(s) after them are "
-             f"carriers: they pass on, and may amplify, the error they received."]
+             f"{_listed(sources)}. {after}"]
     unknown = table[table["role"] == "unknown"]
     if not unknown.empty:
         lines.append(f"For {_listed(unknown, 3)} the input could not be traced (made outside "
@@ -134,19 +136,20 @@ def _explain_sentences(result: Comparison) -> list[str]:
                          f"run-to-run noise.")
     if meta.get("kernels") and "kernels_batched" in table:
         for r in result.sources.head(4).itertuples():
-            batched = [k for k in str(r.kernels_batched).split("; ") if k]
-            split = [k for k in str(r.kernels_split).split("; ") if k]
+            batched = [kernel_family(k) for k in str(r.kernels_batched).split("; ") if k]
+            split = [kernel_family(k) for k in str(r.kernels_split).split("; ") if k]
             if not batched and not split:
                 continue
-            if set(batched) == set(split):
-                lines.append(f"'{r.site}' launched the same kernels in both runs "
-                             f"({', '.join(sorted({kernel_family(k) for k in batched}))}): "
-                             f"the difference comes from how they split the work.")
-                continue
-            fam_b = ", ".join(dict.fromkeys(kernel_family(k) for k in batched)) or "none"
-            fam_s = ", ".join(dict.fromkeys(kernel_family(k) for k in split)) or "none"
-            lines.append(f"'{r.site}' ({r.module_type}): the batched run used {fam_b}, the "
-                         f"split run {fam_s}.")
+            only_b = [k for k in dict.fromkeys(batched) if k not in split]
+            only_s = [k for k in dict.fromkeys(split) if k not in batched]
+            if not only_b and not only_s:
+                lines.append(f"'{r.site}' launched the same kinds of kernel in both runs "
+                             f"({', '.join(dict.fromkeys(batched))}): the difference comes "
+                             f"from how they split the work.")
+            else:
+                lines.append(f"'{r.site}' ({r.module_type}): the batched run launched "
+                             f"{', '.join(only_b) or 'nothing else'}, where the split run "
+                             f"launched {', '.join(only_s) or 'nothing else'}.")
     return lines
 
 

@@ -135,7 +135,7 @@ class SplitRecording:
                     if kind == "input" and index < len(tensors):
                         self(input_site(call, index), tensors[index])
             return
-        parts = input_parts(call, args, kwargs, output, tracker)
+        parts = input_parts(call, module, args, kwargs, output, tracker)
         for index, part in enumerate(parts):
             if part.kind == "input":
                 self(input_site(call, index), part.tensor)

@@ -161,7 +161,8 @@ def test_kernels_on_the_cpu_name_the_ops() -> None:
     assert "aten::mm" not in table.loc["1", "kernels_split"]
     assert table.loc["1", "kernels_differ"]
     assert table.loc["1", "role"] == "source"
-    assert "'1' (SwitchOp): the batched run used GEMM" in result.summary()
+    assert "'1' (SwitchOp): the batched run launched GEMM, where the split run launched" in (
+        result.summary())
 
 
 def test_option_columns_only_with_their_option(chain: nn.Sequential) -> None:
@@ -208,3 +209,29 @@ def test_the_model_input_is_not_recorded_again(chain: nn.Sequential) -> None:
     # own input is the same rows in both runs, so the first layer's input is not copied
     assert result.meta["stored_bytes"] == int(table["numel"].sum()) * 4
     assert table.set_index("site").loc["0", "input_mismatch"] == 0
+
+
+def test_fp64_truth_with_inplace_ops() -> None:
+    result = run(models.inplace_relu_model(), torch.randn(6, 16), truth="fp64")
+    table = result.table
+    assert (table["batched_err_fp64"] < 1e-5).all()
+    assert (table["split_err_fp64"] < 1e-5).all()
+
+
+def test_a_module_passing_its_input_through_is_a_carrier() -> None:
+    model = nn.Sequential(models.OrderedLinear(16, 16, variant_from=2), nn.Dropout(0.5),
+                          nn.Identity()).eval()
+    table = run(model, torch.randn(6, 16), local=True).table.set_index("site")
+    assert list(table.loc[["0", "1", "2"], "role"]) == ["source", "carrier", "carrier"]
+    assert table.loc["1", "local_rel_l2"] == 0
+
+
+def test_kernel_families_are_short() -> None:
+    from divtrace.profiling import kernel_family
+
+    assert kernel_family("void DSE::regular_fft_pad<0, 1, 128>(float2*, float*)") == "FFT"
+    assert kernel_family("sm80_xmma_fprop_implicit_gemm_f32f32_tilesize256x64x8") == (
+        "implicit GEMM")
+    assert kernel_family("void at::native::elementwise_kernel<128, 2>(int, float)") == (
+        "elementwise_kernel")
+    assert kernel_family("aten::mkldnn_convolution") == "oneDNN convolution"
