@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -117,10 +118,12 @@ def kernels_by_site(model: nn.Module, modules: dict[str, nn.Module], args: tuple
     cuda = any(t.is_cuda for t in model.parameters()) or any(
         isinstance(a, torch.Tensor) and a.is_cuda for a in (*args, *kwargs.values()))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof, _ranges(modules), torch.no_grad():
-        model(*args, **kwargs)
-        if cuda:
-            torch.cuda.synchronize()
+    with warnings.catch_warnings():  # one profiled pass: the profiler's cycle notice is moot
+        warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
+        with profile(activities=activities) as prof, _ranges(modules), torch.no_grad():
+            model(*args, **kwargs)
+            if cuda:
+                torch.cuda.synchronize()
     found: dict[str, list[str]] = defaultdict(list)
     for event in prof.events():
         if event.name.startswith(_PREFIX):
