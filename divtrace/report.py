@@ -210,12 +210,16 @@ _CSS = """
 .divtrace p.summary{font:13px/1.5 sans-serif;white-space:pre-line}
 </style>
 """
-_SHOWN = ("site", "module_type", "status", "shape", "dtype", "mismatch", "rel_l2",
+_SHOWN = ("site", "module_type", "status", "role", "shape", "dtype", "mismatch", "rel_l2",
           "max_abs", "max_ulp", "cosine", "growth")
+#: Columns of the explain options, shown when the comparison has them.
+_SHOWN_IF_THERE = ("local_rel_l2", "amplification", "batched_err_fp64", "split_err_fp64",
+                   "noise_mismatch", "kernels_differ")
 
 
 def _cell(column: str, value: object) -> str:
-    if column == "mismatch" and isinstance(value, float) and not math.isnan(value):
+    if column in ("mismatch", "noise_mismatch") and isinstance(value, float) and (
+            not math.isnan(value)):
         return f"{value:.1%}"
     if column == "max_ulp" and isinstance(value, float):
         return _fmt(value, ".0f")
@@ -230,9 +234,10 @@ def table_html(result: Comparison) -> str:
     """The table as HTML: bit-identical rows marked, the first divergence highlighted."""
     table = result.table
     first = result.first_divergence
+    shown = [*_SHOWN, *(c for c in _SHOWN_IF_THERE if c in table)]
     head = "".join(
         f'<th class="{"name" if c in ("site", "module_type") else ""}">{c}</th>'
-        for c in _SHOWN)
+        for c in shown)
     body = []
     for index, row in table.iterrows():
         if row["status"] != "ok":
@@ -245,7 +250,7 @@ def table_html(result: Comparison) -> str:
             cls, mark = "diverged", ""
         cells = "".join(
             f'<td class="{"name" if c in ("site", "module_type") else ""}">'
-            f'{_cell(c, row[c])}{mark if c == "site" else ""}</td>' for c in _SHOWN)
+            f'{_cell(c, row[c])}{mark if c == "site" else ""}</td>' for c in shown)
         body.append(f'<tr class="{cls}">{cells}</tr>')
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
@@ -267,11 +272,14 @@ def html_page(result: Comparison, title: str) -> str:
     from matplotlib.figure import Figure  # no pyplot: the user's backend stays as it is
 
     images = []
-    leaves = result.table
-    n_leaf = int(leaves["leaf"].sum())
-    for draw, height in ((result.plot, 4.5), (result.plot_samples,
-                                               1.2 + 0.25 * len(result.meta["samples"]))):
-        fig = Figure(figsize=(max(8.0, 0.35 * n_leaf), min(height, 12.0)))
+    n_leaf = int(result.table["leaf"].sum())
+    width = min(24.0, max(8.0, 0.35 * n_leaf))
+    drawings = [(result.plot, 4.5),
+                (result.plot_samples, 1.2 + 0.25 * len(result.meta["samples"]))]
+    if not result.sources.empty:
+        drawings.append((result.plot_sources, 1.5 + 0.8 * min(len(result.sources), 12)))
+    for draw, height in drawings:
+        fig = Figure(figsize=(width, min(height, 12.0)))
         draw(ax=fig.subplots())
         images.append(f'<img alt="plot" src="data:image/png;base64,{_png(fig)}">')
     meta = pd.Series(result.meta).drop(labels=["flips"], errors="ignore")

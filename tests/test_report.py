@@ -61,6 +61,17 @@ def test_repr_is_short(diverging, identical) -> None:
     assert "\n" not in repr(diverging)
 
 
+def test_html_shows_roles_and_the_options_columns() -> None:
+    result = divtrace.compare(models.variant_mlp(), torch.randn(6, 16), progress=False,
+                              local=True, repeat=1)
+    page = result._repr_html_()
+    assert "<th class=\"\">role</th>" in page
+    assert ">source</td>" in page
+    assert "local_rel_l2</th>" in page
+    assert "noise_mismatch</th>" in page
+    assert "batched_err_fp64" not in page  # truth was not asked for
+
+
 def test_html_marks_identical_rows_and_highlights_the_first(diverging) -> None:
     page = diverging._repr_html_()
     rows = re.findall(r'<tr class="(\w+)">', page)
@@ -92,7 +103,7 @@ def test_files(diverging, tmp_path: Path) -> None:
     assert len(doc["samples"]) == 7 * 6
     page = diverging.to_html(tmp_path / "t.html").read_text()
     images = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
-    assert len(images) == 2
+    assert len(images) == 3  # snowball, per-sample heatmap, sources
     assert base64.b64decode(images[0]).startswith(b"\x89PNG")
     assert "http" not in page.replace("charset", "")  # nothing fetched from outside
 
