@@ -11,6 +11,7 @@ Example:
 from divtrace.assemble import COLUMNS, EXPLAIN_COLUMNS
 from divtrace.compare import compare
 from divtrace.comparison import Comparison
+from divtrace.config import Run
 from divtrace.errors import (
     BatchMixingError,
     DivtraceError,
@@ -19,6 +20,7 @@ from divtrace.errors import (
     DivtraceWarning,
 )
 from divtrace.plot import overlay
+from divtrace.sweep import BatchSweep, Sweep, sweep, sweep_batch
 
 __version__ = "0.1.0"
 
@@ -26,12 +28,17 @@ __all__ = [
     "COLUMNS",
     "EXPLAIN_COLUMNS",
     "BatchMixingError",
+    "BatchSweep",
     "Comparison",
     "DivtraceError",
     "DivtraceTypeError",
     "DivtraceValueError",
     "DivtraceWarning",
+    "Run",
+    "Sweep",
     "__version__",
     "compare",
     "overlay",
+    "sweep",
+    "sweep_batch",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -21,11 +22,12 @@ from divtrace.batch import (
     prepare_samples,
 )
 from divtrace.comparison import Comparison
+from divtrace.config import Run
 from divtrace.errors import BatchMixingError, DivtraceTypeError, DivtraceValueError
-from divtrace.measure import Measured, Meter
+from divtrace.measure import Call, Measured, Meter
 from divtrace.profiling import kernels_by_site
 from divtrace.record import SiteInfo, Tracker, observe
-from divtrace.sites import INPUT, select_modules
+from divtrace.sites import INPUT, ROOT, select_modules
 from divtrace.split import Reference, SplitRecording
 
 __all__ = ["compare"]
@@ -75,6 +77,86 @@ def _forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
         raise
 
 
+def _runs(a: Run | None, b: Run | None, chunk: int, size: int) -> tuple[Run, Run]:
+    """The reference run and the compared run: split vs batched unless a or b is given."""
+    if a is None and b is None:
+        return Run(chunk=check_chunk(chunk, size)), Run()
+    for name, run in (("a", a), ("b", b)):
+        if run is not None and not isinstance(run, Run):
+            raise DivtraceTypeError(f"{name} must be a divtrace.Run; got {type(run).__name__}")
+    if chunk != 1:
+        raise DivtraceValueError(
+            "chunk= is for the default batched vs split comparison; with a= or b=, give "
+            "the batch size of each run as Run(chunk=...)")
+    ref, test = a or Run(), b or Run()
+    whole = [r if r.chunk is None or r.chunk < size else replace(r, chunk=None)
+             for r in (ref, test)]
+    return whole[0], whole[1]
+
+
+def _name(run: Run, fallback: str) -> str:
+    if run == Run(chunk=run.chunk) and run.name is None:
+        return "batched run" if run.chunk is None else "split run"
+    return f"run {fallback} ({run.label()})"
+
+
+def _fed(run: Run, args: tuple[Any, ...], kwargs: dict[str, Any]
+         ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The inputs as ``run`` feeds them (moved, cast, reformatted); as they are if no change."""
+    if run.device is None and run.dtype is None and not run.channels_last:
+        return args, kwargs
+    mapped = pytree.tree_map(run.tensor, (args, kwargs))
+    return mapped[0], mapped[1]
+
+
+def _record(model: nn.Module, selected: dict[str, nn.Module], recording: SplitRecording,
+            batch: BatchedInput, chunks: list[tuple[int, int]], run: Run, bar: Any,
+            name: str) -> None:
+    """Runs ``chunks`` of the batch through the model, recording the compared rows."""
+    bar.set_description(f"divtrace: {name}")
+    with run.flags(), observe(selected, recording, recording.on_call) as tracker:
+        for start, stop in chunks:
+            args, kwargs = _fed(run, *batch.rows(start, stop))
+            compared = [s for s in recording.samples if start <= s < stop]
+            done = False
+            while not done:  # runs again only when an in-place op was found late
+                tracker.lineage = not recording.calls  # learnt from the first chunk
+                recording.begin_chunk(start, stop)
+                _forward(model, args, kwargs, tracker,
+                         f"{name}, chunk of rows {start}:{stop} (samples {compared})")
+                done = recording.end_chunk()
+            bar.update()
+
+
+def _compare_recordings(meter: Meter, second: SplitRecording, size: int) -> None:
+    """Measures a second recording's rows against the meter's (both runs chunked)."""
+    count = len(second.samples)
+    first = meter.split
+    proxy = SplitRecording(list(range(count)), 0, False, count, refs=first.refs,
+                           calls=first.calls)
+    rows_meter = Meter(proxy, meter.rtol, meter.atol, keep=False)
+    for key, ref in second.refs.items():
+        if "<in" in key:
+            continue
+        if ref.rows is None or not second.complete(ref):
+            status = ref.status if ref.rows is None else "partial_in_split"
+            meter.sites.append(Measured(ref.site, status, ref.shape, ref.dtype))
+            continue
+        site = rows_meter._measure(ref.site, ref.rows, count)
+        site.shape = (size, *ref.row_shape)
+        meter.sites.append(site)
+    for key, parts in second.calls.items():
+        inputs: list[tuple[str, str | None, Measured | None]] = []
+        for kind, part_key in parts:
+            measured = None
+            own = second.refs.get(part_key) if part_key is not None else None
+            if kind == "input" and own is not None and own.rows is not None:
+                measured = rows_meter._measure(own.site, own.rows, count)
+                measured.shape = (size, *own.row_shape)
+            inputs.append((kind, part_key, measured))
+        meter.calls[key] = Call(inputs)
+
+
 def _truth_run(model: nn.Module, modules: str | type | Iterable[str | type] | None,
                batch: BatchedInput, rows: list[int]) -> SplitRecording:
     """Runs a float64 copy of the model on the compared samples; records every site."""
@@ -104,7 +186,7 @@ def _truth_run(model: nn.Module, modules: str | type | Iterable[str | type] | No
     return truth
 
 
-def _repeat(meter: Meter, selected: dict[str, nn.Module], model: nn.Module,
+def _repeat(meter: Meter, selected: dict[str, nn.Module], model: nn.Module, run: Run,
             batch: BatchedInput, split: SplitRecording) -> list[Measured]:
     """One more batched run, compared with the first batched run's rows."""
     first = SplitRecording(split.samples, split.batch_dim, False, split.chunk)
@@ -115,7 +197,7 @@ def _repeat(meter: Meter, selected: dict[str, nn.Module], model: nn.Module,
                 filled=len(split.samples))
     again = Meter(first, meter.rtol, meter.atol, keep=False)
     with observe(selected, lambda s, t: again.measure(s, t, batch.batch_size)) as tracker:
-        args, kwargs = batch.whole()
+        args, kwargs = _fed(run, *batch.whole())
         _forward(model, args, kwargs, tracker, "repeated batched run")
     return again.sites
 
@@ -139,6 +221,8 @@ def compare(
     truth: str | None = None,
     repeat: int = 0,
     kernels: bool = False,
+    a: Run | None = None,
+    b: Run | None = None,
 ) -> Comparison:
     """Traces where a batched run and a split run of ``model`` on ``x`` part, layer by layer.
 
@@ -181,6 +265,10 @@ def compare(
             differs from itself (``noise_mismatch``, ``noise_rel_l2``).
         kernels: Profile one split pass and one batched pass and list, per site, the GPU
             kernels (on the CPU: the innermost ops) each launched.
+        a: Instead of batched vs split: the reference run's configuration
+            (:class:`Run`; default ``Run()``: as is, the whole batch in one pass).
+        b: The configuration compared with ``a``; the figures are ``b`` against ``a``.
+            With ``a`` or ``b`` given, ``chunk`` is not used: give ``Run(chunk=...)``.
 
     Returns:
         A :class:`Comparison`, one row per site.
@@ -207,8 +295,12 @@ def compare(
     skip = (replay_skip,) if isinstance(replay_skip, str) else tuple(replay_skip)
     batch = prepare_input(x, batch_dim)
     rows = prepare_samples(samples, batch.batch_size)
-    chunk = check_chunk(chunk, batch.batch_size)
-    selected = select_modules(model, modules)
+    size = batch.batch_size
+    ref, test = _runs(a, b, chunk, size)
+    if test.chunk is not None and (local or repeat or kernels):
+        raise DivtraceValueError(
+            f"local, repeat and kernels need run b to take the whole batch in one pass; "
+            f"got b=Run(chunk={test.chunk}). Swap a and b, or leave those options out")
     mixing = _mixing_modules(model)
     if mixing and not allow_train:
         raise BatchMixingError(
@@ -217,9 +309,15 @@ def compare(
             f"reasons that are not numerical. Call model.eval() first, or pass "
             f"allow_train=True to compare anyway"
         )
-    chunks = chunks_for(rows, chunk, batch.batch_size)
-    split = SplitRecording(rows, batch_dim, offload, chunk)
-    steps = len(chunks) + 1 + repeat + (truth is not None) + 2 * kernels
+    compiled = bool(ref.compile or test.compile)
+    ref_model, test_model = ref.model(model), test.model(model)
+    ref_sites = {ROOT: ref_model} if compiled else select_modules(ref_model, modules)
+    test_sites = {ROOT: test_model} if compiled else select_modules(test_model, modules)
+    ref_chunks = chunks_for(rows, ref.chunk or size, size)
+    test_chunks = chunks_for(rows, test.chunk, size) if test.chunk else []
+    split = SplitRecording(rows, batch_dim, offload, ref.chunk or size)
+    steps = (len(ref_chunks) + max(1, len(test_chunks)) + repeat + (truth is not None)
+             + 2 * kernels)
     bar = tqdm(total=steps, desc="divtrace", unit="pass", disable=not progress, leave=False)
     with bar, _untouched(model, restore_buffers=bool(mixing)):
         exact = None
@@ -227,36 +325,31 @@ def compare(
             bar.set_description("divtrace: float64 truth run")
             exact = _truth_run(model, modules, batch, rows)
             bar.update()
-        bar.set_description("divtrace: split run")
-        with observe(selected, split, split.on_call) as tracker:
-            for start, stop in chunks:
-                args, kwargs = batch.rows(start, stop)
-                compared = [s for s in rows if start <= s < stop]
-                done = False
-                while not done:  # runs again only when an in-place op was found late
-                    tracker.lineage = not split.calls  # learnt from the first chunk
-                    split.begin_chunk(start, stop)
-                    _forward(model, args, kwargs, tracker,
-                             f"split run, chunk of rows {start}:{stop} (samples {compared})")
-                    done = split.end_chunk()
-                bar.update()
+        _record(ref_model, ref_sites, split, batch, ref_chunks, ref, bar, _name(ref, "a"))
         stored_bytes = split.stored_bytes
         meter = Meter(split, rtol, atol, keep or repeat > 0, local, skip, exact)
-        size = batch.batch_size
+        if test_chunks:  # both runs chunked: record the second too, then compare rows
+            second = SplitRecording(rows, batch_dim, offload, test.chunk or size)
+            _record(test_model, test_sites, second, batch, test_chunks, test, bar,
+                    _name(test, "b"))
+            _compare_recordings(meter, second, size)
+        else:
+            bar.set_description(f"divtrace: {_name(test, 'b')}")
 
-        bar.set_description("divtrace: batched run")
-        def on_call(site: SiteInfo, module: nn.Module, args: tuple[Any, ...],
-                    kwargs: dict[str, Any], output: Any, tracker: Tracker) -> None:
-            meter.on_call(site, module, args, kwargs, output, tracker, size)
+            def on_call(site: SiteInfo, module: nn.Module, args: tuple[Any, ...],
+                        kwargs: dict[str, Any], output: Any, tracker: Tracker) -> None:
+                meter.on_call(site, module, args, kwargs, output, tracker, size)
 
-        with observe(selected, lambda s, t: meter.measure(s, t, size), on_call) as tracker:
-            args, kwargs = batch.whole()
-            _forward(model, args, kwargs, tracker, f"batched run (B={size})")
-        bar.update()
+            with test.flags(), observe(test_sites, lambda s, t: meter.measure(s, t, size),
+                                       on_call) as tracker:
+                args, kwargs = _fed(test, *batch.whole())
+                _forward(test_model, args, kwargs, tracker, f"{_name(test, 'b')} (B={size})")
+            bar.update()
         noise = []
         for _ in range(repeat):
             bar.set_description("divtrace: repeated batched run")
-            noise.append(_repeat(meter, selected, model, batch, split))
+            with test.flags():
+                noise.append(_repeat(meter, test_sites, test_model, test, batch, split))
             bar.update()
         if not keep:
             for site in meter.sites:
@@ -264,17 +357,21 @@ def compare(
         found = None
         if kernels:
             bar.set_description("divtrace: profiling")
-            start, stop = chunks[0]
-            split_kernels = kernels_by_site(model, selected, *batch.rows(start, stop))
+            start, stop = ref_chunks[0]
+            with ref.flags():
+                split_kernels = kernels_by_site(ref_model, ref_sites,
+                                                *_fed(ref, *batch.rows(start, stop)))
             bar.update()
-            found = (kernels_by_site(model, selected, *batch.whole()), split_kernels)
+            with test.flags():
+                found = (kernels_by_site(test_model, test_sites, *_fed(test, *batch.whole())),
+                         split_kernels)
             bar.update()
     meta = {
         "batch_size": batch.batch_size,
-        "chunk": chunk,
+        "chunk": ref.chunk or size,
         "samples": rows,
         "batch_dim": batch_dim,
-        "split_passes": len(chunks),
+        "split_passes": len(ref_chunks),
         "stored_bytes": stored_bytes,
         "rtol": rtol,
         "atol": atol,
@@ -284,5 +381,6 @@ def compare(
         "truth": truth,
         "repeat": repeat,
         "kernels": kernels,
+        "runs": None if a is None and b is None else [ref.label(), test.label()],
     }
     return build(meter.sites, split, meta, meter.calls, noise, found)

@@ -17,7 +17,14 @@ from torch.utils import _pytree as pytree
 
 from divtrace import kernels
 from divtrace.lineage import input_parts, input_site
-from divtrace.metrics import block_stats, blocks, combine, tolerances
+from divtrace.metrics import (
+    block_stats,
+    blocks,
+    combine,
+    lower_precision,
+    mixed_stats,
+    tolerances,
+)
 from divtrace.record import SiteInfo, Tracker
 from divtrace.sites import INPUT, ROOT, flatten_output, site_key
 from divtrace.split import Reference, SplitRecording, runs_of
@@ -100,7 +107,8 @@ class Meter:
             return "unbatched"
         if tuple(shape[:dim] + shape[dim + 1:]) != ref.row_shape:
             return "shape_mismatch"
-        if tensor.dtype != ref.dtype:
+        if tensor.dtype != ref.dtype and not (
+                tensor.is_floating_point() and ref.dtype.is_floating_point):
             return "dtype_mismatch"
         if not self.split.complete(ref):
             return "partial_in_split"
@@ -119,8 +127,10 @@ class Meter:
     def stats(self, tensor: torch.Tensor, rows: torch.Tensor, batch: int) -> torch.Tensor:
         """Per-sample statistics of the compared rows of ``tensor`` against ``rows``."""
         dim = self.split.batch_dim % tensor.dim()
-        rtol, atol = self._tolerances(tensor.dtype)
-        fused = kernels.supports(tensor)
+        mixed = tensor.dtype != rows.dtype
+        rtol, atol = self._tolerances(lower_precision(tensor.dtype, rows.dtype) if mixed
+                                      else tensor.dtype)
+        fused = kernels.supports(tensor) and not mixed
         per_run = []
         for slot, row, n in self._runs:
             b = tensor if n == batch else tensor.narrow(dim, row, n)
@@ -128,6 +138,11 @@ class Meter:
             r = (rows if n == len(rows) else rows.narrow(0, slot, n)).reshape(n, -1)
             if fused:  # one pass, no temporaries beyond a partial row per program
                 per_run.append(kernels.fused_stats(b, r, rtol, atol))
+                continue
+            if mixed:  # two configurations of a run: errors in the finer dtype
+                per_run.append(combine([
+                    mixed_stats(b[:, lo:hi], r[:, lo:hi], rtol, atol)
+                    for lo, hi in blocks(n, b.shape[1], self._block(tensor.device))]))
                 continue
             per_run.append(combine([
                 block_stats(b[:, lo:hi], r[:, lo:hi], rtol, atol)

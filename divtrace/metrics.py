@@ -19,6 +19,8 @@ __all__ = [
     "block_stats",
     "blocks",
     "combine",
+    "lower_precision",
+    "mixed_stats",
     "site_figures",
     "tolerances",
     "ulp_ordered",
@@ -153,6 +155,26 @@ def block_stats(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> t
     out[:, 0] = (b != r).sum(1, dtype=torch.float64)
     out[:, 1] = 0
     out[:, 2] = out[:, 0]
+    return out
+
+
+def lower_precision(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """The less precise of two floating dtypes (the one with the larger epsilon)."""
+    return a if torch.finfo(a).eps >= torch.finfo(b).eps else b
+
+
+def mixed_stats(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> torch.Tensor:
+    """Like :func:`block_stats` for two floating blocks of different dtypes: the errors in
+    the more precise dtype, the ULP distance in the less precise one."""
+    low = lower_precision(b.dtype, r.dtype)
+    high = b.dtype if low == r.dtype else r.dtype
+    out = block_stats(b.to(high), r.to(high), rtol, atol)
+    b_low, r_low = b.to(low), r.to(low)
+    if low in _INT_VIEW:
+        finite = (b_low.to(high) - r_low.to(high)).isfinite()
+        out[:, _COL["max_ulp"]] = _max_ulp(b_low, r_low, finite, b.device.type == "cpu")
+    else:
+        out[:, _COL["max_ulp"]] = math.nan
     return out
 
 

@@ -6,7 +6,8 @@ import base64
 import html
 import io
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
@@ -161,10 +162,12 @@ def summary(result: Comparison) -> str:
     samples = meta["samples"]
     shown = samples if len(samples) <= 8 else [*samples[:8], "..."]
     chunking = "per sample" if meta["chunk"] == 1 else f"in chunks of {meta['chunk']}"
-    lines = [
-        f"Batched run (B={meta['batch_size']}) vs split run ({chunking}), "
-        f"{len(samples)} compared sample(s) {shown}, {len(ok)} compared sites."
-    ]
+    if meta.get("runs"):
+        first, second = meta["runs"]
+        head = f"Run b ({second}) vs run a ({first}), B={meta['batch_size']}"
+    else:
+        head = f"Batched run (B={meta['batch_size']}) vs split run ({chunking})"
+    lines = [f"{head}, {len(samples)} compared sample(s) {shown}, {len(ok)} compared sites."]
     if meta["train_mode"]:
         lines.append(
             "The model ran in train mode (allow_train=True): BatchNorm or Dropout make "
@@ -274,7 +277,8 @@ def html_page(result: Comparison, title: str) -> str:
     images = []
     n_leaf = int(result.table["leaf"].sum())
     width = min(24.0, max(8.0, 0.35 * n_leaf))
-    drawings = [(result.plot, 4.5),
+    drawings: list[tuple[Callable[..., Any], float]] = [
+        (result.plot, 4.5),
                 (result.plot_samples, 1.2 + 0.25 * len(result.meta["samples"]))]
     if not result.sources.empty:
         drawings.append((result.plot_sources, 1.5 + 0.8 * min(len(result.sources), 12)))

@@ -1,0 +1,150 @@
+"""Run configurations: what one of the two compared runs does differently.
+
+A :class:`Run` names a batch size (``chunk``), a device, a dtype, backend flags, a memory
+format and ``torch.compile``. Flags are set only while that run's passes execute and are
+always restored; the user's model is never changed (a run that needs another device,
+dtype or memory format works on a copy).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import nn
+
+from divtrace.errors import DivtraceTypeError, DivtraceValueError
+
+__all__ = ["Run"]
+
+_PRECISIONS = ("highest", "high", "medium")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One configuration of a forward pass; ``None`` leaves a setting as it is.
+
+    Args:
+        chunk: Batch size of the passes (``None``: the whole batch in one pass).
+        device: Device to run on (a copy of the model is moved there).
+        dtype: Floating dtype of the model's parameters and of floating inputs.
+        cudnn: ``torch.backends.cudnn.enabled``.
+        deterministic: ``torch.backends.cudnn.deterministic``.
+        benchmark: ``torch.backends.cudnn.benchmark``.
+        tf32_matmul: ``torch.backends.cuda.matmul.allow_tf32``.
+        tf32_cudnn: ``torch.backends.cudnn.allow_tf32``.
+        matmul_precision: ``torch.set_float32_matmul_precision`` (highest, high, medium).
+        channels_last: Model and 4-D inputs in ``torch.channels_last``.
+        compile: ``torch.compile`` the (copied) model: ``True`` for the default backend or
+            a backend name. Only the model's output is compared then.
+        name: A label for tables and plots (default: made from the settings).
+
+    Example:
+        >>> from divtrace import Run
+        >>> Run(tf32_matmul=True).label()
+        'tf32_matmul=True'
+    """
+
+    chunk: int | None = None
+    device: str | torch.device | None = None
+    dtype: torch.dtype | None = None
+    cudnn: bool | None = None
+    deterministic: bool | None = None
+    benchmark: bool | None = None
+    tf32_matmul: bool | None = None
+    tf32_cudnn: bool | None = None
+    matmul_precision: str | None = None
+    channels_last: bool = False
+    compile: bool | str = False
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.chunk is not None and (isinstance(self.chunk, bool)
+                                       or not isinstance(self.chunk, int) or self.chunk < 1):
+            raise DivtraceValueError(f"Run(chunk=...) must be None or an int >= 1; "
+                                     f"got {self.chunk!r}")
+        if self.dtype is not None and (not isinstance(self.dtype, torch.dtype)
+                                       or not self.dtype.is_floating_point):
+            raise DivtraceTypeError(f"Run(dtype=...) must be a floating torch.dtype; "
+                                    f"got {self.dtype!r}")
+        if self.matmul_precision not in (None, *_PRECISIONS):
+            raise DivtraceValueError(f"Run(matmul_precision=...) must be one of "
+                                     f"{', '.join(_PRECISIONS)}; got {self.matmul_precision!r}")
+        if self.device is not None:
+            torch.device(self.device)  # raises on a malformed name
+
+    def label(self) -> str:
+        """The run's name, or its non-default settings."""
+        if self.name:
+            return self.name
+        parts = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "name" or value == f.default:
+                continue
+            shown = str(value).removeprefix("torch.") if f.name == "dtype" else value
+            parts.append(f"{f.name}={shown}")
+        return ", ".join(parts) or "as is"
+
+    @property
+    def changes_model(self) -> bool:
+        """Whether this run needs its own copy of the model."""
+        return (self.device is not None or self.dtype is not None or self.channels_last
+                or bool(self.compile))
+
+    def model(self, model: nn.Module) -> nn.Module:
+        """The model this run uses: the user's own, or a changed copy."""
+        if not self.changes_model:
+            return model
+        mine = copy.deepcopy(model)
+        if self.device is not None:
+            mine = mine.to(torch.device(self.device))
+        if self.dtype is not None:
+            mine = mine.to(self.dtype)
+        if self.channels_last:
+            mine = mine.to(memory_format=torch.channels_last)
+        if self.compile:
+            backend = self.compile if isinstance(self.compile, str) else "inductor"
+            mine = torch.compile(mine, backend=backend)  # type: ignore[assignment]
+        return mine
+
+    def tensor(self, value: Any) -> Any:
+        """One input leaf as this run feeds it (moved, cast, reformatted)."""
+        if not isinstance(value, torch.Tensor):
+            return value
+        if self.device is not None:
+            value = value.to(torch.device(self.device))
+        if self.dtype is not None and value.is_floating_point():
+            value = value.to(self.dtype)
+        if self.channels_last and value.dim() == 4:
+            value = value.contiguous(memory_format=torch.channels_last)
+        return value
+
+    @contextmanager
+    def flags(self) -> Iterator[None]:
+        """Sets this run's backend flags; restores every one of them on exit."""
+        cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+        saved = (cudnn.enabled, cudnn.deterministic, cudnn.benchmark, matmul.allow_tf32,
+                 cudnn.allow_tf32, torch.get_float32_matmul_precision())
+        try:
+            if self.cudnn is not None:
+                cudnn.enabled = self.cudnn
+            if self.deterministic is not None:
+                cudnn.deterministic = self.deterministic
+            if self.benchmark is not None:
+                cudnn.benchmark = self.benchmark
+            if self.tf32_matmul is not None:
+                matmul.allow_tf32 = self.tf32_matmul
+            if self.tf32_cudnn is not None:
+                cudnn.allow_tf32 = self.tf32_cudnn
+            if self.matmul_precision is not None:
+                torch.set_float32_matmul_precision(self.matmul_precision)
+            yield
+        finally:
+            (cudnn.enabled, cudnn.deterministic, cudnn.benchmark, matmul.allow_tf32,
+             cudnn.allow_tf32) = saved[:5]
+            torch.set_float32_matmul_precision(saved[5])

@@ -1,0 +1,234 @@
+"""Sweeps: many comparisons at once — over run settings, or over batch sizes."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from divtrace.batch import prepare_input
+from divtrace.compare import compare
+from divtrace.comparison import Comparison
+from divtrace.config import Run
+from divtrace.errors import DivtraceTypeError, DivtraceValueError
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+__all__ = ["BatchSweep", "Sweep", "sweep", "sweep_batch"]
+
+_RUN_FIELDS = {f.name for f in fields(Run)} - {"name"}
+
+
+def _settings(settings: Mapping[str, Any] | Sequence[Run]) -> dict[str, Run]:
+    """Named runs from a list of runs, a dict of named runs, or a settings matrix."""
+    if isinstance(settings, Mapping):
+        values = list(settings.values())
+        if values and all(isinstance(v, Run) for v in values):
+            return {str(k): v for k, v in settings.items()}
+        unknown = [k for k in settings if k not in _RUN_FIELDS]
+        if unknown:
+            raise DivtraceValueError(
+                f"settings {unknown} are not Run fields; a settings matrix maps Run fields "
+                f"({', '.join(sorted(_RUN_FIELDS))}) to lists of values")
+        lists = [v if isinstance(v, list | tuple) else [v] for v in values]
+        runs = [Run(**dict(zip(settings, combo, strict=True)))
+                for combo in itertools.product(*lists)]
+        return {run.label(): run for run in runs}
+    runs = list(settings)
+    bad = [r for r in runs if not isinstance(r, Run)]
+    if bad:
+        raise DivtraceTypeError(f"settings must hold divtrace.Run objects; got {bad[0]!r}")
+    return {run.label(): run for run in runs}
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """Comparisons of several run settings against one reference run.
+
+    Attributes:
+        table: One row per setting: the output's divergence, the first divergent site
+            and the number of sources.
+        comparisons: The full :class:`~divtrace.Comparison` of each setting, by name.
+    """
+
+    table: pd.DataFrame
+    comparisons: dict[str, Comparison]
+
+    def plot(self, ax: Axes | None = None, metric: str = "output_rel_l2") -> Axes:
+        """One bar per setting; bit-identical settings are drawn on a grey floor."""
+        from divtrace.plot import _axes, _floor
+
+        ax = _axes(ax)
+        values = self.table[metric].to_numpy(dtype=float)
+        floor = _floor([values])
+        shown = np.where(values > 0, values, floor)
+        colors = ["0.7" if v == 0 else "crimson" for v in values]
+        position = np.arange(len(values))
+        ax.barh(position, shown, color=colors)
+        ax.set_yticks(position, list(self.table["setting"]), fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xscale("log")
+        ax.axvline(floor * 3, color="0.6", linewidth=1, linestyle=":")
+        ax.set_xlabel(f"{metric} (grey: bit-identical)")
+        ax.set_title("divtrace: divergence of the output, per setting")
+        return ax
+
+
+def sweep(model: nn.Module, x: Any, settings: Mapping[str, Any] | Sequence[Run], *,
+          reference: Run | None = None, progress: bool = True, **options: Any) -> Sweep:
+    """Compares the model under several settings with a reference run.
+
+    Args:
+        model: The model.
+        x: Its input, as for :func:`divtrace.compare`.
+        settings: A list of :class:`Run`, a dict of named runs, or a settings matrix: a
+            dict of Run fields to lists of values, every combination of which is run,
+            e.g. ``{"cudnn": [True, False], "tf32_matmul": [False, True]}``.
+        reference: The run each setting is compared with (default ``Run()``: as is).
+        progress: A progress bar over the settings, on stderr.
+        **options: Passed to :func:`divtrace.compare` (``samples``, ``modules``, ...).
+
+    Returns:
+        A :class:`Sweep`.
+
+    Example:
+        >>> import torch, divtrace
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4)).eval()
+        >>> found = divtrace.sweep(net, torch.randn(6, 4), {"dtype": [torch.float64]},
+        ...                        progress=False)
+        >>> list(found.table.setting)
+        ['dtype=float64']
+    """
+    named = _settings(settings)
+    if not named:
+        raise DivtraceValueError("settings is empty; give at least one Run")
+    base = reference or Run()
+    rows, comparisons = [], {}
+    for name, run in tqdm(named.items(), desc="divtrace: sweep", disable=not progress,
+                          leave=False):
+        result = compare(model, x, a=base, b=run, progress=False, **options)
+        comparisons[name] = result
+        out = result.output
+        table = result.table
+        ok = table[table["status"] == "ok"]
+        first = result.first_divergence
+        rows.append({
+            "setting": name,
+            "output_rel_l2": math.nan if out is None else out["rel_l2"],
+            "output_mismatch": math.nan if out is None else out["mismatch"],
+            "output_max_abs": math.nan if out is None else out["max_abs"],
+            "first_divergence": None if first is None else first["site"],
+            "sources": len(result.sources),
+            "identical_sites": int((ok["mismatch"] == 0).sum()),
+            "sites": len(ok),
+        })
+    return Sweep(pd.DataFrame(rows), comparisons)
+
+
+@dataclass(frozen=True)
+class BatchSweep:
+    """Batched runs of growing batch size against per-sample runs of the same samples.
+
+    Attributes:
+        table: Long form: one row per (site, batch_size) with ``mismatch`` and ``rel_l2``.
+        onset: One row per site: the smallest swept batch size at which it is no longer
+            bit-identical (``NaN``: identical at every size).
+        comparisons: The :class:`~divtrace.Comparison` of each batch size.
+    """
+
+    table: pd.DataFrame
+    onset: pd.DataFrame
+    comparisons: dict[int, Comparison]
+
+    def plot(self, ax: Axes | None = None, metric: str = "rel_l2") -> Axes:
+        """A site × batch-size heatmap of log10(``metric``); grey where bit-identical."""
+        import matplotlib as mpl
+
+        from divtrace.plot import _axes
+
+        ax = _axes(ax)
+        sites = list(dict.fromkeys(self.table["site"]))
+        grid = self.table.pivot(index="site", columns="batch_size", values=metric)
+        grid = grid.reindex(index=sites)
+        with np.errstate(divide="ignore"):
+            logged = np.log10(grid.to_numpy(dtype=float))
+        finite = logged[np.isfinite(logged)]
+        low = float(finite.min()) if finite.size else -10.0
+        high = float(finite.max()) if finite.size else low + 1
+        cmap = mpl.colormaps["viridis"].with_extremes(under="0.9", bad="0.9")
+        image = ax.imshow(np.where(np.isfinite(logged), logged, low - 1), aspect="auto",
+                          cmap=cmap, vmin=low, vmax=max(high, low + 1e-9),
+                          interpolation="nearest")
+        ax.figure.colorbar(image, ax=ax, label=f"log10 {metric} (grey: bit-identical)")
+        ax.set_xticks(np.arange(len(grid.columns)), [str(c) for c in grid.columns])
+        if len(sites) <= 60:
+            ax.set_yticks(np.arange(len(sites)), sites, fontsize=7)
+        ax.set_xlabel("batch size of the batched run")
+        ax.set_ylabel("site (execution order)")
+        ax.set_title("divtrace: where each site starts to diverge")
+        return ax
+
+
+def sweep_batch(model: nn.Module, x: Any, sizes: Iterable[int] | None = None, *,
+                samples: Sequence[int] = (0,), batch_dim: int = 0, progress: bool = True,
+                **options: Any) -> BatchSweep:
+    """At which batch size does each site start to diverge?
+
+    For each batch size s, the first s rows of ``x`` run as one batch and are compared
+    with per-sample runs of ``samples`` (which must lie in every swept batch).
+
+    Args:
+        model: The model.
+        x: Its input, as for :func:`divtrace.compare`, with the largest batch.
+        sizes: Batch sizes to sweep (default 2, 4, 8, ... up to B, and B).
+        samples: The rows compared at every size.
+        batch_dim: The batch dimension.
+        progress: A progress bar over the sizes, on stderr.
+        **options: Passed to :func:`divtrace.compare` (``modules``, ``rtol``, ...).
+
+    Returns:
+        A :class:`BatchSweep`.
+    """
+    batch = prepare_input(x, batch_dim)
+    total = batch.batch_size
+    if sizes is None:
+        sizes = sorted({*(2 ** k for k in range(1, total.bit_length()) if 2 ** k <= total),
+                        total})
+    sizes = sorted(set(sizes))
+    compared = list(samples)
+    bad = [s for s in sizes if isinstance(s, bool) or not isinstance(s, int)
+           or not 2 <= s <= total]
+    if bad:
+        raise DivtraceValueError(f"batch sizes must be whole numbers from 2 to B={total}; "
+                                 f"got {bad}")
+    if not compared or max(compared) >= sizes[0]:
+        raise DivtraceValueError(
+            f"samples {compared} must lie in every swept batch; the smallest is "
+            f"{sizes[0]} rows, so samples must be below {sizes[0]}")
+    rows, comparisons = [], {}
+    for size in tqdm(sizes, desc="divtrace: batch sizes", disable=not progress,
+                     leave=False):
+        args, kwargs = batch.rows(0, size)  # x's first rows, in x's own form
+        part: Any = args[0] if isinstance(x, torch.Tensor) else (
+            args if isinstance(x, tuple) else kwargs)
+        result = compare(model, part, chunk=1, samples=compared, batch_dim=batch_dim,
+                         progress=False, **options)
+        comparisons[size] = result
+        for row in result.table.itertuples():
+            rows.append({"site": row.site, "batch_size": size, "status": row.status,
+                         "mismatch": row.mismatch, "rel_l2": row.rel_l2})
+    table = pd.DataFrame(rows, columns=["site", "batch_size", "status", "mismatch", "rel_l2"])
+    diverged = table[table["mismatch"] > 0]
+    onset = (diverged.groupby("site", sort=False)["batch_size"].min()
+             .reindex(list(dict.fromkeys(table["site"]))).rename("diverges_from")
+             .reset_index())
+    return BatchSweep(table, onset, comparisons)
