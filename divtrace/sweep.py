@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -84,8 +84,13 @@ class Sweep:
 
 
 def sweep(model: nn.Module, x: Any, settings: Mapping[str, Any] | Sequence[Run], *,
-          reference: Run | None = None, progress: bool = True, **options: Any) -> Sweep:
-    """Compares the model under several settings with a reference run.
+          reference: Run | None = None, chunk: int = 1, progress: bool = True,
+          **options: Any) -> Sweep:
+    """Runs the model under several settings: does each one diverge, and where?
+
+    Without ``reference``, each setting answers "do batched and split runs part under
+    this setting?": the batched run and a split run in chunks of ``chunk``, both with the
+    setting. With ``reference``, each setting's run is compared with the reference run.
 
     Args:
         model: The model.
@@ -93,7 +98,9 @@ def sweep(model: nn.Module, x: Any, settings: Mapping[str, Any] | Sequence[Run],
         settings: A list of :class:`Run`, a dict of named runs, or a settings matrix: a
             dict of Run fields to lists of values, every combination of which is run,
             e.g. ``{"cudnn": [True, False], "tf32_matmul": [False, True]}``.
-        reference: The run each setting is compared with (default ``Run()``: as is).
+        reference: The run each setting is compared with (default: none — batched vs
+            split under each setting).
+        chunk: The split run's batch size when there is no reference.
         progress: A progress bar over the settings, on stderr.
         **options: Passed to :func:`divtrace.compare` (``samples``, ``modules``, ...).
 
@@ -104,18 +111,21 @@ def sweep(model: nn.Module, x: Any, settings: Mapping[str, Any] | Sequence[Run],
         >>> import torch, divtrace
         >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4)).eval()
         >>> found = divtrace.sweep(net, torch.randn(6, 4), {"dtype": [torch.float64]},
-        ...                        progress=False)
+        ...                        reference=divtrace.Run(), progress=False)
         >>> list(found.table.setting)
         ['dtype=float64']
     """
     named = _settings(settings)
     if not named:
         raise DivtraceValueError("settings is empty; give at least one Run")
-    base = reference or Run()
     rows, comparisons = [], {}
     for name, run in tqdm(named.items(), desc="divtrace: sweep", disable=not progress,
                           leave=False):
-        result = compare(model, x, a=base, b=run, progress=False, **options)
+        if reference is None:  # batched vs split, both under this setting
+            first, second = replace(run, chunk=chunk), replace(run, chunk=None)
+        else:
+            first, second = reference, run
+        result = compare(model, x, a=first, b=second, progress=False, **options)
         comparisons[name] = result
         out = result.output
         table = result.table
