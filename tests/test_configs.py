@@ -111,7 +111,7 @@ def test_bad_runs(kwargs: dict, error: type, message: str) -> None:
 
 
 def test_bad_run_settings() -> None:
-    with pytest.raises(TypeError, match="floating torch.dtype"):
+    with pytest.raises(TypeError, match=r"floating torch\.dtype"):
         Run(dtype=torch.int32)
     with pytest.raises(ValueError, match="highest, high, medium"):
         Run(matmul_precision="fast")

@@ -113,3 +113,24 @@ def test_kernels_of_a_convolution_on_cuda(vgg_features: nn.Module) -> None:
     conv = result.table.set_index("site").loc["0"]
     assert conv["kernels_batched"]
     assert conv["kernels_split"]
+
+
+def test_cpu_against_cuda() -> None:
+    model = models.variant_mlp(variant_from=100)  # batch-invariant: only the device differs
+    result = divtrace.compare(model, torch.randn(8, 16), a=divtrace.Run(),
+                              b=divtrace.Run(device="cuda"), progress=False)
+    assert (result.table["status"] == "ok").all()
+    assert (result.table["rel_l2"] < 1e-5).all()
+    assert next(model.parameters()).device.type == "cpu"  # the user's model stays put
+
+
+def test_flags_reach_cuda_runs_and_come_back() -> None:
+    before = (torch.backends.cudnn.enabled, torch.backends.cuda.matmul.allow_tf32)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.LazyLinear(4)).cuda().eval()
+    x = torch.rand(4, 3, 16, 16, device="cuda")
+    model(x)  # materialise the lazy layer
+    result = divtrace.compare(model, x, a=divtrace.Run(cudnn=True),
+                              b=divtrace.Run(cudnn=False), kernels=True, progress=False)
+    conv = result.table.set_index("site").loc["0"]
+    assert conv["kernels_differ"]  # cuDNN kernels against the native convolution
+    assert (torch.backends.cudnn.enabled, torch.backends.cuda.matmul.allow_tf32) == before
