@@ -134,17 +134,10 @@ def plot_sources(result: Comparison, ax: Axes | None = None) -> Axes:
     return ax
 
 
-def plot_samples(result: Comparison, ax: Axes | None = None, metric: str = "rel_l2") -> Axes:
-    """A sample × site heatmap of log10(``metric``); bit-identical cells are light grey."""
-    _check_metric(metric, ("rel_l2", "max_abs", "mismatch"))
+def log_heatmap(ax: Axes, values: np.ndarray, metric: str) -> None:
+    """Draws log10(values) as a heatmap with a colour bar; zeros (bit-identical) grey."""
     import matplotlib as mpl
 
-    ax = _axes(ax)
-    rows = _leaf_rows(result)
-    samples = result.samples
-    grid = samples.pivot(index="sample", columns="site", values=metric)
-    grid = grid.reindex(columns=list(rows["site"]))
-    values = grid.to_numpy(dtype=float)
     with np.errstate(divide="ignore"):
         logged = np.log10(values)
     finite = logged[np.isfinite(logged)]
@@ -155,6 +148,17 @@ def plot_samples(result: Comparison, ax: Axes | None = None, metric: str = "rel_
                       cmap=cmap, vmin=low, vmax=max(high, low + 1e-9),
                       interpolation="nearest")
     ax.figure.colorbar(image, ax=ax, label=f"log10 {metric} (grey: bit-identical)")
+
+
+def plot_samples(result: Comparison, ax: Axes | None = None, metric: str = "rel_l2") -> Axes:
+    """A sample × site heatmap of log10(``metric``); bit-identical cells are light grey."""
+    _check_metric(metric, ("rel_l2", "max_abs", "mismatch"))
+    ax = _axes(ax)
+    rows = _leaf_rows(result)
+    samples = result.samples
+    grid = samples.pivot(index="sample", columns="site", values=metric)
+    grid = grid.reindex(columns=list(rows["site"]))
+    log_heatmap(ax, grid.to_numpy(dtype=float), metric)
     if len(rows) <= 80:
         ax.set_xticks(np.arange(len(rows)), rows["site"], rotation=90, fontsize=7)
     if len(grid.index) <= 40:

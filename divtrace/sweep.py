@@ -161,24 +161,13 @@ class BatchSweep:
 
     def plot(self, ax: Axes | None = None, metric: str = "rel_l2") -> Axes:
         """A site × batch-size heatmap of log10(``metric``); grey where bit-identical."""
-        import matplotlib as mpl
-
-        from divtrace.plot import _axes
+        from divtrace.plot import _axes, log_heatmap
 
         ax = _axes(ax)
         sites = list(dict.fromkeys(self.table["site"]))
         grid = self.table.pivot(index="site", columns="batch_size", values=metric)
         grid = grid.reindex(index=sites)
-        with np.errstate(divide="ignore"):
-            logged = np.log10(grid.to_numpy(dtype=float))
-        finite = logged[np.isfinite(logged)]
-        low = float(finite.min()) if finite.size else -10.0
-        high = float(finite.max()) if finite.size else low + 1
-        cmap = mpl.colormaps["viridis"].with_extremes(under="0.9", bad="0.9")
-        image = ax.imshow(np.where(np.isfinite(logged), logged, low - 1), aspect="auto",
-                          cmap=cmap, vmin=low, vmax=max(high, low + 1e-9),
-                          interpolation="nearest")
-        ax.figure.colorbar(image, ax=ax, label=f"log10 {metric} (grey: bit-identical)")
+        log_heatmap(ax, grid.to_numpy(dtype=float), metric)
         ax.set_xticks(np.arange(len(grid.columns)), [str(c) for c in grid.columns])
         if len(sites) <= 60:
             ax.set_yticks(np.arange(len(sites)), sites, fontsize=7)
