@@ -38,16 +38,21 @@ def cases() -> dict[str, tuple[torch.nn.Module, torch.Tensor, dict]]:
     }
 
 
+#: The seed reports' settings: fp32 without TF32, cuDNN deterministic, no benchmark mode.
+SEED = divtrace.Run(deterministic=True, benchmark=False, tf32_matmul=False, tf32_cudnn=False)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    with SEED.flags():
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
     from matplotlib.figure import Figure
 
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
     args.out.mkdir(parents=True, exist_ok=True)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "cudnn": torch.backends.cudnn.version(), "options": OPTIONS}

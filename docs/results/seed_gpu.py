@@ -21,6 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import divtrace
 
+#: The seed reports' settings: fp32 without TF32, cuDNN deterministic, no benchmark mode.
+SEED = divtrace.Run(deterministic=True, benchmark=False, tf32_matmul=False, tf32_cudnn=False)
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
@@ -28,13 +31,14 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--size", type=int, default=128)
     args = parser.parse_args()
+    with SEED.flags():
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
     from matplotlib.figure import Figure
     from torchvision.models import vgg11
 
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     features = vgg11().features.eval().cuda()
