@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -118,14 +117,21 @@ def _record(model: nn.Module, selected: dict[str, nn.Module], recording: SplitRe
         for start, stop in chunks:
             args, kwargs = _fed(run, *batch.rows(start, stop))
             compared = [s for s in recording.samples if start <= s < stop]
-            done = False
-            while not done:  # runs again only when an in-place op was found late
-                tracker.lineage = not recording.calls  # learnt from the first chunk
-                recording.begin_chunk(start, stop)
-                _forward(model, args, kwargs, tracker,
-                         f"{name}, chunk of rows {start}:{stop} (samples {compared})")
-                done = recording.end_chunk()
+            _record_chunk(model, args, kwargs, recording, tracker, start, stop,
+                          f"{name}, chunk of rows {start}:{stop} (samples {compared})")
             bar.update()
+
+
+def _record_chunk(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  recording: SplitRecording, tracker: Tracker, start: int, stop: int,
+                  run: str) -> None:
+    """One chunk of a recorded run, run again when an in-place op was found late."""
+    done = False
+    while not done:
+        tracker.lineage = not recording.calls  # learnt from the first chunk
+        recording.begin_chunk(start, stop)
+        _forward(model, args, kwargs, tracker, run)
+        done = recording.end_chunk()
 
 
 def _compare_recordings(meter: Meter, second: SplitRecording, size: int) -> None:
@@ -142,7 +148,7 @@ def _compare_recordings(meter: Meter, second: SplitRecording, size: int) -> None
             status = ref.status if ref.rows is None else "partial_in_split"
             meter.sites.append(Measured(ref.site, status, ref.shape, ref.dtype))
             continue
-        site = rows_meter._measure(ref.site, ref.rows, count)
+        site = rows_meter.measure_site(ref.site, ref.rows, count)
         site.shape = (size, *ref.row_shape)
         meter.sites.append(site)
     for key, parts in second.calls.items():
@@ -151,7 +157,7 @@ def _compare_recordings(meter: Meter, second: SplitRecording, size: int) -> None
             measured = None
             own = second.refs.get(part_key) if part_key is not None else None
             if kind == "input" and own is not None and own.rows is not None:
-                measured = rows_meter._measure(own.site, own.rows, count)
+                measured = rows_meter.measure_site(own.site, own.rows, count)
                 measured.shape = (size, *own.row_shape)
             inputs.append((kind, part_key, measured))
         meter.calls[key] = Call(inputs)
@@ -161,28 +167,16 @@ def _truth_run(model: nn.Module, modules: str | type | Iterable[str | type] | No
                batch: BatchedInput, rows: list[int]) -> SplitRecording:
     """Runs a float64 copy of the model on the compared samples; records every site."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    if device.type == "mps":  # no float64 there
-        device = torch.device("cpu")
-    exact = copy.deepcopy(model).to(device=device, dtype=torch.float64)
+    exact_run = Run(device="cpu" if device.type == "mps" else device,  # mps: no float64
+                    dtype=torch.float64)
+    exact = exact_run.model(model)
     index = torch.tensor(rows)
-
-    def pick(leaf: Any, cut: bool) -> Any:
-        if not isinstance(leaf, torch.Tensor):
-            return leaf
-        if cut:
-            leaf = leaf.index_select(batch.batch_dim, index.to(leaf.device))
-        return leaf.to(device=device, dtype=torch.float64 if leaf.is_floating_point()
-                       else leaf.dtype)
-
-    leaves = [pick(leaf, cut) for leaf, cut in zip(batch.leaves, batch.sliced, strict=True)]
-    args, kwargs = pytree.tree_unflatten(leaves, batch.spec)
+    leaves = [leaf.index_select(batch.batch_dim, index.to(leaf.device)) if cut else leaf
+              for leaf, cut in zip(batch.leaves, batch.sliced, strict=True)]
+    args, kwargs = _fed(exact_run, *pytree.tree_unflatten(leaves, batch.spec))
     truth = SplitRecording(list(range(len(rows))), batch.batch_dim, False, len(rows))
     with observe(select_modules(exact, modules), truth) as tracker:
-        done = False
-        while not done:  # runs again only when an in-place op was found late
-            truth.begin_chunk(0, len(rows))
-            _forward(exact, args, kwargs, tracker, "float64 truth run")
-            done = truth.end_chunk()
+        _record_chunk(exact, args, kwargs, truth, tracker, 0, len(rows), "float64 truth run")
     return truth
 
 

@@ -169,7 +169,8 @@ class Meter:
         ref.drop()
         return torch.where(norm > 0, errors / norm, errors)
 
-    def _measure(self, info: SiteInfo, tensor: torch.Tensor, batch: int) -> Measured:
+    def measure_site(self, info: SiteInfo, tensor: torch.Tensor, batch: int) -> Measured:
+        """Measures one tensor against the split run's rows at its site (not kept)."""
         ref = self.split.refs.get(info.key)
         status = self._status(ref, tensor, batch)
         site = Measured(info, status, tuple(tensor.shape), tensor.dtype)
@@ -188,7 +189,7 @@ class Meter:
 
     def measure(self, info: SiteInfo, tensor: torch.Tensor, batch: int) -> None:
         """Measures one observed tensor of the batched run (called from its hook)."""
-        self.sites.append(self._measure(info, tensor, batch))
+        self.sites.append(self.measure_site(info, tensor, batch))
 
     def on_call(self, info: SiteInfo, module: nn.Module, args: tuple[Any, ...],
                 kwargs: dict[str, Any], output: Any, tracker: Tracker, batch: int) -> None:
@@ -196,7 +197,7 @@ class Meter:
         parts = input_parts(info, module, args, kwargs, output, tracker)
         inputs: list[tuple[str, str | None, Measured | None]] = []
         for index, part in enumerate(parts):
-            measured = (self._measure(input_site(info, index), part.tensor, batch)
+            measured = (self.measure_site(input_site(info, index), part.tensor, batch)
                         if part.kind == "input" else None)
             inputs.append((part.kind, part.key, measured))
         call = self.calls[info.key] = Call(inputs)
