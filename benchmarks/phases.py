@@ -17,11 +17,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from overhead import CASES, build, timed
 
-from divtrace.batch import chunks_for
-from divtrace.measure import Meter
-from divtrace.record import observe
-from divtrace.sites import select_modules
-from divtrace.split import SplitRecording
+from divtrace.measure.host import Host
+from divtrace.measure.meter import Meter
+from divtrace.plan.inputs import chunks_for, prepare_input
+from divtrace.plan.selection import select_modules
+from divtrace.record.hooks import ModuleHooks
+from divtrace.record.loop import drive
+from divtrace.record.recorder import Sink
+from divtrace.record.rows import RowStore
+
+
+def _label(start: int, stop: int) -> str:
+    return f"rows {start}:{stop}"
 
 
 def main() -> int:
@@ -35,39 +42,26 @@ def main() -> int:
     model, x = build(case, device)
     samples = case["samples"] or list(range(case["batch"]))
     chunks = chunks_for(samples, case["chunk"], case["batch"])
-    selected = select_modules(model, None)
+    batch = prepare_input(x, 0)
+    recorder = ModuleHooks(select_modules(model, None))
 
     def bare_split() -> None:
         for start, stop in chunks:
             model(x[start:stop])
 
-    def hooked_split() -> SplitRecording:
-        split = SplitRecording(samples, 0, False, case["chunk"])
-        with observe(selected, split) as tracker:
-            for start, stop in chunks:
-                done = False
-                while not done:
-                    tracker.reset()
-                    split.begin_chunk(start, stop)
-                    model(x[start:stop])
-                    done = split.end_chunk()
-        return split
+    def hooked_split() -> RowStore:  # the reference run, as compare() records it
+        store = RowStore(samples, 0, False, case["chunk"])
+        drive(model, recorder, store, batch, chunks, _label)
+        return store
 
-    def hooked_batched(split: SplitRecording) -> None:
-        meter = Meter(split, None, None, False)
-        with observe(selected, lambda s, t: meter.measure(s, t, case["batch"])):
-            model(x)
-        stats = [s.stats for s in meter.sites if s.stats is not None]
-        torch.cat([s.reshape(-1) for s in stats]).cpu()
+    def hooked_batched(store: RowStore) -> None:  # the measured run and the host transfer
+        host = Host()
+        drive(model, recorder, Meter(store, case["batch"], host), batch,
+              [(0, case["batch"])], _label)
+        host.fetch()
 
-    def nothing(site: object, tensor: object) -> None:
-        return None
-
-    def empty_hooks_split() -> None:
-        with observe(selected, nothing) as tracker:
-            for start, stop in chunks:
-                tracker.reset()
-                model(x[start:stop])
+    def empty_hooks_split() -> None:  # the same loop, with a sink that does nothing
+        drive(model, recorder, Sink(), batch, chunks, _label)
 
     with torch.no_grad():
         for fn in (bare_split, empty_hooks_split, lambda: model(x)):
@@ -78,7 +72,7 @@ def main() -> int:
             rows["bare batched"].append(timed(lambda: model(x), device))
             rows["bare split"].append(timed(bare_split, device))
             rows["split, empty hooks"].append(timed(empty_hooks_split, device))
-            box: list[SplitRecording] = []
+            box: list[RowStore] = []
             rows["split, recording"].append(
                 timed(lambda box=box: box.append(hooked_split()), device))
             rows["batched, measuring"].append(

@@ -8,10 +8,7 @@ Example:
     'site'
 """
 
-from divtrace.assemble import COLUMNS, EXPLAIN_COLUMNS
 from divtrace.compare import compare
-from divtrace.comparison import Comparison
-from divtrace.config import Run
 from divtrace.errors import (
     BatchMixingError,
     DivtraceError,
@@ -19,7 +16,11 @@ from divtrace.errors import (
     DivtraceValueError,
     DivtraceWarning,
 )
-from divtrace.plot import overlay
+from divtrace.explain.registry import EXPLAIN_COLUMNS
+from divtrace.plan.runs import Run
+from divtrace.report.comparison import Comparison
+from divtrace.report.plot import overlay
+from divtrace.report.table import COLUMNS
 from divtrace.sweep import BatchSweep, Sweep, sweep, sweep_batch
 
 __version__ = "0.1.0"

@@ -8,17 +8,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import pandas as pd
 import torch
 from torch import nn
 from tqdm import tqdm
 
-from divtrace.batch import prepare_input
 from divtrace.compare import compare
-from divtrace.comparison import Comparison
-from divtrace.config import Run
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
+from divtrace.plan.inputs import prepare_input
+from divtrace.plan.runs import Run
+from divtrace.report.comparison import Comparison
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -65,22 +64,9 @@ class Sweep:
 
     def plot(self, ax: Axes | None = None, metric: str = "output_rel_l2") -> Axes:
         """One bar per setting; bit-identical settings are drawn on a grey floor."""
-        from divtrace.plot import _axes, _floor
+        from divtrace.report.plot import plot_sweep
 
-        ax = _axes(ax)
-        values = self.table[metric].to_numpy(dtype=float)
-        floor = _floor([values])
-        shown = np.where(values > 0, values, floor)
-        colors = ["0.7" if v == 0 else "crimson" for v in values]
-        position = np.arange(len(values))
-        ax.barh(position, shown, color=colors)
-        ax.set_yticks(position, list(self.table["setting"]), fontsize=8)
-        ax.invert_yaxis()
-        ax.set_xscale("log")
-        ax.axvline(floor * 3, color="0.6", linewidth=1, linestyle=":")
-        ax.set_xlabel(f"{metric} (grey: bit-identical)")
-        ax.set_title("divtrace: divergence of the output, per setting")
-        return ax
+        return plot_sweep(self, ax=ax, metric=metric)
 
 
 def sweep(model: nn.Module, x: Any, settings: Mapping[str, Any] | Sequence[Run], *,
@@ -161,20 +147,9 @@ class BatchSweep:
 
     def plot(self, ax: Axes | None = None, metric: str = "rel_l2") -> Axes:
         """A site × batch-size heatmap of log10(``metric``); grey where bit-identical."""
-        from divtrace.plot import _axes, log_heatmap
+        from divtrace.report.plot import plot_batch_sweep
 
-        ax = _axes(ax)
-        sites = list(dict.fromkeys(self.table["site"]))
-        grid = self.table.pivot(index="site", columns="batch_size", values=metric)
-        grid = grid.reindex(index=sites)
-        log_heatmap(ax, grid.to_numpy(dtype=float), metric)
-        ax.set_xticks(np.arange(len(grid.columns)), [str(c) for c in grid.columns])
-        if len(sites) <= 60:
-            ax.set_yticks(np.arange(len(sites)), sites, fontsize=7)
-        ax.set_xlabel("batch size of the batched run")
-        ax.set_ylabel("site (execution order)")
-        ax.set_title("divtrace: where each site starts to diverge")
-        return ax
+        return plot_batch_sweep(self, ax=ax, metric=metric)
 
 
 def sweep_batch(model: nn.Module, x: Any, sizes: Iterable[int] | None = None, *,
@@ -197,7 +172,7 @@ def sweep_batch(model: nn.Module, x: Any, sizes: Iterable[int] | None = None, *,
     Returns:
         A :class:`BatchSweep`.
     """
-    batch = prepare_input(x, batch_dim)
+    batch = prepare_input(x, batch_dim, stacklevel=3)
     total = batch.batch_size
     if sizes is None:
         sizes = sorted({*(2 ** k for k in range(1, total.bit_length()) if 2 ** k <= total),

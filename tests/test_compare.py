@@ -278,9 +278,9 @@ def test_split_rows_are_released_as_soon_as_measured(samples: list[int] | None) 
         if output.shape[0] == 6:  # the batched run: site 0 was measured just before
             alive.append(watched[0]() is not None)
 
-    from divtrace import split as split_module
+    from divtrace.record import rows as rows_module
 
-    original = split_module.SplitRecording._first
+    original = rows_module.RowStore._first
 
     def first(self, site, tensor, row_shape):  # type: ignore[no-untyped-def]
         ref = original(self, site, tensor, row_shape)
@@ -289,11 +289,11 @@ def test_split_rows_are_released_as_soon_as_measured(samples: list[int] | None) 
         return ref
 
     handle = model[1].register_forward_hook(watch)
-    split_module.SplitRecording._first = first  # type: ignore[method-assign]
+    rows_module.RowStore._first = first  # type: ignore[method-assign]
     try:
         run(model, torch.randn(6, 16), samples=samples)
     finally:
-        split_module.SplitRecording._first = original  # type: ignore[method-assign]
+        rows_module.RowStore._first = original  # type: ignore[method-assign]
         handle.remove()
     assert alive == [False]  # site 0's split rows were freed before site 1 ran
 

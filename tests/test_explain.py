@@ -227,7 +227,7 @@ def test_a_module_passing_its_input_through_is_a_carrier() -> None:
 
 
 def test_kernel_families_are_short() -> None:
-    from divtrace.profiling import kernel_family
+    from divtrace.explain.profiling import kernel_family
 
     assert kernel_family("void DSE::regular_fft_pad<0, 1, 128>(float2*, float*)") == "FFT"
     assert kernel_family("sm80_xmma_fprop_implicit_gemm_f32f32_tilesize256x64x8") == (

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import divtrace
-from divtrace.metrics import block_stats
+from divtrace.measure.stats import block_stats
 from tests import models
 
 pytestmark = pytest.mark.cuda

@@ -13,8 +13,8 @@ pytest.importorskip("triton")
 
 CHECK = r"""
 import math, torch
-from divtrace import kernels
-from divtrace.metrics import block_stats
+from divtrace.measure import fused as kernels
+from divtrace.measure.stats import block_stats
 for dtype in [torch.float32, torch.float16, torch.bfloat16, torch.float64]:
     g = torch.Generator().manual_seed(0)
     b = torch.randn(3, 5000, dtype=torch.float64, generator=g)

@@ -82,12 +82,12 @@ def test_html_marks_identical_rows_and_highlights_the_first(diverging) -> None:
 
 
 def test_html_falls_back_to_text(diverging, monkeypatch) -> None:
-    from divtrace import report
+    from divtrace.report import html
 
-    def broken(_result: object) -> str:
+    def broken(*_args: object) -> str:
         raise RuntimeError("no")
 
-    monkeypatch.setattr(report, "html_fragment", broken)
+    monkeypatch.setattr(html, "fragment", broken)
     assert diverging._repr_html_().startswith("<pre>Batched run")
 
 

@@ -3,38 +3,36 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from divtrace.record import SiteInfo, Tracker
-from divtrace.sites import flatten_output
+from divtrace.align.sites import Site, flatten_output, input_site
+from divtrace.record.recorder import Tracker
 
-__all__ = ["InputPart", "input_parts", "input_site", "tensor_inputs"]
+__all__ = ["InputPart", "Origin", "input_parts", "tensor_inputs"]
 
 _PLAIN = (torch.Tensor, int, float, bool, str, type(None))
 
 
+class Origin(StrEnum):
+    """Where one tensor input of a leaf call came from."""
+
+    SITE = "site"  # the unchanged output of an observed site
+    INPUT = "input"  # made outside any observed module; recorded under its own pseudo-site
+    UNKNOWN = "unknown"  # made unseen, then changed in place by the module itself
+
+
 @dataclass(frozen=True)
 class InputPart:
-    """One tensor input of a module call.
+    """One tensor input of a module call: its origin and the key it is known by."""
 
-    ``kind`` is ``"site"`` (it is the unchanged output of site ``key``), ``"input"`` (made
-    outside any observed module, e.g. by a functional op; recorded under ``key``), or
-    ``"unknown"`` (made unseen and then changed in place by the module itself).
-    """
-
-    kind: str
+    origin: Origin
     key: str | None
     tensor: torch.Tensor
-
-
-def input_site(call: SiteInfo, index: int) -> SiteInfo:
-    """The pseudo-site under which an unseen input of ``call`` is recorded."""
-    path = f"<in{index}>"
-    return SiteInfo(f"{call.key}{path}", call.module, call.module_type, call.call, path, True)
 
 
 def tensor_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
@@ -44,9 +42,9 @@ def tensor_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.T
     return [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
 
 
-def input_parts(call: SiteInfo, module: nn.Module, args: tuple[Any, ...],
+def input_parts(call: Site, module: nn.Module, args: tuple[Any, ...],
                 kwargs: dict[str, Any], output: Any, tracker: Tracker) -> list[InputPart]:
-    """Classifies the tensor inputs of one leaf module call (see :class:`InputPart`).
+    """Classifies the tensor inputs of one leaf module call (see :class:`Origin`).
 
     A module that returns its input tensor itself either changed it in place (it has
     ``inplace=True``, as ``nn.ReLU(inplace=True)``) or passed it through untouched (as
@@ -60,11 +58,11 @@ def input_parts(call: SiteInfo, module: nn.Module, args: tuple[Any, ...],
         in_place = returned and bool(getattr(module, "inplace", False))
         key = tracker.producer(tensor, in_place)
         if key is not None:
-            parts.append(InputPart("site", key, tensor))
+            parts.append(InputPart(Origin.SITE, key, tensor))
         elif in_place:
-            parts.append(InputPart("unknown", None, tensor))
+            parts.append(InputPart(Origin.UNKNOWN, None, tensor))
         elif returned and isinstance(output, torch.Tensor):  # passed through untouched
-            parts.append(InputPart("site", call.key, tensor))
+            parts.append(InputPart(Origin.SITE, call.key, tensor))
         else:
-            parts.append(InputPart("input", input_site(call, index).key, tensor))
+            parts.append(InputPart(Origin.INPUT, input_site(call, index).key, tensor))
     return parts

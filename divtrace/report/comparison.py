@@ -10,15 +10,19 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 import torch
 
-from divtrace import report
+from divtrace.align.sites import ROOT
 from divtrace.errors import DivtraceValueError
-from divtrace.metrics import tolerances
-from divtrace.sites import ROOT
+from divtrace.measure.stats import tolerances
+from divtrace.report import html, text
+from divtrace.report.meta import Meta
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
+    from divtrace.explain.probe import Probe
+
 __all__ = ["Comparison"]
+
 
 class Comparison:
     """How a batched run and a split run of one model compare, site by site.
@@ -29,17 +33,20 @@ class Comparison:
     Attributes:
         table: One row per site, in execution order (see :data:`COLUMNS`).
         samples: Per-(site, sample) figures: ``mismatch``, ``rel_l2``, ``max_abs``.
-        meta: The run's settings (batch size, chunk, samples, ...).
+        meta: The run's settings (batch size, chunk, samples, ...), as a plain dict.
+        info: The same settings as a typed :class:`~divtrace.report.meta.Meta`.
     """
 
-    __slots__ = ("_meta", "_pairs", "_samples", "_table")
+    __slots__ = ("_meta", "_pairs", "_probes", "_samples", "_table")
 
-    def __init__(self, table: pd.DataFrame, samples: pd.DataFrame, meta: dict[str, Any],
-                 pairs: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]) -> None:
+    def __init__(self, table: pd.DataFrame, samples: pd.DataFrame, meta: Meta,
+                 pairs: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]],
+                 probes: tuple[type[Probe], ...] = ()) -> None:
         self._table = table
         self._samples = samples
         self._meta = meta
         self._pairs = pairs
+        self._probes = probes  # what explains the table: their sentences, their columns
 
     @property
     def table(self) -> pd.DataFrame:
@@ -51,7 +58,11 @@ class Comparison:
 
     @property
     def meta(self) -> dict[str, Any]:
-        return json.loads(json.dumps(self._meta))
+        return self._meta.to_dict()
+
+    @property
+    def info(self) -> Meta:
+        return self._meta
 
     def select(self, *, leaf: bool | None = None, status: str | None = None) -> Comparison:
         """A new comparison holding only the rows that match (growth is kept as measured)."""
@@ -63,7 +74,8 @@ class Comparison:
         table = self._table[keep].reset_index(drop=True)
         samples = self._samples[self._samples["site"].isin(table["site"])]
         pairs = {k: v for k, v in self._pairs.items() if k in set(table["site"])}
-        return Comparison(table, samples.reset_index(drop=True), self._meta, pairs)
+        return Comparison(table, samples.reset_index(drop=True), self._meta, pairs,
+                          self._probes)
 
     # -- lookups -------------------------------------------------------------------
 
@@ -98,8 +110,8 @@ class Comparison:
         values), using the ``exceed`` column measured during the run. Other tolerances
         need the tensors: run ``compare(..., keep=True)``.
         """
-        same = (rtol is None or rtol == self._meta["rtol"]) and (
-            atol is None or atol == self._meta["atol"])
+        same = (rtol is None or rtol == self._meta.rtol) and (
+            atol is None or atol == self._meta.atol)
         compared = self._compared()
         if same:
             hits = compared[compared["exceed"] > 0]
@@ -107,8 +119,8 @@ class Comparison:
         if not self._pairs:
             raise DivtraceValueError(
                 f"first_exceeding(rtol={rtol}, atol={atol}) differs from the tolerances "
-                f"measured during the run (rtol={self._meta['rtol']}, "
-                f"atol={self._meta['atol']}); pass these tolerances to compare(), or run "
+                f"measured during the run (rtol={self._meta.rtol}, "
+                f"atol={self._meta.atol}); pass these tolerances to compare(), or run "
                 f"compare(..., keep=True) so that the tensors are there to judge"
             )
         for index, row in compared.iterrows():
@@ -136,7 +148,7 @@ class Comparison:
 
     def summary(self) -> str:
         """A few plain sentences: where divergence starts, how it grows, what it means."""
-        return report.summary(self)
+        return text.summary(self, self._probes)
 
     def __repr__(self) -> str:
         first = self.first_divergence
@@ -149,27 +161,27 @@ class Comparison:
 
     def _repr_html_(self) -> str:
         try:
-            return report.html_fragment(self)
+            return html.fragment(self, self._probes)
         except Exception:  # a notebook must always show something
-            return f"<pre>{report.escape(self.summary())}</pre>"
+            return f"<pre>{html.escape(self.summary())}</pre>"
 
     # -- pictures ------------------------------------------------------------------
 
     def plot(self, ax: Axes | None = None, metric: str = "rel_l2") -> Axes:
         """The snowball plot: ``metric`` against depth over the leaf sites (log scale)."""
-        from divtrace.plot import plot_snowball
+        from divtrace.report.plot import plot_snowball
 
         return plot_snowball(self, ax=ax, metric=metric)
 
     def plot_samples(self, ax: Axes | None = None, metric: str = "rel_l2") -> Axes:
         """A sample × site heatmap of ``metric`` over the leaf sites."""
-        from divtrace.plot import plot_samples
+        from divtrace.report.plot import plot_samples
 
         return plot_samples(self, ax=ax, metric=metric)
 
     def plot_sources(self, ax: Axes | None = None) -> Axes:
         """The sources' divergence, each labelled with the kernels the two runs used."""
-        from divtrace.plot import plot_sources
+        from divtrace.report.plot import plot_sources
 
         return plot_sources(self, ax=ax)
 
@@ -196,5 +208,5 @@ class Comparison:
     def to_html(self, path: str | Path, title: str = "divtrace report") -> Path:
         """Writes a self-contained HTML report (plots embedded) and returns the path."""
         path = Path(path)
-        path.write_text(report.html_page(self, title))
+        path.write_text(html.page(self, title, self._probes))
         return path

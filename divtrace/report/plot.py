@@ -1,4 +1,5 @@
-"""Pictures of a comparison, drawn with matplotlib onto a given (or new) Axes."""
+"""Every picture of divtrace — comparisons and sweeps — drawn with matplotlib onto a given
+(or new) Axes."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from divtrace.errors import DivtraceValueError
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from divtrace.comparison import Comparison
+    from divtrace.report.comparison import Comparison
+    from divtrace.sweep import BatchSweep, Sweep
 
-__all__ = ["overlay", "plot_samples", "plot_snowball", "plot_sources"]
+__all__ = ["log_heatmap", "overlay", "plot_batch_sweep", "plot_samples", "plot_snowball",
+           "plot_sources", "plot_sweep"]
 
 METRICS = ("rel_l2", "max_abs", "mean_abs", "max_ulp", "mismatch", "exceed")
 _MARKERS = "osD^v<>pX*hP"
@@ -100,7 +103,7 @@ def plot_snowball(result: Comparison, ax: Axes | None = None, metric: str = "rel
 
 def plot_sources(result: Comparison, ax: Axes | None = None) -> Axes:
     """The sources' rel_l2 as bars, labelled with the kernel families each run used."""
-    from divtrace.profiling import kernel_family
+    from divtrace.explain.profiling import kernel_family
 
     ax = _axes(ax)
     sources = result.sources
@@ -213,4 +216,38 @@ def overlay(
     ax.set_ylabel(f"{metric} (batched vs split)")
     ax.set_title(f"divtrace: {metric} by depth")
     ax.legend(fontsize=8, loc="upper left")
+    return ax
+
+
+def plot_sweep(sweep: Sweep, ax: Axes | None = None, metric: str = "output_rel_l2") -> Axes:
+    """One bar per setting of a sweep; bit-identical settings are drawn on a grey floor."""
+    ax = _axes(ax)
+    values = sweep.table[metric].to_numpy(dtype=float)
+    floor = _floor([values])
+    shown = np.where(values > 0, values, floor)
+    colors = ["0.7" if v == 0 else "crimson" for v in values]
+    position = np.arange(len(values))
+    ax.barh(position, shown, color=colors)
+    ax.set_yticks(position, list(sweep.table["setting"]), fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.axvline(floor * 3, color="0.6", linewidth=1, linestyle=":")
+    ax.set_xlabel(f"{metric} (grey: bit-identical)")
+    ax.set_title("divtrace: divergence of the output, per setting")
+    return ax
+
+
+def plot_batch_sweep(sweep: BatchSweep, ax: Axes | None = None, metric: str = "rel_l2") -> Axes:
+    """A site × batch-size heatmap of log10(``metric``); grey where bit-identical."""
+    ax = _axes(ax)
+    sites = list(dict.fromkeys(sweep.table["site"]))
+    grid = sweep.table.pivot(index="site", columns="batch_size", values=metric)
+    grid = grid.reindex(index=sites)
+    log_heatmap(ax, grid.to_numpy(dtype=float), metric)
+    ax.set_xticks(np.arange(len(grid.columns)), [str(c) for c in grid.columns])
+    if len(sites) <= 60:
+        ax.set_yticks(np.arange(len(sites)), sites, fontsize=7)
+    ax.set_xlabel("batch size of the batched run")
+    ax.set_ylabel("site (execution order)")
+    ax.set_title("divtrace: where each site starts to diverge")
     return ax

@@ -34,13 +34,23 @@ class BatchedInput:
     batch_dim: int
 
     def rows(self, start: int, stop: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Returns ``(args, kwargs)`` holding rows ``start:stop`` of every batched tensor."""
+        """Returns ``(args, kwargs)`` holding rows ``start:stop`` of every batched tensor
+        (the inputs exactly as given when that is the whole batch)."""
+        if start == 0 and stop == self.batch_size:
+            return self.whole()
         leaves = [
             leaf.narrow(self.batch_dim, start, stop - start) if cut else leaf
             for leaf, cut in zip(self.leaves, self.sliced, strict=True)
         ]
         args, kwargs = pytree.tree_unflatten(leaves, self.spec)
         return args, kwargs
+
+    def select(self, rows: list[int]) -> BatchedInput:
+        """The batch of only these rows, in this order."""
+        index = torch.tensor(rows)
+        leaves = tuple(leaf.index_select(self.batch_dim, index.to(leaf.device)) if cut else leaf
+                       for leaf, cut in zip(self.leaves, self.sliced, strict=True))
+        return BatchedInput(leaves, self.spec, self.sliced, len(rows), self.batch_dim)
 
     def whole(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Returns ``(args, kwargs)`` exactly as the user gave them."""
@@ -71,12 +81,13 @@ def _has_dim(t: torch.Tensor, dim: int) -> bool:
     return -t.dim() <= dim < t.dim()
 
 
-def prepare_input(x: Any, batch_dim: int) -> BatchedInput:
+def prepare_input(x: Any, batch_dim: int, stacklevel: int = 3) -> BatchedInput:
     """Validates ``x`` and finds its batch size.
 
     B is the size at ``batch_dim`` of the first tensor (in argument order) that has that
     dimension. Other tensors of that size at ``batch_dim`` are cut too; tensors of another
-    size pass through whole, with a warning, since that is usually a mistake.
+    size pass through whole, with a warning, since that is usually a mistake;
+    ``stacklevel`` points it at the user's call.
     """
     if isinstance(batch_dim, bool) or not isinstance(batch_dim, int):
         raise DivtraceTypeError(f"batch_dim must be an int; got {type(batch_dim).__name__}")
@@ -115,7 +126,7 @@ def prepare_input(x: Any, batch_dim: int) -> BatchedInput:
             f"size at batch_dim={batch_dim} and pass through whole: {'; '.join(odd)}. If "
             f"they carry the batch too, fix their shape or batch_dim",
             DivtraceWarning,
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
     return BatchedInput(tuple(leaves), spec, tuple(sliced), batch_size, batch_dim)
 

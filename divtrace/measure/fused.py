@@ -1,15 +1,19 @@
 """A fused Triton kernel for the per-row statistics of a site on a CUDA device.
 
-The eager path in :mod:`divtrace.metrics` launches a few dozen small kernels per block;
+The eager path in :mod:`divtrace.measure.stats` launches a few dozen small kernels per block;
 on a GPU their launch cost, not the arithmetic, is what a comparison pays. This kernel
 reads each pair of elements once and writes one partial row of statistics per program;
 a few torch reductions combine the partials. Same figures as the eager path: the tests
-check one against the other.
+check one against the other. The kernel writes each field at its position in the
+registry (:data:`~divtrace.measure.fields.FIELDS`); a registry with a field this kernel
+does not compute makes :func:`supports` false, and the eager path is used.
 """
 
 from __future__ import annotations
 
 import torch
+
+from divtrace.measure.fields import FIELDS, INDEX, MAX_FIELDS, MAX_SLICE
 
 try:  # Triton ships with PyTorch's CUDA builds; without it the eager path is used
     import triton
@@ -21,14 +25,20 @@ __all__ = ["AVAILABLE", "fused_stats", "supports"]
 
 AVAILABLE = triton is not None
 _BLOCK = 2048
-_N_FIELDS = 10
+#: The fields this kernel computes.
+KERNEL_FIELDS = frozenset({"mismatch", "nonfinite", "exceed", "max_abs", "sum_abs", "sq_diff",
+                           "sq_ref", "sq_out", "dot", "max_ulp"})
 _ULP_BITS = {torch.float16: 16, torch.bfloat16: 16, torch.float32: 32, torch.float64: 64}
 
 if AVAILABLE:
 
     @triton.jit
     def _stats_kernel(b_ptr, r_ptr, out_ptr, n_cols, stride_b, stride_r, n_blocks, rtol, atol,
-                      BLOCK: tl.constexpr, BITS: tl.constexpr):
+                      BLOCK: tl.constexpr, BITS: tl.constexpr, N_FIELDS: tl.constexpr,
+                      MISMATCH: tl.constexpr, NONFINITE: tl.constexpr, EXCEED: tl.constexpr,
+                      MAX_ABS: tl.constexpr, SUM_ABS: tl.constexpr, SQ_DIFF: tl.constexpr,
+                      SQ_REF: tl.constexpr, SQ_OUT: tl.constexpr, DOT: tl.constexpr,
+                      MAX_ULP: tl.constexpr):
         row = tl.program_id(0)
         blk = tl.program_id(1)
         cols = blk * BLOCK + tl.arange(0, BLOCK)
@@ -73,28 +83,33 @@ if AVAILABLE:
             ord_r = tl.where(bits_r < 0, -mag_r, mag_r).to(tl.int64)
             ulp = tl.abs(ord_b - ord_r).to(tl.float64)
         ulp = tl.where(finite & inside, ulp, 0.0)
-        base = out_ptr + (row * n_blocks + blk) * 10
-        tl.store(base + 0, tl.sum(mismatch.to(tl.float32), axis=0).to(tl.float64))
-        tl.store(base + 1, tl.sum(nonfinite.to(tl.float32), axis=0).to(tl.float64))
-        tl.store(base + 2, tl.sum(exceed.to(tl.float32), axis=0).to(tl.float64))
-        tl.store(base + 3, tl.max(clean, axis=0).to(tl.float64))
-        tl.store(base + 4, tl.sum(clean, axis=0).to(tl.float64))
-        tl.store(base + 5, tl.sum(clean * clean, axis=0).to(tl.float64))
-        tl.store(base + 6, tl.sum(rf * rf, axis=0).to(tl.float64))
-        tl.store(base + 7, tl.sum(bf * bf, axis=0).to(tl.float64))
-        tl.store(base + 8, tl.sum(bf * rf, axis=0).to(tl.float64))
-        tl.store(base + 9, tl.max(ulp, axis=0))
+        base = out_ptr + (row * n_blocks + blk) * N_FIELDS
+        tl.store(base + MISMATCH, tl.sum(mismatch.to(tl.float32), axis=0).to(tl.float64))
+        tl.store(base + NONFINITE, tl.sum(nonfinite.to(tl.float32), axis=0).to(tl.float64))
+        tl.store(base + EXCEED, tl.sum(exceed.to(tl.float32), axis=0).to(tl.float64))
+        tl.store(base + MAX_ABS, tl.max(clean, axis=0).to(tl.float64))
+        tl.store(base + SUM_ABS, tl.sum(clean, axis=0).to(tl.float64))
+        tl.store(base + SQ_DIFF, tl.sum(clean * clean, axis=0).to(tl.float64))
+        tl.store(base + SQ_REF, tl.sum(rf * rf, axis=0).to(tl.float64))
+        tl.store(base + SQ_OUT, tl.sum(bf * bf, axis=0).to(tl.float64))
+        tl.store(base + DOT, tl.sum(bf * rf, axis=0).to(tl.float64))
+        tl.store(base + MAX_ULP, tl.max(ulp, axis=0))
+
+
+#: The kernel's layout: where it writes each field, read from the registry.
+_LAYOUT = {name.upper(): INDEX[name] for name in KERNEL_FIELDS if name in INDEX}
+_COMPLETE = {f.name for f in FIELDS} <= KERNEL_FIELDS
 
 
 def supports(b: torch.Tensor) -> bool:
-    """Whether :func:`fused_stats` can take this tensor."""
-    return AVAILABLE and b.is_cuda and b.dtype in _ULP_BITS
+    """Whether :func:`fused_stats` can take this tensor (and computes every field)."""
+    return AVAILABLE and _COMPLETE and b.is_cuda and b.dtype in _ULP_BITS
 
 
 def fused_stats(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> torch.Tensor:
-    """Per-row statistics of two ``[rows, elements]`` tensors, as ``[rows, 10]`` float64.
+    """Per-row statistics of two ``[rows, elements]`` tensors, as ``[rows, fields]`` float64.
 
-    The columns are those of :data:`divtrace.metrics.FIELDS`. Rows may be strided;
+    The columns are those of :data:`divtrace.measure.fields.FIELDS`. Rows may be strided;
     elements within a row must be contiguous.
     """
     if b.stride(1) != 1:
@@ -103,12 +118,16 @@ def fused_stats(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> t
         r = r.contiguous()
     rows, cols = b.shape
     n_blocks = max(1, triton.cdiv(cols, _BLOCK))
-    partial = torch.empty((rows, n_blocks, _N_FIELDS), dtype=torch.float64, device=b.device)
+    partial = torch.empty((rows, n_blocks, len(FIELDS)), dtype=torch.float64, device=b.device)
     _stats_kernel[(rows, n_blocks)](
         b, r, partial, cols, b.stride(0), r.stride(0), n_blocks, float(rtol), float(atol),
-        BLOCK=_BLOCK, BITS=_ULP_BITS[b.dtype])
+        BLOCK=_BLOCK, BITS=_ULP_BITS[b.dtype], N_FIELDS=len(FIELDS), **_LAYOUT)
     if n_blocks == 1:
         return partial[:, 0]
     total = partial.sum(1)
-    total[:, 3::6] = partial[:, :, 3::6].amax(1)  # the two max fields: 3 and 9
+    if MAX_SLICE is not None:  # a slice, not an index tensor: nothing to copy to the device
+        total[:, MAX_SLICE] = partial[:, :, MAX_SLICE].amax(1)
+        return total
+    for field in MAX_FIELDS:
+        total[:, field] = partial[:, :, field].amax(1)
     return total

@@ -13,7 +13,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
-from divtrace.sites import site_key
+from divtrace.align.sites import site_key
 
 __all__ = ["kernel_family", "kernels_by_site"]
 

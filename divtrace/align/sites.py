@@ -1,0 +1,86 @@
+"""Sites: what a site is, its key, and the tensors inside a (nested) output."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = ["INPUT", "ROOT", "Site", "flatten_output", "input_site", "site_key"]
+
+#: The name under which the model itself (its final output) appears in the table.
+ROOT = "(model)"
+#: The producer of the model's own input tensors: the same rows in both runs.
+INPUT = "(input)"
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where a tensor was observed: a module call's output, or a tensor inside it.
+
+    ``input`` is set for the pseudo-site of a leaf call's input that no observed module
+    made (e.g. the result of a functional op): the index of that input among the call's
+    tensor arguments. Such sites feed the lineage; they are not rows of the table.
+    """
+
+    key: str
+    module: str
+    module_type: str
+    call: int
+    path: str
+    leaf: bool
+    input: int | None = None
+
+    @property
+    def call_key(self) -> str:
+        """The key of the module call this site belongs to (no output path)."""
+        return site_key(self.module, self.call, "")
+
+
+def site_key(module: str, call: int, path: str) -> str:
+    """The key of a site, e.g. ``features.3``, ``layer1.0.relu#1``, ``encoder/logits``.
+
+    ``#k`` is added for the (k+1)-th call of a module within one forward pass, and
+    ``/path`` for a tensor inside a nested output.
+    """
+    key = module if call == 0 else f"{module}#{call}"
+    return f"{key}/{path}" if path else key
+
+
+def input_site(call: Site, index: int) -> Site:
+    """The pseudo-site under which an unseen input of the leaf call ``call`` is recorded."""
+    path = f"<in{index}>"
+    return Site(f"{call.key}{path}", call.module, call.module_type, call.call, path, True,
+                input=index)
+
+
+def _key_str(entry: Any) -> str:
+    if isinstance(entry, pytree.SequenceKey):
+        return str(entry.idx)
+    if isinstance(entry, pytree.MappingKey):
+        return str(entry.key)
+    if isinstance(entry, pytree.GetAttrKey):
+        return entry.name
+    return str(entry)
+
+
+def flatten_output(output: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """The tensors in a (nested) module output, each with its path.
+
+    Tuples, lists, dicts and named tuples are flattened by ``torch.utils._pytree``;
+    dataclass instances that pytree does not know are opened field by field. Anything
+    that is not a tensor is skipped.
+    """
+    found: list[tuple[str, torch.Tensor]] = []
+    leaves, _ = pytree.tree_flatten_with_path(output)
+    for keys, leaf in leaves:
+        path = "/".join([prefix] * bool(prefix) + [_key_str(k) for k in keys])
+        if isinstance(leaf, torch.Tensor):
+            found.append((path, leaf))
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            fields = {f.name: getattr(leaf, f.name) for f in dataclasses.fields(leaf)}
+            found.extend(flatten_output(fields, path))
+    return found

@@ -1,0 +1,74 @@
+"""Kernels: what each site launched in one profiled pass of each run."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from divtrace.align.sites import site_key
+from divtrace.explain.probe import Context, Probe, TableView
+from divtrace.explain.profiling import kernel_family, kernels_by_site
+
+if TYPE_CHECKING:
+    from divtrace.report.comparison import Comparison
+
+__all__ = ["Kernels"]
+
+
+class Kernels(Probe):
+    """``kernels=True``: ``torch.profiler`` over one pass of each run, a range per module
+    call; per site, the GPU kernels it launched (on the CPU, its innermost ops)."""
+
+    option: ClassVar[str] = "kernels"
+    columns: ClassVar[tuple[str, ...]] = ("kernels_batched", "kernels_split", "kernels_differ")
+    shown: ClassVar[tuple[str, ...]] = ("kernels_differ",)
+    whole_batch: ClassVar[bool] = True
+    passes = 2
+
+    def __init__(self) -> None:
+        self.batched: dict[str, list[str]] = {}
+        self.split: dict[str, list[str]] = {}
+
+    @classmethod
+    def create(cls, options: Mapping[str, Any]) -> Kernels | None:
+        return cls() if options.get("kernels") else None
+
+    def after(self, ctx: Context) -> None:
+        ctx.progress.stage("profiling")
+        batch = ctx.plan.batch
+        start, stop = ctx.plan.reference_chunks[0]
+        for runner, rows, into in ((ctx.reference, batch.rows(start, stop), self.split),
+                                   (ctx.compared, batch.whole(), self.batched)):
+            with runner.run.flags():
+                into.update(kernels_by_site(runner.model, runner.modules, *runner.feed(*rows)))
+            ctx.progress.advance()
+
+    def fill(self, rows: list[dict[str, Any]], view: TableView) -> None:
+        for row in rows:
+            key = site_key(row["module"], row["call"], "")
+            batched, split = self.batched.get(key, []), self.split.get(key, [])
+            row["kernels_batched"] = "; ".join(batched)
+            row["kernels_split"] = "; ".join(split)
+            row["kernels_differ"] = sorted(set(batched)) != sorted(set(split))
+
+    @classmethod
+    def sentences(cls, result: Comparison) -> list[str]:
+        if "kernels_batched" not in result.table:
+            return []
+        lines = []
+        for r in result.sources.head(4).itertuples():
+            batched = [kernel_family(k) for k in str(r.kernels_batched).split("; ") if k]
+            split = [kernel_family(k) for k in str(r.kernels_split).split("; ") if k]
+            if not batched and not split:
+                continue
+            only_b = [k for k in dict.fromkeys(batched) if k not in split]
+            only_s = [k for k in dict.fromkeys(split) if k not in batched]
+            if not only_b and not only_s:
+                lines.append(f"'{r.site}' launched the same kinds of kernel in both runs "
+                             f"({', '.join(dict.fromkeys(batched))}): the difference comes "
+                             f"from how they split the work.")
+            else:
+                lines.append(f"'{r.site}' ({r.module_type}): the batched run launched "
+                             f"{', '.join(only_b) or 'nothing else'}, where the split run "
+                             f"launched {', '.join(only_s) or 'nothing else'}.")
+        return lines

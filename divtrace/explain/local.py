@@ -1,0 +1,174 @@
+"""Local error: each leaf replayed on the reference run's inputs, with the measured run's
+kernels — the error a layer adds on its own, and how much it amplifies what it got."""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch.utils import _pytree as pytree
+
+from divtrace.align.sites import INPUT, flatten_output, site_key
+from divtrace.align.status import Status
+from divtrace.explain.probe import Context, Probe, TableView, sums
+from divtrace.measure.fields import INDEX
+from divtrace.measure.figures import rel_l2
+from divtrace.measure.host import Deferred
+from divtrace.measure.meter import CallRecord, LeafCall
+from divtrace.record.lineage import Origin
+from divtrace.record.rows import StoredRows
+
+if TYPE_CHECKING:
+    from divtrace.report.comparison import Comparison
+
+__all__ = ["LocalReplay", "ReplayStatus"]
+
+
+class ReplayStatus(StrEnum):
+    """Whether a leaf was replayed (``local_status``), or why not."""
+
+    OK = "ok"
+    TRAIN_MODE = "train_mode"  # modules in train mode are never replayed
+    SKIPPED = "skipped"  # named by replay_skip=
+    NO_INPUT = "no_input"  # an input's reference rows are not there
+
+
+def _with_reference_rows(ctx: Context, call: LeafCall, sources: list[StoredRows | None]
+                         ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call's arguments with the compared rows replaced by the reference run's."""
+    store, batch = ctx.store, ctx.plan.batch.batch_size
+    leaves, spec = pytree.tree_flatten((call.args, call.kwargs))
+    stored_rows = iter(sources)
+    replaced = []
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            replaced.append(leaf)
+            continue
+        stored = next(stored_rows)
+        dim = store.batch_dim % max(leaf.dim(), 1)
+        if leaf.dim() == 0 or leaf.shape[dim] != batch or stored is None:
+            replaced.append(leaf)
+            continue
+        copy = leaf.clone()
+        rows = store.rows_on(stored, leaf.device).movedim(0, dim).to(leaf.dtype)
+        copy.index_copy_(dim, store.samples_on(leaf.device), rows)
+        replaced.append(copy)
+    args, kwargs = pytree.tree_unflatten(replaced, spec)
+    return args, kwargs
+
+
+class LocalReplay(Probe):
+    """``local=True``: replays every leaf module of the measured run on the reference
+    run's inputs for the compared rows (same values, the measured run's kernels)."""
+
+    option: ClassVar[str] = "local"
+    columns: ClassVar[tuple[str, ...]] = ("local_rel_l2", "local_max_abs", "amplification",
+                                          "local_status")
+    shown: ClassVar[tuple[str, ...]] = ("local_rel_l2", "amplification")
+    whole_batch: ClassVar[bool] = True
+
+    def __init__(self, skip: tuple[str, ...] = ()) -> None:
+        self.skip = skip
+        self.local: dict[tuple[str, str], Deferred] = {}  # (call, output site) -> stats
+        self.status: dict[str, ReplayStatus] = {}
+
+    @classmethod
+    def create(cls, options: Mapping[str, Any]) -> LocalReplay | None:
+        skip = options.get("replay_skip", ())
+        skip = (skip,) if isinstance(skip, str) else tuple(skip)
+        return cls(skip) if options.get("local") else None
+
+    def start(self, ctx: Context) -> None:
+        """A site's reference rows stay until every call that reads them has replayed."""
+        ctx.store.hold(key for parts in ctx.store.lineage.values() for _, key in parts
+                       if key is not None)
+
+    def on_call(self, ctx: Context, call: LeafCall, record: CallRecord) -> None:
+        store = ctx.store
+        sources = [store.rows.get(part.key)
+                   if part.origin != Origin.UNKNOWN and part.key is not None else None
+                   for part in call.parts]
+        try:
+            self.status[call.site.key] = self._replay(ctx, call, sources)
+        finally:  # the last reader of a site's reference rows releases them
+            for part in call.parts:
+                if part.key is not None:
+                    store.release(part.key)
+
+    def _replay(self, ctx: Context, call: LeafCall, sources: list[StoredRows | None]
+                ) -> ReplayStatus:
+        if call.module.training:
+            return ReplayStatus.TRAIN_MODE
+        if any(fnmatch.fnmatchcase(call.site.module, pattern) for pattern in self.skip):
+            return ReplayStatus.SKIPPED
+        # the model's own input rows are the same in both runs: nothing to replace
+        same = [part.key == INPUT for part in call.parts]
+        if any((stored is None or stored.rows is None) and not as_is
+               for stored, as_is in zip(sources, same, strict=True)):
+            return ReplayStatus.NO_INPUT
+        args, kwargs = _with_reference_rows(ctx, call, sources)
+        call.tracker.replaying = True
+        try:
+            output = call.module(*args, **kwargs)
+        finally:
+            call.tracker.replaying = False
+        self._measure(ctx, call, output)
+        return ReplayStatus.OK
+
+    def _measure(self, ctx: Context, call: LeafCall, output: Any) -> None:
+        meter, store = ctx.meter, ctx.meter.store
+        outputs = [("", output)] if isinstance(output, torch.Tensor) else flatten_output(output)
+        for path, tensor in outputs:
+            key = site_key(call.site.module, call.site.call, path)
+            stored = store.rows.get(key)
+            if stored is not None and stored.rows is not None and (
+                    meter.status(key, tensor) == Status.OK):
+                stats = meter.stats(tensor, store.rows_on(stored, tensor.device))
+                self.local[call.site.key, key] = ctx.host.add(stats)
+
+    def fill(self, rows: list[dict[str, Any]], view: TableView) -> None:
+        for row in rows:
+            if view.call(row) is None:
+                continue
+            call_key = view.call_key(row)
+            status = self.status.get(call_key)
+            row["local_status"] = "" if status is None else status.value
+            local = self.local.get((call_key, row["site"]))
+            if local is not None:
+                own = sums([(local.get(), 1)])
+                row["local_rel_l2"] = rel_l2(own.diff, own.ref)
+                row["local_max_abs"] = float(local.get()[:, INDEX["max_abs"]].max())
+            fields, inputs = view.fields.get(row["site"]), view.inputs(call_key)
+            if fields is not None and inputs is not None:
+                out = sums([fields]).diff
+                row["amplification"] = (out / inputs.diff if inputs.diff > 0
+                                        else (math.inf if out > 0 else math.nan))
+
+    @classmethod
+    def sentences(cls, result: Comparison) -> list[str]:
+        table = result.table
+        if "local_rel_l2" not in table:
+            return []
+        ok = table[table["status"] == "ok"]
+        lines = []
+        sources = result.sources
+        carriers = ok[ok["role"] == "carrier"]
+        if not sources.empty:
+            own = ", ".join(f"'{r.site}' {r.local_rel_l2:.3g}"
+                            for r in sources.head(4).itertuples())
+            lines.append(f"Replayed on identical inputs with the batched run's kernels, the "
+                         f"sources add on their own (local rel_l2): {own}.")
+        if not carriers.empty and carriers["local_rel_l2"].notna().any():
+            worst = carriers.loc[carriers["local_rel_l2"].idxmax()]
+            lines.append(f"The carriers add at most local rel_l2 {worst['local_rel_l2']:.3g} "
+                         f"(at '{worst['site']}').")
+        amp = ok["amplification"].replace(math.inf, math.nan).dropna()
+        if not amp.empty:
+            top = ok.loc[amp.idxmax()]
+            lines.append(f"The largest amplification of the incoming error is "
+                         f"{top['amplification']:.3g}× at '{top['site']}' ({top['module_type']}).")
+        return lines

@@ -1,0 +1,195 @@
+"""The probe seam: one explain option, one class.
+
+A probe instance holds its options and, once a comparison runs, what it found there;
+each comparison works on fresh copies of the plan's probes.
+
+A probe is made from ``compare()``'s options (:meth:`Probe.create`), may run passes of
+its own before the reference run (:meth:`Probe.before`) or after the measured run
+(:meth:`Probe.after`), may watch the measured run's sites and leaf calls
+(:meth:`Probe.on_site`, :meth:`Probe.on_call`), fills its columns of the table
+(:meth:`Probe.fill`) and says what they mean (:meth:`Probe.sentences`). Every method
+has a default that does nothing, so a probe overrides only what it needs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from divtrace.align.sites import INPUT, site_key
+from divtrace.measure.fields import INDEX
+from divtrace.measure.host import Host
+from divtrace.measure.meter import CallRecord, LeafCall, Measured, Meter
+from divtrace.progress import Progress
+from divtrace.record.lineage import Origin
+from divtrace.record.rows import RowStore
+from divtrace.record.runner import Runner
+
+if TYPE_CHECKING:
+    from divtrace.plan.make import Plan
+    from divtrace.report.comparison import Comparison
+
+__all__ = ["Context", "Probe", "Sums", "TableView", "sums"]
+
+
+@dataclass
+class Context:
+    """What a probe sees of the comparison in progress."""
+
+    plan: Plan
+    model: nn.Module  # the user's model, as given
+    reference: Runner  # the run whose rows are stored (the split run by default)
+    compared: Runner  # the run measured against them (the batched run by default)
+    host: Host  # takes device tensors for the one transfer to the host
+    progress: Progress
+    _store: RowStore | None = None
+    _meter: Meter | None = None
+
+    @property
+    def store(self) -> RowStore:
+        """The reference run's rows (from :meth:`Probe.start` on)."""
+        if self._store is None:
+            raise RuntimeError("the reference run has not been recorded yet")
+        return self._store
+
+    @store.setter
+    def store(self, store: RowStore) -> None:
+        self._store = store
+
+    @property
+    def meter(self) -> Meter:
+        """The measured run's meter (from :meth:`Probe.start` on)."""
+        if self._meter is None:
+            raise RuntimeError("the measured run has not been set up yet")
+        return self._meter
+
+    @meter.setter
+    def meter(self, meter: Meter) -> None:
+        self._meter = meter
+
+
+class Probe:
+    """One explain option. Subclasses set the class attributes and override the hooks
+    they need; :data:`divtrace.explain.registry.PROBES` lists them in column order."""
+
+    #: The ``compare()`` keyword that switches the probe on ("" for always on).
+    option: ClassVar[str] = ""
+    #: The table columns it adds, in order.
+    columns: ClassVar[tuple[str, ...]] = ()
+    #: Of those, the ones the HTML table shows.
+    shown: ClassVar[tuple[str, ...]] = ()
+    #: Its sentences come before those on the model's output.
+    leads: ClassVar[bool] = False
+    #: It needs the compared run to take the whole batch in one pass.
+    whole_batch: ClassVar[bool] = False
+    #: It needs the measured run's rows kept until :meth:`after`.
+    keeps_batched: ClassVar[bool] = False
+    #: Its columns' values in rows of sites that the measured run did not reach.
+    blank: ClassVar[dict[str, Any]] = {}
+    #: Forward passes of its own (for the progress bar).
+    passes: int = 0
+
+    @classmethod
+    def create(cls, options: Mapping[str, Any]) -> Probe | None:
+        """The probe for these ``compare()`` options, or None when it is off. Validates
+        the options it takes."""
+        return cls() if not cls.option else None
+
+    @property
+    def watches_sites(self) -> bool:
+        return type(self).on_site is not Probe.on_site
+
+    @property
+    def watches_calls(self) -> bool:
+        return type(self).on_call is not Probe.on_call
+
+    def before(self, ctx: Context) -> None:
+        """Runs before the reference run."""
+
+    def start(self, ctx: Context) -> None:
+        """Runs after the reference run, before the measured run."""
+
+    def on_site(self, ctx: Context, measured: Measured, tensor: torch.Tensor,
+                rows: torch.Tensor) -> None:
+        """A site of the measured run was measured (``tensor`` is the whole batch, ``rows``
+        the stored rows of the compared samples)."""
+
+    def on_call(self, ctx: Context, call: LeafCall, record: CallRecord) -> None:
+        """A leaf call of the measured run returned (before its outputs are measured)."""
+
+    def after(self, ctx: Context) -> None:
+        """Runs after the measured run."""
+
+    def fill(self, rows: list[dict[str, Any]], view: TableView) -> None:
+        """Writes the probe's columns into the table's rows (one dict per site)."""
+
+    @classmethod
+    def sentences(cls, result: Comparison) -> list[str]:
+        """What the probe's columns say about ``result``, in plain sentences."""
+        return []
+
+
+@dataclass(frozen=True)
+class Sums:
+    """Mismatch and norms summed over several parts (e.g. the inputs of a call)."""
+
+    mismatch: float  # fraction of elements not bit-identical
+    diff: float  # ‖batched − split‖
+    ref: float  # ‖split‖
+
+
+def sums(parts: list[tuple[np.ndarray, int]]) -> Sums:
+    """:class:`Sums` over ``(per-sample fields, compared elements)`` parts."""
+    count = sum(float(a[:, INDEX["mismatch"]].sum()) for a, _ in parts)
+    numel = sum(n for _, n in parts)
+    diff = math.sqrt(sum(float(a[:, INDEX["sq_diff"]].sum()) for a, _ in parts))
+    ref = math.sqrt(sum(float(a[:, INDEX["sq_ref"]].sum()) for a, _ in parts))
+    return Sums(count / numel if numel else 0.0, diff, ref)
+
+
+class TableView:
+    """What probes read while the table is filled: every site's fields (on the host) and
+    the leaf calls' lineage."""
+
+    def __init__(self, fields: dict[str, tuple[np.ndarray, int]], calls: dict[str, CallRecord],
+                 batch: int, n_samples: int) -> None:
+        self.fields = fields  # site key -> (per-sample fields, compared elements)
+        self.calls = calls
+        self.batch, self.n_samples = batch, n_samples
+        self._inputs: dict[str, Sums | None] = {}
+
+    def call(self, row: Mapping[str, Any]) -> CallRecord | None:
+        """The leaf call a row belongs to (None for other rows)."""
+        return self.calls.get(self.call_key(row)) if row["leaf"] else None
+
+    @staticmethod
+    def call_key(row: Mapping[str, Any]) -> str:
+        """The key of the module call a row belongs to."""
+        return site_key(row["module"], row["call"], "")
+
+    def inputs(self, call_key: str) -> Sums | None:
+        """The call's inputs taken together (None when one of them is not known); the
+        model's own input counts as identical."""
+        if call_key not in self._inputs:
+            self._inputs[call_key] = self._input_sums(self.calls[call_key])
+        return self._inputs[call_key]
+
+    def _input_sums(self, call: CallRecord) -> Sums | None:
+        parts: list[tuple[np.ndarray, int]] = []
+        for origin, key, measured in call.inputs:
+            if origin == Origin.SITE and key == INPUT:
+                continue  # the model's own input: the same rows in both runs
+            if origin == Origin.SITE and key in self.fields:
+                parts.append(self.fields[key])
+            elif origin == Origin.INPUT and measured is not None and measured.stats is not None:
+                per_sample = int(np.prod(measured.shape)) // self.batch
+                parts.append((measured.stats.get(), per_sample * self.n_samples))
+            else:
+                return None
+        return sums(parts)

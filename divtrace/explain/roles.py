@@ -1,0 +1,69 @@
+"""Roles: where the divergence enters (sources) and where it is only carried."""
+
+from __future__ import annotations
+
+import math
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from divtrace.explain.probe import Probe, TableView
+from divtrace.words import listed
+
+if TYPE_CHECKING:
+    from divtrace.report.comparison import Comparison
+
+__all__ = ["Role", "Roles"]
+
+
+class Role(StrEnum):
+    """The role of a leaf site; the table holds the values (plain strings)."""
+
+    SOURCE = "source"  # input bit-identical in both runs, output not
+    CARRIER = "carrier"  # input already differed
+    CLEAN = "clean"  # output bit-identical
+    UNKNOWN = "unknown"  # the input was made outside any module, then changed in place
+
+
+class Roles(Probe):
+    """``input_mismatch`` and ``role`` of every leaf site, from the measured run's lineage.
+    Always on."""
+
+    columns: ClassVar[tuple[str, ...]] = ("input_mismatch", "role")
+    leads: ClassVar[bool] = True
+    blank: ClassVar[dict[str, Any]] = {"role": ""}
+
+    def fill(self, rows: list[dict[str, Any]], view: TableView) -> None:
+        for row in rows:
+            row["input_mismatch"], row["role"] = math.nan, ""
+            call = view.call(row)
+            if call is None:
+                continue
+            inputs = view.inputs(view.call_key(row))
+            row["input_mismatch"] = inputs.mismatch if inputs else math.nan
+            if row["status"] != "ok":
+                continue
+            if row["mismatch"] == 0:
+                row["role"] = Role.CLEAN.value
+            elif inputs is None:
+                row["role"] = Role.UNKNOWN.value
+            else:
+                row["role"] = (Role.SOURCE if inputs.mismatch == 0 else Role.CARRIER).value
+
+    @classmethod
+    def sentences(cls, result: Comparison) -> list[str]:
+        table = result.table
+        sources = result.sources
+        if sources.empty:
+            return []
+        carriers = table[table["role"] == Role.CARRIER]
+        after = ("No divergent leaf site follows." if carriers.empty else
+                 f"{len(carriers)} divergent leaf site(s) after them are carriers: they "
+                 f"pass on, and may amplify, the error they received.")
+        lines = [f"Source(s) of divergence (input bit-identical in both runs, output not): "
+                 f"{listed(sources)}. {after}"]
+        unknown = table[table["role"] == Role.UNKNOWN]
+        if not unknown.empty:
+            lines.append(f"For {listed(unknown, 3)} the input could not be traced (made "
+                         f"outside any module and then changed in place), so the role is "
+                         f"unknown.")
+        return lines

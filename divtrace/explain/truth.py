@@ -1,0 +1,99 @@
+"""Float64 truth: how far each run is from a float64 run of the same samples."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from divtrace.errors import DivtraceValueError
+from divtrace.explain.probe import Context, Probe, TableView
+from divtrace.measure.host import Deferred
+from divtrace.measure.meter import Measured
+from divtrace.plan.runs import Run
+from divtrace.record.rows import RowStore
+from divtrace.record.runner import Runner
+
+if TYPE_CHECKING:
+    from divtrace.report.comparison import Comparison
+
+__all__ = ["Fp64Truth"]
+
+
+class Fp64Truth(Probe):
+    """``truth="fp64"``: a float64 copy of the model (the user's stays untouched) runs
+    the compared samples first; each run's rel_l2 against it, per site."""
+
+    option: ClassVar[str] = "truth"
+    columns: ClassVar[tuple[str, ...]] = ("batched_err_fp64", "split_err_fp64")
+    shown: ClassVar[tuple[str, ...]] = columns
+    passes = 1
+
+    def __init__(self) -> None:
+        self.found: dict[str, Deferred] = {}
+        self._truth: RowStore | None = None
+
+    @classmethod
+    def create(cls, options: Mapping[str, Any]) -> Fp64Truth | None:
+        truth = options.get("truth")
+        if truth not in (None, "fp64"):
+            raise DivtraceValueError(f"truth must be None or 'fp64'; got {truth!r}")
+        return cls() if truth else None
+
+    def before(self, ctx: Context) -> None:
+        """Runs the float64 copy on the compared samples and stores every site's rows."""
+        ctx.progress.stage("float64 truth run")
+        plan = ctx.plan
+        device = next((p.device for p in ctx.model.parameters()), torch.device("cpu"))
+        exact = Run(device="cpu" if device.type == "mps" else device,  # mps: no float64
+                    dtype=torch.float64)
+        runner = Runner.of(exact, ctx.model, plan.modules, False, "float64 truth run")
+        picked = plan.batch.select(list(plan.samples))
+        count = len(plan.samples)
+        self._truth = RowStore(list(range(count)), picked.batch_dim, False, count,
+                               learn_lineage=False)
+        runner.execute(self._truth, picked, [(0, count)], lambda _s, _e: "float64 truth run")
+        ctx.progress.advance()
+
+    def on_site(self, ctx: Context, measured: Measured, tensor: torch.Tensor,
+                rows: torch.Tensor) -> None:
+        stored = self._truth.rows.get(measured.site.key) if self._truth is not None else None
+        if stored is None or stored.rows is None or not tensor.is_floating_point():
+            return
+        exact = RowStore.rows_on(stored, tensor.device)
+        if exact.shape != rows.shape:
+            return
+        norm = torch.linalg.vector_norm(exact)
+        batched = ctx.store.pick(tensor).double()
+        errors = torch.stack([torch.linalg.vector_norm(batched - exact),
+                              torch.linalg.vector_norm(rows.double() - exact)])
+        stored.drop()
+        self.found[measured.site.key] = ctx.host.add(
+            torch.where(norm > 0, errors / norm, errors))
+
+    def fill(self, rows: list[dict[str, Any]], view: TableView) -> None:
+        for row in rows:
+            found = self.found.get(row["site"])
+            if found is not None:
+                errors = found.get()
+                row["batched_err_fp64"], row["split_err_fp64"] = float(errors[0]), float(
+                    errors[1])
+
+    @classmethod
+    def sentences(cls, result: Comparison) -> list[str]:
+        out = result.output
+        if out is None or math.isnan(out.get("batched_err_fp64", math.nan)):
+            return []
+        b, s_ = out["batched_err_fp64"], out["split_err_fp64"]
+        low, high = min(b, s_), max(b, s_)
+        if high == 0 or (low > 0 and high / low < 10):
+            verdict = ("neither run is closer to the exact answer: both sit within the "
+                       "rounding that this dtype incurs anyway")
+        else:
+            worse, better = ("batched", "split") if b > s_ else ("split", "batched")
+            factor = "infinitely" if low == 0 else f"{high / low:.3g}×"
+            verdict = f"the {worse} run is {factor} further from it than the {better} run"
+        return [f"Against a float64 run of the same samples, the output of the batched run "
+                f"is off by rel_l2 {b:.3g} and that of the split run by {s_:.3g}: {verdict}."]

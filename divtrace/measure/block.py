@@ -1,0 +1,105 @@
+"""A block of the two runs' rows at one site, with the temporaries its fields share."""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import torch
+
+__all__ = ["INT_VIEW", "Block", "max_ulp"]
+
+F64 = torch.float64
+
+#: The integer type of the same width as each float type with a ULP distance.
+INT_VIEW = {
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+}
+
+
+def max_ulp(b: torch.Tensor, r: torch.Tensor, finite: torch.Tensor | None,
+            host: bool) -> torch.Tensor:
+    """Per-row max ULP distance of finite pairs (``finite=None``: all pairs are finite)."""
+    view = INT_VIEW[b.dtype]
+    bits_b, bits_r = b.view(view), r.view(view)
+    if view == torch.int16:  # room for the difference
+        bits_b, bits_r = bits_b.int(), bits_r.int()
+    # same sign: the distance is the difference of the bit patterns (no overflow)
+    dist = (bits_b - bits_r).abs_()
+    crossing = (bits_b ^ bits_r) < 0  # opposite signs: |b| and |r| steps to zero, added
+    if not host or bool(crossing.any()):
+        magnitude = torch.iinfo(view).max
+        across = (bits_b & magnitude).double() + (bits_r & magnitude).double()
+        dist = torch.where(crossing, across, dist.double())
+    if finite is not None:
+        dist = dist.masked_fill(~finite, 0)
+    return dist.amax(1).double()
+
+
+class Block:
+    """``[rows, elements]`` of the batched run (``b``) and the reference run (``r``).
+
+    The temporaries are made on first use and shared by every field that needs them. On
+    the CPU there is no device to keep busy, so shortcuts that branch on values are free
+    (``host``); on an accelerator every branch would be a host synchronisation, so none.
+    """
+
+    def __init__(self, b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> None:
+        self.b, self.r, self.rtol, self.atol = b, r, rtol, atol
+        self.host = b.device.type == "cpu"
+
+    @cached_property
+    def bf(self) -> torch.Tensor:
+        """``b`` in the accumulation dtype (float64 for float64, else float32)."""
+        return self.b.to(F64 if self.b.dtype == F64 else torch.float32)
+
+    @cached_property
+    def rf(self) -> torch.Tensor:
+        """``r`` in the accumulation dtype."""
+        return self.r.to(F64 if self.b.dtype == F64 else torch.float32)
+
+    @cached_property
+    def _diff(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+        absdiff = (self.bf - self.rf).abs_()
+        finite = absdiff.isfinite()  # false where either run is NaN or infinite
+        nonfinite = finite.logical_not().sum(1, dtype=F64)
+        odd = not self.host or bool(nonfinite.any())
+        if odd:
+            absdiff.masked_fill_(~finite, 0)
+        return absdiff, finite, nonfinite, odd
+
+    @property
+    def absdiff(self) -> torch.Tensor:
+        """|b - r| where both are finite, else 0."""
+        return self._diff[0]
+
+    @property
+    def finite(self) -> torch.Tensor:
+        """Where both runs are finite."""
+        return self._diff[1]
+
+    @property
+    def nonfinite(self) -> torch.Tensor:
+        """Per row: elements that are NaN or infinite in either run."""
+        return self._diff[2]
+
+    @property
+    def odd(self) -> bool:
+        """Whether non-finite pairs may be present (always True off the host)."""
+        return self._diff[3]
+
+    @cached_property
+    def differ(self) -> torch.Tensor:
+        """Non-finite pairs that are not equal (NaN never equals anything)."""
+        return (self.b != self.r) & ~self.finite
+
+    @cached_property
+    def max_abs(self) -> torch.Tensor:
+        return self.absdiff.amax(1).to(F64)
+
+    @cached_property
+    def square(self) -> torch.Tensor:
+        """Per row: ‖r‖², for the shortcut of two bit-identical blocks."""
+        return torch.linalg.vector_norm(self.r, dim=1, dtype=F64).square()

@@ -1,0 +1,127 @@
+"""The registry of per-sample fields: what the measured run accumulates at every site.
+
+A site's statistics are one ``[samples, len(FIELDS)]`` float64 tensor, in the order of
+:data:`FIELDS`. Each field says how blocks of the same rows combine (``sum`` or ``max``)
+and how it is computed from a :class:`~divtrace.measure.block.Block`; the table's
+figures (:mod:`~divtrace.measure.figures`) are made from these fields, and the fused CUDA
+kernel (:mod:`~divtrace.measure.fused`) writes them at the positions given here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from divtrace.measure.block import F64, INT_VIEW, Block, max_ulp
+
+__all__ = ["FIELDS", "INDEX", "MAX_FIELDS", "MAX_SLICE", "Field"]
+
+Compute = Callable[[Block], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Field:
+    """One per-sample accumulator.
+
+    Attributes:
+        name: Its name (the statistics' column).
+        reduce: How the values of column blocks of the same rows combine.
+        compute: Per row, from a floating block of both runs.
+        same: Per row, when both blocks are bit-identical (None: zero).
+        exact: Per row, for integer and bool blocks (None: NaN, not measured).
+        doc: What it counts.
+    """
+
+    name: str
+    reduce: Literal["sum", "max"]
+    compute: Compute
+    same: Compute | None = None
+    exact: Compute | None = None
+    doc: str = ""
+
+
+def _mismatch(block: Block) -> torch.Tensor:
+    count = torch.count_nonzero(block.absdiff, dim=1).to(F64)  # b - r == 0 iff b == r
+    if block.odd:  # non-finite pairs: inf == inf matches, NaN vs NaN matches too
+        both_nan = block.b.isnan() & block.r.isnan()
+        count += (block.differ & ~both_nan).sum(1, dtype=F64)
+    return count
+
+
+def _exceed(block: Block) -> torch.Tensor:
+    if block.host and not block.odd and float(block.max_abs.max()) <= block.atol:
+        return torch.zeros_like(block.max_abs)
+    # as torch.isclose: |b - r| <= atol + rtol * |r|
+    limit = block.rf.abs().mul_(block.rtol).add_(block.atol)
+    count = (block.absdiff > limit).sum(1, dtype=F64)
+    if block.odd:  # a non-finite pair that is not equal is never close
+        count += block.differ.sum(1, dtype=F64)
+    return count
+
+
+def _unequal(block: Block) -> torch.Tensor:
+    return (block.b != block.r).sum(1, dtype=F64)
+
+
+def _nonfinite_same(block: Block) -> torch.Tensor:
+    if bool(block.square.isfinite().all()):
+        return torch.zeros_like(block.square)
+    return block.r.isinf().sum(1, dtype=F64)  # infinities (or an overflowing sum)
+
+
+def _max_ulp(block: Block) -> torch.Tensor:
+    if block.b.dtype not in INT_VIEW:  # float8 and other formats: no ULP
+        return torch.full_like(block.max_abs, math.nan)
+    return max_ulp(block.b, block.r, block.finite if block.odd else None, block.host)
+
+
+def _norm_square(t: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(t, dim=1, dtype=F64).square()
+
+
+#: The fields, in the order of the statistics' columns.
+FIELDS: tuple[Field, ...] = (
+    Field("mismatch", "sum", _mismatch, exact=_unequal,
+          doc="elements not bit-identical (+0.0 vs -0.0 and NaN vs NaN excepted)"),
+    Field("nonfinite", "sum", lambda b: b.nonfinite, _nonfinite_same,
+          lambda b: torch.zeros(b.b.shape[0], dtype=F64, device=b.b.device),
+          doc="elements that are NaN or infinite in either run"),
+    Field("exceed", "sum", _exceed, exact=_unequal,
+          doc="elements beyond rtol/atol, as torch.testing.assert_close judges them"),
+    Field("max_abs", "max", lambda b: b.max_abs, doc="max |batched - split| over finite pairs"),
+    Field("sum_abs", "sum", lambda b: b.absdiff.sum(1, dtype=F64),
+          doc="sum |batched - split| over finite pairs"),
+    Field("sq_diff", "sum", lambda b: _norm_square(b.absdiff),
+          doc="sum (batched - split)^2 over finite pairs"),
+    Field("sq_ref", "sum", lambda b: _norm_square(b.rf), lambda b: b.square, doc="sum split^2"),
+    Field("sq_out", "sum", lambda b: _norm_square(b.bf), lambda b: b.square,
+          doc="sum batched^2"),
+    Field("dot", "sum", lambda b: torch.linalg.vecdot(b.bf, b.rf, dim=1).to(F64),
+          lambda b: b.square, doc="sum batched * split"),
+    Field("max_ulp", "max", _max_ulp,
+          doc="max distance in units in the last place, in the tensor's own dtype"),
+)
+
+#: The column of each field.
+INDEX: dict[str, int] = {f.name: i for i, f in enumerate(FIELDS)}
+#: The columns that combine by maximum.
+MAX_FIELDS: tuple[int, ...] = tuple(i for i, f in enumerate(FIELDS) if f.reduce == "max")
+
+
+def _as_slice(indices: tuple[int, ...]) -> slice | None:
+    """The indices as one slice (one indexing op, no index tensor), if they are evenly
+    spaced."""
+    if not indices:
+        return None
+    step = indices[1] - indices[0] if len(indices) > 1 else 1
+    whole = slice(indices[0], indices[-1] + 1, step)
+    return whole if step > 0 and tuple(range(*whole.indices(indices[-1] + 1))) == indices else (
+        None)
+
+
+#: :data:`MAX_FIELDS` as one slice, when they are evenly spaced (else None).
+MAX_SLICE: slice | None = _as_slice(MAX_FIELDS)

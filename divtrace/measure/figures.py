@@ -1,0 +1,116 @@
+"""The registry of figures: the table's numeric columns, made from a site's fields.
+
+A figure turns the per-sample fields of one site (:mod:`~divtrace.measure.fields`) into
+one number of the table. Adding a column that the existing fields can give is adding
+one :class:`Figure` to :data:`FIGURES`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from divtrace.measure.fields import INDEX
+
+__all__ = ["FIGURES", "Figure", "SiteFields", "cosine", "rel_l2", "sample_figures",
+           "site_figures"]
+
+
+class SiteFields:
+    """The per-sample fields of one site, ``[samples, fields]`` on the host."""
+
+    def __init__(self, stats: np.ndarray, elements_per_sample: int) -> None:
+        self.stats = stats
+        self.per_sample = elements_per_sample
+        self.numel = elements_per_sample * stats.shape[0]
+
+    def column(self, name: str) -> np.ndarray:
+        return self.stats[:, INDEX[name]]
+
+    def sum(self, name: str) -> float:
+        return self.column(name).sum()
+
+    def max(self, name: str) -> float:
+        return float(self.column(name).max())
+
+    def norm(self, name: str) -> float:
+        """The square root of a summed square (``sq_diff``, ``sq_ref``, ``sq_out``)."""
+        return math.sqrt(self.sum(name))
+
+    def share(self, name: str) -> float:
+        """A count as a fraction of the site's elements."""
+        return self.sum(name) / self.numel if self.numel else 0.0
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One numeric column of the table: a name, its rule and what it means."""
+
+    name: str
+    compute: Callable[[SiteFields], float]
+    doc: str = ""
+
+
+def rel_l2(diff_norm: float | np.ndarray, ref_norm: float | np.ndarray) -> np.ndarray | float:
+    """‖batched − split‖ / ‖split‖: 0 when both are 0, inf when only the split is 0."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.divide(diff_norm, ref_norm)
+    ratio = np.where(np.asarray(diff_norm) == 0, 0.0, ratio)
+    return float(ratio) if np.ndim(ratio) == 0 else ratio
+
+
+def cosine(dot: float, out_norm: float, ref_norm: float) -> float:
+    """Cosine similarity: 1 when both are zero, 0 when only one is."""
+    if out_norm == 0 and ref_norm == 0:
+        return 1.0
+    if out_norm == 0 or ref_norm == 0:
+        return 0.0
+    return float(min(1.0, max(-1.0, dot / (out_norm * ref_norm))))
+
+
+def _mean_abs(f: SiteFields) -> float:
+    finite = f.numel - f.sum("nonfinite")
+    return f.sum("sum_abs") / finite if finite else math.nan
+
+
+def _cosine(f: SiteFields) -> float:
+    if f.sum("mismatch") == 0:
+        return 1.0
+    return cosine(f.sum("dot"), f.norm("sq_out"), f.norm("sq_ref"))
+
+
+#: The figures, in the order of the table's columns.
+FIGURES: tuple[Figure, ...] = (
+    Figure("numel", lambda f: float(f.numel), "compared elements"),
+    Figure("mismatch", lambda f: f.share("mismatch"),
+           "fraction of elements not bit-identical (+0.0 vs -0.0 and NaN vs NaN do not count)"),
+    Figure("exceed", lambda f: f.share("exceed"), "fraction beyond rtol/atol"),
+    Figure("max_abs", lambda f: f.max("max_abs"), "max |batched - split|"),
+    Figure("mean_abs", _mean_abs, "mean |batched - split| over finite pairs"),
+    Figure("rel_l2", lambda f: float(rel_l2(f.norm("sq_diff"), f.norm("sq_ref"))),
+           "‖batched − split‖ / ‖split‖"),
+    Figure("max_ulp", lambda f: f.max("max_ulp"), "max ULP distance in the tensor's own dtype"),
+    Figure("cosine", _cosine, "cosine similarity of the two runs' rows"),
+    Figure("nonfinite", lambda f: f.sum("nonfinite"), "elements NaN or infinite in either run"),
+)
+
+
+def site_figures(stats: np.ndarray, elements_per_sample: int,
+                 figures: tuple[Figure, ...] = FIGURES) -> dict[str, float]:
+    """The site-level figures of one site from its per-sample ``[S, fields]`` stats."""
+    fields = SiteFields(stats, elements_per_sample)
+    return {figure.name: figure.compute(fields) for figure in figures}
+
+
+def sample_figures(stats: np.ndarray, elements_per_sample: int
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per sample: ``mismatch`` (a fraction), ``rel_l2`` and ``max_abs``."""
+    fields = SiteFields(stats, elements_per_sample)
+    mismatch = fields.column("mismatch") / elements_per_sample if elements_per_sample else (
+        np.zeros(len(stats)))
+    rel = np.atleast_1d(rel_l2(np.sqrt(fields.column("sq_diff")),
+                               np.sqrt(fields.column("sq_ref"))))
+    return mismatch, rel, fields.column("max_abs")

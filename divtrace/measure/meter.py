@@ -1,0 +1,205 @@
+"""The measured run: every site compared with the stored rows the moment it is produced."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from divtrace.align.sites import ROOT, Site, input_site
+from divtrace.align.status import Status, status_of
+from divtrace.measure import fused
+from divtrace.measure.host import Deferred, Host
+from divtrace.measure.stats import (
+    block_stats,
+    blocks,
+    combine,
+    lower_precision,
+    mixed_stats,
+    tolerances,
+)
+from divtrace.record.lineage import InputPart, Origin, input_parts
+from divtrace.record.recorder import Sink, Tracker
+from divtrace.record.rows import RowStore, runs_of
+
+__all__ = ["CallRecord", "CallWatcher", "LeafCall", "Measured", "Meter", "SiteWatcher"]
+
+#: Bytes of temporaries per compared element while a block is measured (an upper bound).
+_TEMP_BYTES = 40
+#: On an accelerator, temporaries may take this share of the recorded rows' bytes ...
+_TEMP_SHARE = 0.05
+#: ... but a block of this many elements is always allowed, to keep launches few.
+_MIN_BLOCK = 1 << 20
+#: On the CPU, blocks of this many elements keep the temporaries in cache.
+_CPU_BLOCK = 1 << 18
+
+
+@dataclass
+class Measured:
+    """One site of the measured run: what it is and, if it could be compared, its stats."""
+
+    site: Site
+    status: Status
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    stats: Deferred | None = None  # [samples, len(FIELDS)]
+    flips: Deferred | None = None  # [samples] argmax flips, for 2-D model outputs
+    kept: torch.Tensor | None = None  # the measured run's rows, when kept
+
+
+@dataclass
+class CallRecord:
+    """A leaf module call of the measured run: where each input came from, and, for an
+    input no observed module made, its own comparison."""
+
+    inputs: list[tuple[Origin, str | None, Measured | None]]
+
+
+@dataclass(frozen=True)
+class LeafCall:
+    """A leaf module call of the measured run, as its hook sees it."""
+
+    site: Site
+    module: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    output: Any
+    parts: list[InputPart]
+    tracker: Tracker
+
+
+#: Told of each measured site: ``(measured, tensor, rows)`` — the whole batch's tensor
+#: and the stored rows it was measured against.
+SiteWatcher = Callable[[Measured, torch.Tensor, torch.Tensor], None]
+#: Told of each leaf call as it returns (before its outputs are measured).
+CallWatcher = Callable[[LeafCall, CallRecord], None]
+
+
+@dataclass
+class Meter(Sink):
+    """Measures the tensors of a run of ``batch`` rows against a :class:`RowStore`.
+
+    Statistics stay on the device (handed to ``host`` for the one transfer at the end).
+    ``keep``: also keep the compared rows of this run. ``lineage``: work out where each
+    leaf call's inputs came from (and compare those made unseen).
+    """
+
+    store: RowStore
+    batch: int
+    host: Host
+    rtol: float | None = None
+    atol: float | None = None
+    keep: bool = False
+    lineage: bool = True
+    site_watchers: Sequence[SiteWatcher] = ()
+    call_watchers: Sequence[CallWatcher] = ()
+    sites: list[Measured] = field(default_factory=list)
+    calls: dict[str, CallRecord] = field(default_factory=dict)
+    _tol: dict[torch.dtype, tuple[float, float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._runs = runs_of(self.store.samples)
+        self._budget = max(_MIN_BLOCK, int(_TEMP_SHARE * self.store.stored_bytes / _TEMP_BYTES))
+
+    # -- the sink ---------------------------------------------------------------------
+
+    def on_tensor(self, site: Site, tensor: torch.Tensor) -> None:
+        """Measures one observed tensor (called from its hook)."""
+        self.sites.append(self.measure(site, tensor))
+
+    def on_call(self, call: Site, module: nn.Module, args: tuple[Any, ...],
+                kwargs: dict[str, Any], output: Any, tracker: Tracker) -> None:
+        """A leaf call: its inputs' lineage, then what the call watchers do with it."""
+        if not self.lineage:
+            return
+        parts = input_parts(call, module, args, kwargs, output, tracker)
+        record = self.calls[call.key] = CallRecord([
+            (part.origin, part.key,
+             self.measure(input_site(call, index), part.tensor)
+             if part.origin == Origin.INPUT else None)
+            for index, part in enumerate(parts)])
+        if self.call_watchers:
+            leaf = LeafCall(call, module, args, kwargs, output, parts, tracker)
+            for watcher in self.call_watchers:
+                watcher(leaf, record)
+
+    # -- measuring --------------------------------------------------------------------
+
+    def status(self, key: str, tensor: torch.Tensor) -> Status:
+        """Whether ``tensor`` lines up with the stored rows of the site ``key``."""
+        stored = self.store.rows.get(key)
+        complete = stored is not None and self.store.complete(stored)
+        return status_of(stored, tensor, self.batch, self.store.batch_dim, complete)
+
+    def measure(self, site: Site, tensor: torch.Tensor) -> Measured:
+        """Measures one tensor against the stored rows at its site."""
+        status = self.status(site.key, tensor)
+        measured = Measured(site, status, tuple(tensor.shape), tensor.dtype)
+        stored = self.store.rows.get(site.key)
+        if status != Status.OK or stored is None or stored.rows is None:
+            return measured
+        rows = self.store.rows_on(stored, tensor.device)
+        measured.stats = self.host.add(self.stats(tensor, rows))
+        for watcher in self.site_watchers:
+            watcher(measured, tensor, rows)
+        if site.module == ROOT and tensor.dim() == 2 and tensor.is_floating_point():
+            flips = self.store.pick(tensor).argmax(1) != rows.argmax(1)
+            measured.flips = self.host.add(flips.double())
+        if self.keep:
+            measured.kept = self.store.pick(tensor).to(stored.rows.device).contiguous()
+        self.store.measured(site.key)  # stream: released unless still needed
+        return measured
+
+    def _tolerances(self, dtype: torch.dtype) -> tuple[float, float]:
+        if dtype not in self._tol:
+            self._tol[dtype] = tolerances(dtype, self.rtol, self.atol)
+        return self._tol[dtype]
+
+    def stats(self, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Per-sample statistics of the compared rows of ``tensor`` against ``rows``."""
+        dim = self.store.batch_dim % tensor.dim()
+        mixed = tensor.dtype != rows.dtype
+        rtol, atol = self._tolerances(lower_precision(tensor.dtype, rows.dtype) if mixed
+                                      else tensor.dtype)
+        fast = fused.supports(tensor) and not mixed
+        stats = mixed_stats if mixed else block_stats  # mixed: two configurations of a run
+        width = _CPU_BLOCK if tensor.device.type == "cpu" else self._budget
+        per_run = []
+        for slot, row, n in self._runs:
+            b = tensor if n == self.batch else tensor.narrow(dim, row, n)
+            b = (b.movedim(dim, 0) if dim else b).reshape(n, -1)
+            r = (rows if n == len(rows) else rows.narrow(0, slot, n)).reshape(n, -1)
+            if fast:  # one pass, no temporaries beyond a partial row per program
+                per_run.append(fused.fused_stats(b, r, rtol, atol))
+                continue
+            per_run.append(combine([stats(b[:, lo:hi], r[:, lo:hi], rtol, atol)
+                                    for lo, hi in blocks(n, b.shape[1], width)]))
+        return per_run[0] if len(per_run) == 1 else torch.cat(per_run)
+
+    def compare_stores(self, second: RowStore, batch: int) -> None:
+        """Measures ``second``'s rows against this meter's store (both runs chunked)."""
+        rows_meter = Meter(self.store.as_batch(), len(second.samples), self.host,
+                           self.rtol, self.atol)
+        for stored in second.rows.values():
+            if stored.site.input is not None:
+                continue
+            if stored.rows is None or not second.complete(stored):
+                status = stored.status if stored.rows is None else Status.PARTIAL_IN_SPLIT
+                self.sites.append(Measured(stored.site, status, stored.shape, stored.dtype))
+                continue
+            measured = rows_meter.measure(stored.site, stored.rows)
+            measured.shape = (batch, *stored.row_shape)
+            self.sites.append(measured)
+        for key, parts in second.lineage.items():
+            inputs: list[tuple[Origin, str | None, Measured | None]] = []
+            for origin, part_key in parts:
+                own = second.rows.get(part_key) if part_key is not None else None
+                found = None
+                if origin == Origin.INPUT and own is not None and own.rows is not None:
+                    found = rows_meter.measure(own.site, own.rows)
+                    found.shape = (batch, *own.row_shape)
+                inputs.append((origin, part_key, found))
+            self.calls[key] = CallRecord(inputs)

@@ -1,0 +1,96 @@
+"""Per-sample statistics of two blocks of rows, computed eagerly with torch ops.
+
+Everything here works on device tensors and never synchronises with the host (off the
+CPU): a site's statistics stay on its device until the table is assembled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+from torch.testing._comparison import default_tolerances
+
+from divtrace.measure.block import F64, INT_VIEW, Block, max_ulp
+from divtrace.measure.fields import FIELDS, INDEX, MAX_FIELDS, MAX_SLICE
+
+__all__ = ["block_stats", "blocks", "combine", "lower_precision", "mixed_stats",
+           "tolerances", "ulp_ordered"]
+
+
+def tolerances(
+    dtype: torch.dtype, rtol: float | None, atol: float | None
+) -> tuple[float, float]:
+    """``(rtol, atol)``: the given values, else ``torch.testing.assert_close``'s defaults."""
+    if rtol is not None and atol is not None:
+        return rtol, atol
+    default_rtol, default_atol = default_tolerances(dtype)
+    return (default_rtol if rtol is None else rtol), (default_atol if atol is None else atol)
+
+
+def ulp_ordered(t: torch.Tensor) -> torch.Tensor:
+    """Maps floats to int64 so that adjacent floats differ by 1 and -0.0 equals +0.0."""
+    view = INT_VIEW[t.dtype]
+    bits = t.view(view).to(torch.int64)
+    lowest = -(2 ** (torch.iinfo(view).bits - 1))
+    return torch.where(bits < 0, lowest - bits, bits)
+
+
+def block_stats(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> torch.Tensor:
+    """Per-row statistics of two ``[rows, elements]`` blocks, as ``[rows, len(FIELDS)]``.
+
+    Integer and bool tensors get the fields that have an ``exact`` rule (mismatch);
+    the others are NaN.
+    """
+    if b.is_complex():
+        b, r = torch.view_as_real(b).flatten(1), torch.view_as_real(r).flatten(1)
+    block = Block(b, r, rtol, atol)
+    if not b.is_floating_point():
+        nan = torch.full((b.shape[0],), math.nan, dtype=F64, device=b.device)
+        return torch.stack([nan if f.exact is None else f.exact(block) for f in FIELDS], 1)
+    if block.host and torch.equal(b, r):  # bit-identical: one pass, most fields zero
+        zero = torch.zeros(b.shape[0], dtype=F64)
+        return torch.stack([zero if f.same is None else f.same(block) for f in FIELDS], 1)
+    return torch.stack([f.compute(block) for f in FIELDS], dim=1)
+
+
+def lower_precision(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """The less precise of two floating dtypes (the one with the larger epsilon)."""
+    return a if torch.finfo(a).eps >= torch.finfo(b).eps else b
+
+
+def mixed_stats(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> torch.Tensor:
+    """Like :func:`block_stats` for two floating blocks of different dtypes: the errors in
+    the more precise dtype, the ULP distance in the less precise one."""
+    low = lower_precision(b.dtype, r.dtype)
+    high = b.dtype if low == r.dtype else r.dtype
+    out = block_stats(b.to(high), r.to(high), rtol, atol)
+    b_low, r_low = b.to(low), r.to(low)
+    if low in INT_VIEW:
+        finite = (b_low.to(high) - r_low.to(high)).isfinite()
+        out[:, INDEX["max_ulp"]] = max_ulp(b_low, r_low, finite, b.device.type == "cpu")
+    else:
+        out[:, INDEX["max_ulp"]] = math.nan
+    return out
+
+
+def combine(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Combines the statistics of column blocks of the same rows."""
+    if len(parts) == 1:
+        return parts[0]
+    stacked = torch.stack(parts)
+    total = stacked.sum(0)
+    if MAX_SLICE is not None:  # a slice, not an index tensor: nothing to copy to a device
+        total[:, MAX_SLICE] = stacked[:, :, MAX_SLICE].amax(0)
+        return total
+    for field in MAX_FIELDS:
+        total[:, field] = stacked[:, :, field].amax(0)
+    return total
+
+
+def blocks(rows: int, elements: int, budget: int) -> Iterator[tuple[int, int]]:
+    """Column ranges that keep ``rows * width`` at or under ``budget`` elements."""
+    width = max(1, budget // max(rows, 1))
+    for start in range(0, elements, width):
+        yield start, min(start + width, elements)

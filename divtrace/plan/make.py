@@ -1,0 +1,150 @@
+"""The plan: ``compare()``'s arguments, validated once, as one frozen record."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from torch import nn
+
+from divtrace.errors import BatchMixingError, DivtraceTypeError, DivtraceValueError
+from divtrace.explain.probe import Probe
+from divtrace.explain.registry import probes_for
+from divtrace.measure.figures import FIGURES, Figure
+from divtrace.plan.inputs import (
+    BatchedInput,
+    check_chunk,
+    chunks_for,
+    prepare_input,
+    prepare_samples,
+)
+from divtrace.plan.runs import Run
+from divtrace.plan.selection import ModuleSpec, check_modules, mixing_modules
+
+__all__ = ["Plan", "make_plan"]
+
+Chunks = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a comparison will do, decided before anything runs.
+
+    Attributes:
+        batch: The input, with the tensors that carry the batch marked.
+        samples: The compared rows, sorted.
+        reference: The run whose compared rows are stored (the split run by default).
+        compared: The run measured against them (the batched run by default).
+        reference_chunks: The reference run's passes, as ``(start, stop)`` rows.
+        compared_chunks: The compared run's passes when it is chunked too (then both are
+            recorded and compared row by row); empty when it takes the whole batch.
+        modules: The validated ``modules=`` selection (None: every module).
+        output_only: Only the model's output is observed (a compiled run).
+        train_mode: The modules that mix samples in train mode (allowed by the user).
+        probes: The explain probes, in column order.
+        options: ``compare()``'s explain options as given.
+        figures: The figures of the table (default: the registry's).
+    """
+
+    batch: BatchedInput
+    samples: tuple[int, ...]
+    reference: Run
+    compared: Run
+    reference_chunks: Chunks
+    compared_chunks: Chunks
+    modules: tuple[str | type, ...] | None
+    output_only: bool
+    rtol: float | None
+    atol: float | None
+    keep: bool
+    offload: bool
+    progress: bool
+    train_mode: tuple[str, ...]
+    probes: tuple[Probe, ...]
+    options: Mapping[str, Any] = field(default_factory=dict)
+    default_pair: bool = True
+    figures: tuple[Figure, ...] = FIGURES
+
+    @property
+    def passes(self) -> int:
+        """Forward passes in all, for the progress bar."""
+        return (len(self.reference_chunks) + max(1, len(self.compared_chunks))
+                + sum(probe.passes for probe in self.probes))
+
+    @property
+    def keeps_batched(self) -> bool:
+        """Whether the measured run's compared rows are kept (asked for, or needed)."""
+        return self.keep or any(probe.keeps_batched for probe in self.probes)
+
+    def name(self, which: str) -> str:
+        """How errors and the progress bar name run ``"a"`` (reference) or ``"b"``."""
+        run = self.reference if which == "a" else self.compared
+        if run == Run(chunk=run.chunk) and run.name is None:
+            return "batched run" if run.chunk is None else "split run"
+        return f"run {which} ({run.label()})"
+
+    def with_probes(self, *probes: Probe) -> Plan:
+        """The same plan with more probes (after those of the options)."""
+        return replace(self, probes=(*self.probes, *probes))
+
+
+def _runs(a: Run | None, b: Run | None, chunk: int, size: int) -> tuple[Run, Run]:
+    """The reference run and the compared run: split vs batched unless a or b is given."""
+    if a is None and b is None:
+        return Run(chunk=check_chunk(chunk, size)), Run()
+    for name, run in (("a", a), ("b", b)):
+        if run is not None and not isinstance(run, Run):
+            raise DivtraceTypeError(f"{name} must be a divtrace.Run; got {type(run).__name__}")
+    if chunk != 1:
+        raise DivtraceValueError(
+            "chunk= is for the default batched vs split comparison; with a= or b=, give "
+            "the batch size of each run as Run(chunk=...)")
+    ref, test = a or Run(), b or Run()
+    whole = [r if r.chunk is None or r.chunk < size else replace(r, chunk=None)
+             for r in (ref, test)]
+    return whole[0], whole[1]
+
+
+def _check_train_mode(model: nn.Module, allow_train: bool) -> tuple[str, ...]:
+    mixing = mixing_modules(model)
+    if mixing and not allow_train:
+        raise BatchMixingError(
+            f"the model is in train mode and these modules mix samples or draw random "
+            f"numbers there: {', '.join(mixing)}; batched and split runs would differ for "
+            f"reasons that are not numerical. Call model.eval() first, or pass "
+            f"allow_train=True to compare anyway"
+        )
+    return tuple(mixing)
+
+
+def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
+              samples: Iterable[int] | int | None = None, batch_dim: int = 0,
+              modules: ModuleSpec = None, progress: bool = True, keep: bool = False,
+              offload: bool = False, rtol: float | None = None, atol: float | None = None,
+              allow_train: bool = False, a: Run | None = None, b: Run | None = None,
+              **options: Any) -> Plan:
+    """Validates ``compare()``'s arguments and decides what will run (see
+    :func:`divtrace.compare`); ``options`` are the explain options, given to each probe."""
+    if not isinstance(model, nn.Module):
+        raise DivtraceTypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+    probes = probes_for(options)
+    batch = prepare_input(x, batch_dim, stacklevel=4)
+    rows = prepare_samples(samples, batch.batch_size)
+    size = batch.batch_size
+    ref, test = _runs(a, b, chunk, size)
+    needing = [probe.option for probe in probes if probe.whole_batch]
+    if test.chunk is not None and needing:
+        raise DivtraceValueError(
+            f"{', '.join(needing)} need(s) run b to take the whole batch in one pass; got "
+            f"b=Run(chunk={test.chunk}). Swap a and b, or leave {', '.join(needing)} out")
+    train_mode = _check_train_mode(model, allow_train)
+    output_only = bool(ref.compile or test.compile)
+    return Plan(
+        batch=batch, samples=tuple(rows), reference=ref, compared=test,
+        reference_chunks=tuple(chunks_for(rows, ref.chunk or size, size)),
+        compared_chunks=tuple(chunks_for(rows, test.chunk, size)) if test.chunk else (),
+        modules=check_modules(model, modules),
+        output_only=output_only, rtol=rtol, atol=atol, keep=keep, offload=offload,
+        progress=progress, train_mode=train_mode, probes=probes, options=options,
+        default_pair=a is None and b is None)

@@ -1,0 +1,80 @@
+"""Which modules are observed, and which ones would make the runs differ by design."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable
+
+from torch import nn
+
+from divtrace.align.sites import ROOT
+from divtrace.errors import DivtraceTypeError, DivtraceValueError
+
+__all__ = ["ModuleSpec", "check_modules", "mixing_modules", "select_modules"]
+
+#: What ``modules=`` takes: glob patterns on qualified names and/or module types.
+ModuleSpec = str | type | Iterable[str | type] | None
+
+_MIXING = (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd)
+
+
+def _describe(spec: object) -> str:
+    return spec.__name__ if isinstance(spec, type) else repr(spec)
+
+
+def check_modules(model: nn.Module, modules: ModuleSpec) -> tuple[str | type, ...] | None:
+    """Validates ``modules=`` against ``model``: every entry must match some module."""
+    if modules is None:
+        return None
+    specs = (modules,) if isinstance(modules, str | type) else tuple(modules)
+    for spec in specs:
+        if not isinstance(spec, str | type):
+            raise DivtraceTypeError(
+                f"modules must hold glob patterns (str) or module types; got {spec!r}"
+            )
+    named = [(name, mod) for name, mod in model.named_modules() if name]
+    for spec in specs:
+        if not _matching(named, spec):
+            names = [name for name, _ in named]
+            shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
+            types = sorted({type(mod).__name__ for _, mod in named})
+            raise DivtraceValueError(
+                f"modules entry {_describe(spec)} matches no module of the model. "
+                f"Names: {shown or '(none)'}; types: {', '.join(types) or '(none)'}"
+            )
+    return specs
+
+
+def _matching(named: list[tuple[str, nn.Module]], spec: str | type
+              ) -> list[tuple[str, nn.Module]]:
+    return [(name, mod) for name, mod in named
+            if (isinstance(spec, str) and fnmatch.fnmatchcase(name, spec))
+            or (isinstance(spec, type) and isinstance(mod, spec))]
+
+
+def select_modules(model: nn.Module, modules: ModuleSpec) -> dict[str, nn.Module]:
+    """The modules to observe, by qualified name, in registration order.
+
+    ``modules`` holds glob patterns matched against qualified names (``features.*``) and
+    module types (``nn.Conv2d``); ``None`` selects every module. The model itself is
+    always observed, under the name :data:`~divtrace.align.sites.ROOT`, so that its final
+    output is compared.
+    """
+    named = [(name, mod) for name, mod in model.named_modules() if name]
+    specs = check_modules(model, modules)
+    if specs is None:
+        return {ROOT: model} | dict(named)
+    chosen = {name for spec in specs for name, _ in _matching(named, spec)}
+    return {ROOT: model} | {name: mod for name, mod in named if name in chosen}
+
+
+def mixing_modules(model: nn.Module) -> list[str]:
+    """Modules that, in train mode, mix samples (BatchNorm) or draw random numbers (Dropout)."""
+    found = []
+    for name, module in model.named_modules():
+        if not module.training or not isinstance(module, _MIXING):
+            continue
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p == 0:
+            continue
+        found.append(f"{name or 'the model'} ({type(module).__name__})")
+    return found

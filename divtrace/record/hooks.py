@@ -1,0 +1,77 @@
+"""The module-hook recorder: every selected module's output, through forward hooks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from divtrace.align.sites import Site, flatten_output, site_key
+from divtrace.record.recorder import Recorder, Sink, Tracker
+
+__all__ = ["ModuleHooks"]
+
+
+class ModuleHooks(Recorder):
+    """Observes the outputs of ``modules`` (qualified name -> module) with forward hooks.
+
+    The hooks are registered after the user's own, so the user's hooks still fire first
+    and any output they replace is what is observed. For leaf modules, the sink's
+    ``on_call`` first sees the call's inputs.
+    """
+
+    def __init__(self, modules: dict[str, nn.Module]) -> None:
+        self.modules = modules
+
+    @contextmanager
+    def observe(self, sink: Sink) -> Iterator[Tracker]:
+        tracker = Tracker()
+        handles: list[torch.utils.hooks.RemovableHandle] = []
+        try:
+            for name, module in self.modules.items():
+                hook = _hook(name, module, sink, tracker)
+                handles.append(module.register_forward_hook(hook, with_kwargs=True))
+            yield tracker
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def _hook(name: str, module: nn.Module, sink: Sink, tracker: Tracker) -> Callable[..., None]:
+    """The forward hook of one module (kept lean: it runs for every module call)."""
+    module_type = type(module).__name__
+    leaf = next(module.children(), None) is None
+    sites: dict[tuple[int, str], Site] = {}
+    on_call = sink.on_call if leaf else None
+    on_tensor = sink.on_tensor
+
+    def site(call: int, path: str) -> Site:
+        found = sites.get((call, path))
+        if found is None:
+            found = sites[call, path] = Site(site_key(name, call, path), name, module_type,
+                                             call, path, leaf)
+        return found
+
+    def hook(mod: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if tracker.replaying:
+            return
+        call = tracker.calls[name]
+        tracker.calls[name] = call + 1
+        if on_call is not None:
+            on_call(site(call, ""), mod, args, kwargs, output, tracker)
+        if isinstance(output, torch.Tensor):  # the common case, kept cheap
+            here = site(call, "")
+            tracker.last_site = here.key
+            on_tensor(here, output)
+            tracker.produced(here.key, output)
+            return
+        for path, tensor in flatten_output(output):
+            here = site(call, path)
+            tracker.last_site = here.key
+            on_tensor(here, tensor)
+            tracker.produced(here.key, tensor)
+
+    return hook

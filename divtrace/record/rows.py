@@ -1,0 +1,251 @@
+"""The row store: the compared samples' rows of one run at every site, and no more."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from divtrace.align.sites import Site, input_site
+from divtrace.align.status import Status
+from divtrace.record.lineage import Origin, input_parts, tensor_inputs
+from divtrace.record.recorder import Sink, Tracker
+
+__all__ = ["RowStore", "StoredRows", "runs_of"]
+
+
+def runs_of(indices: list[int]) -> list[tuple[int, int, int]]:
+    """Contiguous runs of sorted indices as ``(position in list, first index, length)``."""
+    runs: list[tuple[int, int, int]] = []
+    for pos, index in enumerate(indices):
+        if runs and runs[-1][1] + runs[-1][2] == index:
+            first_pos, first, length = runs[-1]
+            runs[-1] = (first_pos, first, length + 1)
+        else:
+            runs.append((pos, index, 1))
+    return runs
+
+
+@dataclass
+class StoredRows:
+    """What one run produced at one site for the compared samples.
+
+    ``rows`` is ``[samples, *row_shape]`` with the batch dimension moved to the front;
+    ``filled`` counts the sample slots written. ``status`` is OK unless the site could
+    not be recorded.
+    """
+
+    site: Site
+    shape: tuple[int, ...]
+    rows: torch.Tensor | None
+    row_shape: tuple[int, ...]
+    dtype: torch.dtype
+    filled: int = 0
+    status: Status = Status.OK
+    pieces: tuple[torch.Tensor, ...] = ()  # rows split by chunk, when every row is compared
+
+    def drop(self, status: Status | None = None) -> None:
+        """Releases the rows (and the views into them); optionally marks the site."""
+        self.rows, self.pieces = None, ()
+        if status is not None:
+            self.status = status
+
+
+@dataclass
+class RowStore(Sink):
+    """Records a run chunk by chunk, keeping only the compared samples' rows.
+
+    With ``learn_lineage``, it also notes where each leaf call's inputs came from
+    (:attr:`lineage`, worked out in the first chunk) and records the inputs that no
+    observed module made. Rows are released as soon as the measured run is done with
+    them, unless ``pinned`` or held (:meth:`hold`).
+    """
+
+    samples: list[int]
+    batch_dim: int
+    offload: bool = False
+    chunk: int = 1
+    learn_lineage: bool = True
+    pinned: bool = False
+    rows: dict[str, StoredRows] = field(default_factory=dict)
+    #: per leaf call: where each tensor input came from, as ``(origin, key)``
+    lineage: dict[str, list[tuple[Origin, str | None]]] = field(default_factory=dict)
+    _chunk_len: int = 0
+    _runs: list[tuple[int, int, int]] = field(default_factory=list)
+    _whole: tuple[int, int] | None = None  # (slot, rows) when the whole chunk is compared
+    _in_chunk: int = 0
+    _piece: int | None = None  # index into StoredRows.pieces for this chunk
+    # Copies are launched together at the end of a chunk, one foreach launch instead of
+    # one per site, except for sites whose output a later op changes in place: those are
+    # copied in their hook. Such sites are found by the tensors' version counters.
+    _eager: set[str] = field(default_factory=set)
+    _pending: list[tuple[torch.Tensor, torch.Tensor, int, str]] = field(default_factory=list)
+    _touched: list[StoredRows] = field(default_factory=list)
+    _holds: Counter[str] = field(default_factory=Counter)
+    _index: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+
+    # -- the recorded run -------------------------------------------------------------
+
+    def begin_chunk(self, start: int, stop: int, tracker: Tracker) -> None:
+        """Starts a chunk of rows ``start:stop`` of the batch."""
+        tracker.lineage = self.learn_lineage and not self.lineage  # learnt from the first
+        self._chunk_len = stop - start
+        inside = [s for s in self.samples if start <= s < stop]
+        first_slot = self.samples.index(inside[0])
+        self._runs = [(first_slot + pos, row - start, n) for pos, row, n in runs_of(inside)]
+        self._in_chunk = len(inside)
+        whole = len(inside) == self._chunk_len
+        self._whole = (first_slot, self._chunk_len) if whole else None
+        every = len(self.samples) == self.samples[-1] + 1  # rows 0..S-1: slot == row
+        self._piece = start // self.chunk if every and whole else None
+        self._pending.clear()
+        self._touched.clear()
+
+    def end_chunk(self) -> bool:
+        """Finishes the chunk. False if it must run again: an op changed a tensor in place
+        after its hook, before its copy was made; that site is copied at once from now on.
+        """
+        changed = [key for _, src, version, key in self._pending if src._version != version]
+        if changed:
+            self._eager.update(changed)
+            self._pending.clear()
+            self._touched.clear()
+            return False
+        if self._pending:
+            torch._foreach_copy_([p[0] for p in self._pending], [p[1] for p in self._pending])
+        for stored in self._touched:
+            stored.filled += self._in_chunk
+        self._pending.clear()
+        self._touched.clear()
+        return True
+
+    def on_call(self, call: Site, module: nn.Module, args: tuple[Any, ...],
+                kwargs: dict[str, Any], output: Any, tracker: Tracker) -> None:
+        """Notes where a leaf call's inputs came from; records those made unseen.
+
+        The lineage is worked out in the first chunk; later chunks of the same structure
+        only record the inputs found unseen there (a call first met later is worked out
+        then, with no lineage: all its inputs are recorded).
+        """
+        if not self.learn_lineage:
+            return
+        known = self.lineage.get(call.key)
+        if known is not None:
+            if any(origin == Origin.INPUT for origin, _ in known):
+                tensors = tensor_inputs(args, kwargs)
+                for index, (origin, _) in enumerate(known):
+                    if origin == Origin.INPUT and index < len(tensors):
+                        self.on_tensor(input_site(call, index), tensors[index])
+            return
+        parts = input_parts(call, module, args, kwargs, output, tracker)
+        for index, part in enumerate(parts):
+            if part.origin == Origin.INPUT:
+                self.on_tensor(input_site(call, index), part.tensor)
+        self.lineage[call.key] = [(part.origin, part.key) for part in parts]
+
+    def on_tensor(self, site: Site, tensor: torch.Tensor) -> None:
+        """Records one tensor of the run (called from its hook: kept lean)."""
+        stored = self.rows.get(site.key)
+        shape = tensor.shape
+        dim = self.batch_dim % len(shape) if shape else 0
+        if not shape or shape[dim] != self._chunk_len:
+            if stored is None:
+                stored = StoredRows(site, tuple(shape), None, (), tensor.dtype)
+                self.rows[site.key] = stored
+            stored.drop(Status.UNBATCHED)
+            return
+        row_shape = tuple(shape[:dim] + shape[dim + 1:])
+        if stored is None:
+            stored = self._first(site, tensor, row_shape)
+        elif row_shape != stored.row_shape or tensor.dtype != stored.dtype:
+            stored.drop(Status.SHAPE_MISMATCH)
+        rows = stored.rows
+        if rows is None:
+            return
+        self._touched.append(stored)
+        if self._whole is not None and dim == 0:
+            target = (stored.pieces[self._piece] if self._piece is not None
+                      else rows.narrow(0, self._whole[0], self._whole[1]))
+            if self.offload or site.key in self._eager:
+                target.copy_(tensor, self.offload)
+            else:
+                self._pending.append((target, tensor, tensor._version, site.key))
+            return
+        for slot, row, n in self._runs:
+            rows.narrow(0, slot, n).copy_(tensor.narrow(dim, row, n).movedim(dim, 0),
+                                          self.offload)
+
+    def _first(self, site: Site, tensor: torch.Tensor, row_shape: tuple[int, ...]
+               ) -> StoredRows:
+        device = torch.device("cpu") if self.offload else tensor.device
+        rows = torch.empty((len(self.samples), *row_shape), dtype=tensor.dtype,
+                           device=device, pin_memory=self.offload and tensor.is_cuda)
+        stored = StoredRows(site, tuple(tensor.shape), rows, row_shape, tensor.dtype)
+        if self.samples[-1] + 1 == len(self.samples):
+            stored.pieces = rows.split(self.chunk)  # one call makes every chunk's view
+        self.rows[site.key] = stored
+        return stored
+
+    # -- reading ------------------------------------------------------------------------
+
+    def put(self, site: Site, shape: tuple[int, ...], rows: torch.Tensor) -> None:
+        """Stores the complete rows of a site as they are (e.g. another run's kept rows)."""
+        self.rows[site.key] = StoredRows(site, shape, rows, tuple(rows.shape[1:]),
+                                         rows.dtype, filled=len(self.samples))
+
+    def as_batch(self) -> RowStore:
+        """The same rows, read as a batch of their own: sample ``i`` is row ``i``."""
+        count = len(self.samples)
+        return RowStore(list(range(count)), 0, False, count, rows=self.rows,
+                        lineage=self.lineage)
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes held by the recorded rows."""
+        return sum(stored.rows.numel() * stored.rows.element_size()
+                   for stored in self.rows.values() if stored.rows is not None)
+
+    def complete(self, stored: StoredRows) -> bool:
+        """Whether every compared sample's rows were recorded at this site."""
+        return stored.filled == len(self.samples)
+
+    def samples_on(self, device: torch.device) -> torch.Tensor:
+        """The compared samples' indices as a tensor on ``device`` (made once)."""
+        if device not in self._index:
+            self._index[device] = torch.tensor(self.samples, device=device)
+        return self._index[device]
+
+    def pick(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The compared samples' rows of a whole-batch tensor, batch dimension first."""
+        dim = self.batch_dim % tensor.dim()
+        return tensor.index_select(dim, self.samples_on(tensor.device)).movedim(dim, 0)
+
+    @staticmethod
+    def rows_on(stored: StoredRows, device: torch.device) -> torch.Tensor:
+        """The stored rows on ``device`` (a copy if they live elsewhere)."""
+        rows = stored.rows
+        assert rows is not None
+        return rows if rows.device == device else rows.to(device, non_blocking=True)
+
+    # -- releasing ----------------------------------------------------------------------
+
+    def hold(self, keys: Iterable[str]) -> None:
+        """Keeps these sites' rows past their measurement, until :meth:`release` d."""
+        self._holds.update(keys)
+
+    def measured(self, key: str) -> None:
+        """The measured run is done with this site's rows: released unless held."""
+        stored = self.rows.get(key)
+        if stored is not None and not self.pinned and self._holds[key] == 0:
+            stored.drop()
+
+    def release(self, key: str) -> None:
+        """One holder of this site's rows is done; the last one releases them."""
+        self._holds[key] -= 1
+        stored = self.rows.get(key)
+        if self._holds[key] <= 0 and stored is not None and not self.pinned:
+            stored.drop()

@@ -1,0 +1,133 @@
+"""From the runs' device-side figures to the table of a :class:`Comparison` (the one host
+synchronisation happens here)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from divtrace.align.order import merge
+from divtrace.align.status import Status
+from divtrace.explain.probe import Probe, TableView
+from divtrace.explain.registry import PROBES
+from divtrace.measure.figures import FIGURES, Figure, sample_figures, site_figures
+from divtrace.measure.host import Host
+from divtrace.measure.meter import Measured, Meter
+from divtrace.plan.make import Plan
+from divtrace.record.rows import RowStore
+from divtrace.report.comparison import Comparison
+from divtrace.report.meta import Meta
+
+__all__ = ["COLUMNS", "SAMPLE_COLUMNS", "SITE_COLUMNS", "build", "columns"]
+
+#: What a site is: the columns before the figures.
+SITE_COLUMNS = ("site", "module", "module_type", "call", "path", "leaf", "status", "shape",
+                "dtype")
+#: Figures that count elements: integer columns.
+_COUNTS = ("numel", "nonfinite")
+#: The per-sample table's columns.
+SAMPLE_COLUMNS = ("site", "sample", "mismatch", "rel_l2", "max_abs")
+
+
+def columns(figures: tuple[Figure, ...], probes: tuple[type[Probe], ...]) -> tuple[str, ...]:
+    """The table's columns: the site, its figures, ``growth``, then each probe's."""
+    return (*SITE_COLUMNS, *(f.name for f in figures), "growth",
+            *(c for probe in probes for c in probe.columns))
+
+
+#: The columns of :attr:`Comparison.table` without explain options, in order. They are
+#: an API: stable names.
+COLUMNS = columns(FIGURES, tuple(p for p in PROBES if not p.option))
+
+
+def _site_row(site: Measured, figures: tuple[Figure, ...]) -> dict[str, Any]:
+    info = site.site
+    return {
+        "site": info.key, "module": info.module, "module_type": info.module_type,
+        "call": info.call, "path": info.path, "leaf": info.leaf, "status": site.status.value,
+        "shape": str(site.shape), "dtype": str(site.dtype).removeprefix("torch."),
+    } | dict.fromkeys((f.name for f in figures), math.nan)
+
+
+def _measured_rows(plan: Plan, sites: list[Measured]
+                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
+                              dict[str, tuple[np.ndarray, int]], dict[str, tuple[bool, ...]]]:
+    """Per measured site: its row, its per-sample rows, its fields and its argmax flips."""
+    batch, samples = plan.batch.batch_size, plan.samples
+    rows: list[dict[str, Any]] = []
+    sample_rows: list[dict[str, Any]] = []
+    fields: dict[str, tuple[np.ndarray, int]] = {}
+    flips: dict[str, tuple[bool, ...]] = {}
+    for site in sites:
+        row = _site_row(site, plan.figures)
+        if site.stats is not None:
+            array = site.stats.get()
+            per_sample = int(np.prod(site.shape)) // batch
+            fields[site.site.key] = (array, per_sample * len(samples))
+            row |= site_figures(array, per_sample, plan.figures)
+            mismatch, rel, max_abs = sample_figures(array, per_sample)
+            sample_rows.extend(
+                {"site": site.site.key, "sample": sample, "mismatch": mismatch[j],
+                 "rel_l2": float(rel[j]), "max_abs": max_abs[j]}
+                for j, sample in enumerate(samples))
+        if site.flips is not None:
+            flips[site.site.key] = tuple(site.flips.get().astype(bool).tolist())
+        rows.append(row)
+    return rows, sample_rows, fields, flips
+
+
+def _growth(table: pd.DataFrame) -> pd.Series:
+    """rel_l2 over that of the nearest preceding divergent leaf site (NaN if none)."""
+    growth = []
+    previous = math.nan
+    for rel, leaf, mismatch in zip(table["rel_l2"], table["leaf"], table["mismatch"],
+                                   strict=True):
+        growth.append(rel / previous if previous > 0 else math.nan)
+        if leaf and mismatch > 0 and rel > 0:
+            previous = rel
+    return pd.Series(growth, index=table.index, dtype=float)
+
+
+def _in_order(rows: list[dict[str, Any]], store: RowStore, probes: tuple[Probe, ...],
+              figures: tuple[Figure, ...]) -> list[dict[str, Any]]:
+    """The rows with those of the sites only the reference run reached, in order."""
+    reference = [key for key, stored in store.rows.items() if stored.site.input is None]
+    blank = {k: v for probe in probes for k, v in probe.blank.items()}
+    ordered: list[dict[str, Any]] = []
+    measured, seen = iter(rows), {row["site"] for row in rows}
+    for key in merge([row["site"] for row in rows], reference):
+        if key in seen:
+            ordered.append(next(measured))
+            continue
+        stored = store.rows[key]
+        missing = Measured(stored.site, Status.MISSING_IN_BATCHED, stored.shape, stored.dtype)
+        ordered.append(_site_row(missing, figures) | blank)
+    return ordered
+
+
+def build(plan: Plan, probes: tuple[Probe, ...], meter: Meter, meta: Meta, host: Host
+          ) -> Comparison:
+    """Assembles the :class:`Comparison` of a finished run (fetches the figures first)."""
+    host.fetch()
+    rows, sample_rows, fields, flips = _measured_rows(plan, meter.sites)
+    view = TableView(fields, meter.calls, plan.batch.batch_size, len(plan.samples))
+    for probe in probes:
+        probe.fill(rows, view)
+    rows = _in_order(rows, meter.store, probes, plan.figures)
+    names = columns(plan.figures, tuple(type(p) for p in probes))
+    table = pd.DataFrame(rows, columns=[c for c in names if c != "growth"])
+    for count in _COUNTS:
+        if count in table:
+            table[count] = table[count].astype("Int64")
+    table.insert(names.index("growth"), "growth", _growth(table))
+    samples = pd.DataFrame(sample_rows, columns=list(SAMPLE_COLUMNS))
+    pairs: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {
+        s.site.key: (s.kept, meter.store.rows[s.site.key].rows)
+        for s in meter.sites if s.kept is not None}
+    return Comparison(table, samples, replace(meta, flips=flips), pairs,
+                      tuple(type(p) for p in probes))

@@ -1,0 +1,105 @@
+"""The summary: plain sentences on where the runs part, how far it grows, what it means."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from divtrace.measure.stats import tolerances
+from divtrace.words import fmt
+
+if TYPE_CHECKING:
+    from divtrace.explain.probe import Probe
+    from divtrace.report.comparison import Comparison
+
+__all__ = ["summary"]
+
+
+def _output_sentences(result: Comparison) -> list[str]:
+    out = result.output
+    if out is None or out["status"] != "ok":
+        return []
+    meta = result.info
+    lines = []
+    first = result.first_divergence
+    if first is not None and out["mismatch"] > 0:
+        factor = out["rel_l2"] / first["rel_l2"] if first["rel_l2"] > 0 else math.nan
+        grown = "" if first["site"] == out["site"] or math.isnan(factor) else (
+            f" ({factor:.3g}× that of the first divergent site)")
+        lines.append(
+            f"By the model's output '{out['site']}', rel_l2 is {out['rel_l2']:.3g}{grown}; "
+            f"{out['mismatch']:.1%} of its elements are not bit-identical, max "
+            f"{out['max_abs']:.3g} absolute, {fmt(out['max_ulp'], '.0f')} ULP.")
+    dtype = getattr(torch, out["dtype"], None)
+    if isinstance(dtype, torch.dtype):
+        rtol, atol = tolerances(dtype, meta.rtol, meta.atol)
+        which = "the given" if meta.rtol is not None or meta.atol is not None else (
+            f"torch.testing.assert_close's default {out['dtype']}")
+        verdict = "passes" if out["exceed"] == 0 else "fails"
+        beyond = "" if out["exceed"] == 0 else (
+            f": {out['exceed']:.2%} of its elements are beyond them")
+        lines.append(f"The output {verdict} the closeness test at {which} tolerances "
+                     f"(rtol={rtol:.3g}, atol={atol:.3g}){beyond}.")
+    flips = meta.flips.get(out["site"])
+    if flips is not None:
+        classes = out["shape"].strip("()").split(",")[-1].strip()
+        lines.append(
+            f"Read as class logits ({classes} columns), the output's argmax differs "
+            f"between the runs for {sum(flips)} of {len(flips)} samples.")
+    return lines
+
+
+def summary(result: Comparison, probes: Sequence[type[Probe]] = ()) -> str:
+    """Plain sentences on where the runs part, how far it grows, and what it means; the
+    ``probes`` that explain the comparison add theirs."""
+    meta = result.info
+    table = result.table
+    ok = table[table["status"] == "ok"]
+    samples = list(meta.samples)
+    shown = samples if len(samples) <= 8 else [*samples[:8], "..."]
+    chunking = "per sample" if meta.chunk == 1 else f"in chunks of {meta.chunk}"
+    if meta.runs:
+        run_a, run_b = meta.runs
+        head = f"Run b ({run_b}) vs run a ({run_a}), B={meta.batch_size}"
+    else:
+        head = f"Batched run (B={meta.batch_size}) vs split run ({chunking})"
+    lines = [f"{head}, {len(samples)} compared sample(s) {shown}, {len(ok)} compared sites."]
+    if meta.train_mode:
+        lines.append(
+            "The model ran in train mode (allow_train=True): BatchNorm or Dropout make "
+            "the runs differ for reasons that are not numerical.")
+    identical = int((ok["mismatch"] == 0).sum())
+    first = result.first_divergence
+    if first is None:
+        every = "The 1 compared site is" if len(ok) == 1 else f"All {len(ok)} compared sites are"
+        lines.append(f"{every} bit-identical: the batched and split runs agree exactly.")
+    else:
+        position = int((ok.index < first.name).sum())
+        lines.append(
+            f"Divergence first appears at '{first['site']}' ({first['module_type']}), "
+            f"after {position} bit-identical site(s): {first['mismatch']:.1%} of its "
+            f"elements differ, rel_l2 {first['rel_l2']:.3g}, max "
+            f"{fmt(first['max_ulp'], '.0f')} ULP.")
+        lines.append(f"{identical} of {len(ok)} compared sites are bit-identical.")
+    for probe in probes:
+        if probe.leads:
+            lines.extend(probe.sentences(result))
+    lines.extend(_output_sentences(result))
+    for probe in probes:
+        if not probe.leads:
+            lines.extend(probe.sentences(result))
+    nonfinite = ok[ok["nonfinite"] > 0]
+    if not nonfinite.empty:
+        lines.append(
+            f"Non-finite values (NaN or inf, in either run) at {len(nonfinite)} site(s), "
+            f"first at '{nonfinite.iloc[0]['site']}'; the error figures leave them out.")
+    skipped = table[table["status"] != "ok"]
+    if not skipped.empty:
+        listed = ", ".join(f"'{s}' ({st})" for s, st in
+                           zip(skipped["site"][:6], skipped["status"][:6], strict=True))
+        more = "" if len(skipped) <= 6 else f" and {len(skipped) - 6} more"
+        lines.append(f"{len(skipped)} site(s) could not be compared: {listed}{more}.")
+    return "\n".join(lines)
