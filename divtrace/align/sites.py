@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
+
+from divtrace.compat import pytree
 
 __all__ = ["INPUT", "ROOT", "Site", "flatten_output", "input_site", "site_key"]
 

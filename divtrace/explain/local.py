@@ -10,10 +10,10 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from torch.utils import _pytree as pytree
 
 from divtrace.align.sites import INPUT, flatten_output, site_key
 from divtrace.align.status import Status
+from divtrace.compat import pytree
 from divtrace.explain.probe import Context, Probe, TableView, sums
 from divtrace.measure.fields import INDEX
 from divtrace.measure.figures import rel_l2

@@ -10,8 +10,8 @@ import math
 from collections.abc import Iterator
 
 import torch
-from torch.testing._comparison import default_tolerances
 
+from divtrace.compat import default_tolerances
 from divtrace.measure.block import F64, INT_VIEW, Block, max_ulp
 from divtrace.measure.fields import FIELDS, INDEX, MAX_FIELDS, MAX_SLICE
 

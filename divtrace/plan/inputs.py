@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
+from divtrace.compat import pytree
 from divtrace.errors import DivtraceTypeError, DivtraceValueError, DivtraceWarning
 
 __all__ = ["BatchedInput", "check_chunk", "chunks_for", "prepare_input", "prepare_samples"]

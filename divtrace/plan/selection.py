@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from torch import nn
 
 from divtrace.align.sites import ROOT
+from divtrace.compat import BATCH_NORM, DROPOUT
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
 
 __all__ = ["ModuleSpec", "check_modules", "mixing_modules", "select_modules"]
@@ -15,7 +16,7 @@ __all__ = ["ModuleSpec", "check_modules", "mixing_modules", "select_modules"]
 #: What ``modules=`` takes: glob patterns on qualified names and/or module types.
 ModuleSpec = str | type | Iterable[str | type] | None
 
-_MIXING = (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd)
+_MIXING = (BATCH_NORM, DROPOUT)
 
 
 def _describe(spec: object) -> str:
@@ -74,7 +75,7 @@ def mixing_modules(model: nn.Module) -> list[str]:
     for name, module in model.named_modules():
         if not module.training or not isinstance(module, _MIXING):
             continue
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p == 0:
+        if isinstance(module, DROPOUT) and getattr(module, "p", None) == 0:
             continue
         found.append(f"{name or 'the model'} ({type(module).__name__})")
     return found

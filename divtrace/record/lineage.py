@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from divtrace.align.sites import Site, flatten_output, input_site
+from divtrace.compat import pytree
 from divtrace.record.recorder import Tracker
 
 __all__ = ["InputPart", "Origin", "input_parts", "tensor_inputs"]

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from divtrace.align.sites import INPUT
+from divtrace.compat import pytree
 from divtrace.plan.inputs import BatchedInput
 from divtrace.record.recorder import Recorder, Sink, Tracker
 

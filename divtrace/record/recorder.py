@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from divtrace.align.sites import Site
+from divtrace.compat import version
 
 __all__ = ["Recorder", "Sink", "Tracker"]
 
@@ -42,7 +43,7 @@ class Tracker:
     def produced(self, key: str, tensor: torch.Tensor) -> None:
         """Notes that the site ``key`` output ``tensor`` (while ``lineage`` is on)."""
         if self.lineage:
-            self._made[id(tensor)] = (weakref.ref(tensor), key, tensor._version)
+            self._made[id(tensor)] = (weakref.ref(tensor), key, version(tensor))
 
     def producer(self, tensor: torch.Tensor, in_place: bool = False) -> str | None:
         """The site that output this very tensor, unchanged since, in this pass (or None).
@@ -53,7 +54,7 @@ class Tracker:
         entry = self._made.get(id(tensor))
         if entry is None or entry[0]() is not tensor:
             return None
-        if tensor._version != entry[2] and not in_place:
+        if version(tensor) != entry[2] and not in_place:
             return None
         return entry[1]
 

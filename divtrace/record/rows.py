@@ -12,6 +12,7 @@ from torch import nn
 
 from divtrace.align.sites import Site, input_site
 from divtrace.align.status import Status
+from divtrace.compat import foreach_copy, version
 from divtrace.record.lineage import Origin, input_parts, tensor_inputs
 from divtrace.record.recorder import Sink, Tracker
 
@@ -109,14 +110,14 @@ class RowStore(Sink):
         """Finishes the chunk. False if it must run again: an op changed a tensor in place
         after its hook, before its copy was made; that site is copied at once from now on.
         """
-        changed = [key for _, src, version, key in self._pending if src._version != version]
+        changed = [key for _, src, seen, key in self._pending if version(src) != seen]
         if changed:
             self._eager.update(changed)
             self._pending.clear()
             self._touched.clear()
             return False
         if self._pending:
-            torch._foreach_copy_([p[0] for p in self._pending], [p[1] for p in self._pending])
+            foreach_copy([p[0] for p in self._pending], [p[1] for p in self._pending])
         for stored in self._touched:
             stored.filled += self._in_chunk
         self._pending.clear()
@@ -173,7 +174,7 @@ class RowStore(Sink):
             if self.offload or site.key in self._eager:
                 target.copy_(tensor, self.offload)
             else:
-                self._pending.append((target, tensor, tensor._version, site.key))
+                self._pending.append((target, tensor, version(tensor), site.key))
             return
         for slot, row, n in self._runs:
             rows.narrow(0, slot, n).copy_(tensor.narrow(dim, row, n).movedim(dim, 0),

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from divtrace.align.sites import ROOT
+from divtrace.compat import pytree
 from divtrace.plan.inputs import BatchedInput
 from divtrace.plan.runs import Run
 from divtrace.plan.selection import select_modules

@@ -1,0 +1,27 @@
+"""The private torch APIs divtrace leans on, in one place: they may change between torch
+releases, and this is the one file to mend when they do."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.testing._comparison import default_tolerances
+from torch.utils import _pytree as pytree
+
+__all__ = ["BATCH_NORM", "DROPOUT", "default_tolerances", "foreach_copy", "pytree",
+           "version"]
+
+#: The base classes of BatchNorm and of Dropout layers (they mix samples, or draw random
+#: numbers, in train mode).
+BATCH_NORM: type[nn.Module] = nn.modules.batchnorm._BatchNorm
+DROPOUT: type[nn.Module] = nn.modules.dropout._DropoutNd
+
+
+def version(tensor: torch.Tensor) -> int:
+    """The tensor's version counter: it moves whenever the tensor is changed in place."""
+    return tensor._version
+
+
+def foreach_copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Copies each source into its target, launched together."""
+    torch._foreach_copy_(targets, sources)
