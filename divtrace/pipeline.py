@@ -70,8 +70,10 @@ def _meta(plan: Plan, stored_bytes: int) -> Meta:
 
 def execute(plan: Plan, model: nn.Module) -> Comparison:
     """Carries out ``plan`` on ``model``; the model comes back untouched."""
-    reference = Runner.of(plan.reference, model, plan.modules, plan.output_only, plan.name("a"))
-    compared = Runner.of(plan.compared, model, plan.modules, plan.output_only, plan.name("b"))
+    reference = Runner.of(plan.reference, model, plan.modules, plan.output_only, plan.name("a"),
+                          plan.recorder)
+    compared = Runner.of(plan.compared, model, plan.modules, plan.output_only, plan.name("b"),
+                         plan.recorder)
     host = Host()
     probes = copy.deepcopy(plan.probes)  # fresh ones: this run's findings are their own
     with Progress(plan.passes, plan.progress) as progress, untouched(

@@ -49,7 +49,8 @@ class Fp64Truth(Probe):
         device = next((p.device for p in ctx.model.parameters()), torch.device("cpu"))
         exact = Run(device="cpu" if device.type == "mps" else device,  # mps: no float64
                     dtype=torch.float64)
-        runner = Runner.of(exact, ctx.model, plan.modules, False, "float64 truth run")
+        runner = Runner.of(exact, ctx.model, plan.modules, False, "float64 truth run",
+                           plan.recorder)
         picked = plan.batch.select(list(plan.samples))
         count = len(plan.samples)
         self._truth = RowStore(list(range(count)), picked.batch_dim, False, count,

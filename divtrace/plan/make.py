@@ -21,6 +21,7 @@ from divtrace.plan.inputs import (
 )
 from divtrace.plan.runs import Run
 from divtrace.plan.selection import ModuleSpec, check_modules, mixing_modules
+from divtrace.record.runner import RecorderFactory, module_hooks
 
 __all__ = ["Plan", "make_plan"]
 
@@ -45,6 +46,7 @@ class Plan:
         probes: The explain probes, in column order.
         options: ``compare()``'s explain options as given.
         figures: The figures of the table (default: the registry's).
+        recorder: Makes each run's recorder (default: module forward hooks).
     """
 
     batch: BatchedInput
@@ -65,6 +67,7 @@ class Plan:
     options: Mapping[str, Any] = field(default_factory=dict)
     default_pair: bool = True
     figures: tuple[Figure, ...] = FIGURES
+    recorder: RecorderFactory = module_hooks
 
     @property
     def passes(self) -> int:

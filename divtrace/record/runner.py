@@ -15,33 +15,38 @@ from divtrace.plan.runs import Run
 from divtrace.plan.selection import select_modules
 from divtrace.record.hooks import ModuleHooks
 from divtrace.record.loop import drive
-from divtrace.record.recorder import Sink
+from divtrace.record.recorder import Recorder, Sink
 
-__all__ = ["Runner"]
+__all__ = ["RecorderFactory", "Runner", "module_hooks"]
+
+#: Makes the recorder of a run from its model and the selected modules (qualified name
+#: -> module, the model itself under ``(model)``).
+RecorderFactory = Callable[[nn.Module, dict[str, nn.Module]], Recorder]
+
+
+def module_hooks(model: nn.Module, modules: dict[str, nn.Module]) -> Recorder:
+    """The default recorder: forward hooks on the selected modules."""
+    return ModuleHooks(modules)
 
 
 @dataclass(frozen=True)
 class Runner:
     """A :class:`~divtrace.Run` bound to the model it runs (the user's own, or a changed
-    copy) and the recorder that observes it."""
+    copy), the modules observed there and the recorder that observes them."""
 
     run: Run
     model: nn.Module
-    recorder: ModuleHooks
+    modules: dict[str, nn.Module]
+    recorder: Recorder
     name: str
 
     @classmethod
-    def of(cls, run: Run, model: nn.Module, modules: Any, output_only: bool,
-           name: str) -> Runner:
+    def of(cls, run: Run, model: nn.Module, modules: Any, output_only: bool, name: str,
+           recorder: RecorderFactory = module_hooks) -> Runner:
         """The runner of ``run`` on ``model``, observing ``modules`` (or only the output)."""
         mine = run.model(model)
         selected = {ROOT: mine} if output_only else select_modules(mine, modules)
-        return cls(run, mine, ModuleHooks(selected), name)
-
-    @property
-    def modules(self) -> dict[str, nn.Module]:
-        """The observed modules by qualified name (the model itself under ``(model)``)."""
-        return self.recorder.modules
+        return cls(run, mine, selected, recorder(mine, selected), name)
 
     def feed(self, args: tuple[Any, ...], kwargs: dict[str, Any]
              ) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -13,7 +12,7 @@ import torch
 from divtrace.align.sites import ROOT
 from divtrace.errors import DivtraceValueError
 from divtrace.measure.stats import tolerances
-from divtrace.report import html, text
+from divtrace.report import files, html, text
 from divtrace.report.meta import Meta
 
 if TYPE_CHECKING:
@@ -189,21 +188,11 @@ class Comparison:
 
     def to_csv(self, path: str | Path) -> Path:
         """Writes :attr:`table` as CSV and returns the path."""
-        path = Path(path)
-        self._table.to_csv(path, index=False)
-        return path
+        return files.write_csv(self, path)
 
     def to_json(self, path: str | Path) -> Path:
         """Writes the settings, summary, table and per-sample figures as JSON."""
-        path = Path(path)
-        doc = {
-            "meta": self.meta,
-            "summary": self.summary(),
-            "table": json.loads(self._table.to_json(orient="records")),
-            "samples": json.loads(self._samples.to_json(orient="records")),
-        }
-        path.write_text(json.dumps(doc, indent=1))
-        return path
+        return files.write_json(self, path)
 
     def to_html(self, path: str | Path, title: str = "divtrace report") -> Path:
         """Writes a self-contained HTML report (plots embedded) and returns the path."""

@@ -1,0 +1,187 @@
+"""The recipes of docs/architecture.md, each done once: a column, a probe, a recorder and
+an output format added from outside the package, through the seams the pipeline has."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+
+import divtrace
+from divtrace.align.sites import Site, site_key
+from divtrace.explain.probe import Context, Probe, TableView
+from divtrace.measure.figures import Figure, SiteFields
+from divtrace.measure.host import Deferred
+from divtrace.measure.meter import Measured
+from divtrace.pipeline import execute
+from divtrace.plan.make import make_plan
+from divtrace.record.recorder import Recorder, Sink, Tracker
+from divtrace.report.meta import Meta
+from tests import models
+
+# -- a column ---------------------------------------------------------------------------
+
+
+def rms_abs(fields: SiteFields) -> float:
+    return math.sqrt(fields.sum("sq_diff") / fields.numel) if fields.numel else 0.0
+
+
+def test_a_column_is_one_figure() -> None:
+    model, x = models.variant_mlp(), torch.randn(8, 16)
+    plan = make_plan(model, x, progress=False, keep=True)
+    figure = Figure("rms_abs", rms_abs, "root mean square of |batched - split|")
+    result = execute(replace(plan, figures=(*plan.figures, figure)), model)
+    columns = list(result.table.columns)
+    assert columns.index("rms_abs") == columns.index("nonfinite") + 1
+    table = result.table.set_index("site")
+    for site in ("3", "4", "5"):
+        batched, split = result.pair(site)
+        expected = (batched.double() - split.double()).square().mean().sqrt().item()
+        assert expected > 0
+        assert table.loc[site, "rms_abs"] == pytest.approx(expected, rel=1e-12)
+    assert table.loc["0", "rms_abs"] == 0
+
+
+# -- a probe ----------------------------------------------------------------------------
+
+
+class BatchedNorm(Probe):
+    """``norms=True``: the norm of the measured run's compared rows at every site."""
+
+    option: ClassVar[str] = "norms"
+    columns: ClassVar[tuple[str, ...]] = ("batched_norm",)
+    shown: ClassVar[tuple[str, ...]] = ("batched_norm",)
+
+    def __init__(self) -> None:
+        self.found: dict[str, Deferred] = {}
+
+    @classmethod
+    def create(cls, options: Mapping[str, Any]) -> BatchedNorm | None:
+        return cls() if options.get("norms") else None
+
+    def on_site(self, ctx: Context, measured: Measured, tensor: torch.Tensor,
+                rows: torch.Tensor) -> None:
+        norm = torch.linalg.vector_norm(ctx.store.pick(tensor).double()).reshape(1)
+        self.found[measured.site.key] = ctx.host.add(norm)
+
+    def fill(self, rows: list[dict[str, Any]], view: TableView) -> None:
+        for row in rows:
+            found = self.found.get(row["site"])
+            if found is not None:
+                row["batched_norm"] = float(found.get()[0])
+
+    @classmethod
+    def sentences(cls, result: divtrace.Comparison) -> list[str]:
+        top = result.table.loc[result.table["batched_norm"].idxmax()]
+        return [f"The largest batched norm is {top['batched_norm']:.3g}, at '{top['site']}'."]
+
+
+def test_a_probe_adds_its_column_and_its_sentence() -> None:
+    model, x = models.variant_mlp(), torch.randn(8, 16)
+    probe = BatchedNorm.create({"norms": True})
+    assert probe is not None
+    assert BatchedNorm.create({}) is None
+    plan = make_plan(model, x, samples=[1, 6], progress=False, keep=True, local=True)
+    result = execute(plan.with_probes(probe), model)
+    assert list(result.table.columns)[-1] == "batched_norm"
+    table = result.table.set_index("site")
+    for site in table.index:
+        batched, _ = result.pair(site)
+        expected = torch.linalg.vector_norm(batched.double()).item()
+        assert table.loc[site, "batched_norm"] == pytest.approx(expected, rel=1e-12)
+    top = table["batched_norm"].idxmax()
+    assert f"The largest batched norm is {table.loc[top, 'batched_norm']:.3g}, at '{top}'." in (
+        result.summary())
+    assert "<th class=\"\">batched_norm</th>" in result._repr_html_()
+    assert not probe.found  # the plan's probe stays fresh: each run works on a copy
+
+
+# -- a recorder -------------------------------------------------------------------------
+
+
+class LinearCalls(Recorder):
+    """Observes every call of ``torch.nn.functional.linear``: sites ``linear``,
+    ``linear#1``, ... in call order."""
+
+    @contextmanager
+    def observe(self, sink: Sink) -> Iterator[Tracker]:
+        tracker = Tracker()
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                                   kwargs: Any = None) -> Any:
+                out = func(*args, **(kwargs or {}))
+                if func is F.linear and not tracker.replaying:
+                    call = tracker.calls["linear"]
+                    tracker.calls["linear"] = call + 1
+                    site = Site(site_key("linear", call, ""), "linear", "linear", call, "",
+                                True)
+                    tracker.last_site = site.key
+                    sink.on_tensor(site, out)
+                    tracker.produced(site.key, out)
+                return out
+
+        with Mode():
+            yield tracker
+
+
+def test_a_recorder_plugs_into_the_pipeline() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)).eval()
+    x = torch.randn(12, 16)
+    plan = make_plan(model, x, progress=False)
+    result = execute(replace(plan, recorder=lambda _model, _modules: LinearCalls()), model)
+    assert list(result.table["site"]) == ["linear", "linear#1"]
+    with torch.no_grad():
+        first = model[0](x), torch.cat([model[0](x[i:i + 1]) for i in range(12)])
+        second = model(x), torch.cat([model(x[i:i + 1]) for i in range(12)])
+    table = result.table.set_index("site")
+    for site, (batched, split) in (("linear", first), ("linear#1", second)):
+        assert table.loc[site, "mismatch"] == (batched != split).double().mean().item()
+        assert table.loc[site, "max_abs"] == (batched - split).abs().max().item()
+
+
+# -- an output format -------------------------------------------------------------------
+
+
+def write_markdown(result: divtrace.Comparison, path: Path) -> Path:
+    """The summary's first line and the table's main columns, as Markdown."""
+    lines = [f"# {result.summary().splitlines()[0]}", "",
+             "| site | status | mismatch | rel_l2 |", "|---|---|---|---|"]
+    lines += [f"| {r.site} | {r.status} | {r.mismatch:.3g} | {r.rel_l2:.3g} |"
+              for r in result.table.itertuples()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_an_output_format_reads_the_public_result(tmp_path: Path) -> None:
+    result = divtrace.compare(models.variant_mlp(), torch.randn(6, 16), progress=False)
+    text = write_markdown(result, tmp_path / "result.md").read_text().splitlines()
+    assert text[0] == "# " + result.summary().splitlines()[0]
+    rows = text[4:]
+    assert [row.split(" | ")[0].removeprefix("| ") for row in rows] == list(result.table.site)
+    assert rows[3] == f"| 3 | ok | {result.table.mismatch[3]:.3g} | {result.table.rel_l2[3]:.3g} |"
+
+
+# -- the typed meta ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("options", [{}, {"a": divtrace.Run(), "b": divtrace.Run(chunk=2),
+                                          "truth": "fp64"}])
+def test_meta_round_trips_through_json(options: dict[str, Any]) -> None:
+    model = nn.Sequential(*models.variant_mlp(), nn.Flatten()).eval()
+    result = divtrace.compare(model, torch.randn(6, 16), progress=False, **options)
+    back = Meta.from_dict(json.loads(json.dumps(result.meta)))
+    assert back == result.info
+    assert back.to_dict() == result.meta
+    assert result.info.flips["(model)"] == tuple(result.meta["flips"]["(model)"])

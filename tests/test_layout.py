@@ -1,0 +1,105 @@
+"""The package keeps the shape of its pipeline: small modules, short functions, no
+private names across modules, no import cycle, private torch APIs in one place."""
+
+from __future__ import annotations
+
+import ast
+import io
+import re
+import tokenize
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "divtrace"
+MODULES = sorted(PACKAGE.rglob("*.py"))
+STAGES = ("plan", "record", "align", "measure", "explain", "report")
+
+
+def name_of(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def body_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    body = node.body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring does not count
+    return 0 if not body else body[-1].end_lineno - body[0].lineno + 1  # type: ignore[operator]
+
+
+def runtime_imports(tree: ast.Module) -> list[ast.ImportFrom | ast.Import]:
+    """Every import that runs (module level or in a function), not those for typing."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(n) for child in node.body for n in ast.walk(child))
+    return [n for n in ast.walk(tree)
+            if isinstance(n, ast.Import | ast.ImportFrom) and id(n) not in skipped]
+
+
+def test_the_stages_are_subpackages() -> None:
+    for stage in STAGES:
+        assert (PACKAGE / stage / "__init__.py").is_file(), stage
+
+
+@pytest.mark.parametrize("path", MODULES, ids=name_of)
+def test_modules_are_small_and_functions_short(path: Path) -> None:
+    source = path.read_text()
+    assert len(source.splitlines()) <= 350
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            assert body_lines(node) <= 70, f"{node.name} is {body_lines(node)} lines long"
+
+
+def test_compare_is_a_thin_face() -> None:
+    tree = ast.parse((PACKAGE / "compare.py").read_text())
+    face = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "compare")
+    assert body_lines(face) <= 60
+
+
+@pytest.mark.parametrize("path", MODULES, ids=name_of)
+def test_no_private_name_crosses_modules(path: Path) -> None:
+    for node in runtime_imports(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("divtrace"):
+            private = [a.name for a in node.names if a.name.startswith("_")]
+            assert not private, f"{name_of(path)} imports {private} from {node.module}"
+
+
+def test_no_import_cycle() -> None:
+    known = {name_of(p) for p in MODULES}
+    graph: dict[str, set[str]] = {name: set() for name in known}
+    for path in MODULES:
+        for node in runtime_imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                           for a in node.names]
+            else:
+                targets = [a.name for a in node.names]
+            graph[name_of(path)].update(t for t in targets if t in known and t != "divtrace")
+    done: set[str] = set()
+
+    def visit(name: str, trail: list[str]) -> None:
+        if name in trail:
+            raise AssertionError("import cycle: " + " -> ".join([*trail, name]))
+        if name in done:
+            return
+        for target in graph[name]:
+            visit(target, [*trail, name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+    assert done == known
+
+
+PRIVATE_TORCH = re.compile(r"torch\.utils\._pytree|torch\.testing\._|\._version\b|"
+                           r"torch\._foreach|_BatchNorm|_DropoutNd")
+
+
+@pytest.mark.parametrize("path", [p for p in MODULES if p.name != "compat.py"], ids=name_of)
+def test_private_torch_apis_only_in_compat(path: Path) -> None:
+    code = " ".join(tok.string for tok in tokenize.generate_tokens(
+        io.StringIO(path.read_text()).readline) if tok.type != tokenize.STRING)
+    assert not PRIVATE_TORCH.search(code), PRIVATE_TORCH.search(code)
