@@ -103,3 +103,14 @@ def test_private_torch_apis_only_in_compat(path: Path) -> None:
     code = " ".join(tok.string for tok in tokenize.generate_tokens(
         io.StringIO(path.read_text()).readline) if tok.type != tokenize.STRING)
     assert not PRIVATE_TORCH.search(code), PRIVATE_TORCH.search(code)
+
+
+def test_every_column_is_documented() -> None:
+    import divtrace
+    from divtrace.measure.fields import FIELDS
+    from divtrace.measure.figures import FIGURES
+
+    readme = (PACKAGE.parent / "README.md").read_text()
+    columns = [*divtrace.COLUMNS, *(c for cs in divtrace.EXPLAIN_COLUMNS.values() for c in cs)]
+    assert [c for c in columns if f"`{c}`" not in readme] == []
+    assert all(entry.doc for entry in (*FIELDS, *FIGURES))

@@ -1,14 +1,14 @@
 """The probe seam: one explain option, one class.
 
-A probe instance holds its options and, once a comparison runs, what it found there;
-each comparison works on fresh copies of the plan's probes.
-
 A probe is made from ``compare()``'s options (:meth:`Probe.create`), may run passes of
 its own before the reference run (:meth:`Probe.before`) or after the measured run
 (:meth:`Probe.after`), may watch the measured run's sites and leaf calls
 (:meth:`Probe.on_site`, :meth:`Probe.on_call`), fills its columns of the table
 (:meth:`Probe.fill`) and says what they mean (:meth:`Probe.sentences`). Every method
 has a default that does nothing, so a probe overrides only what it needs.
+
+A probe instance holds its options and, once a comparison runs, what it found there;
+each comparison works on fresh copies of the plan's probes.
 """
 
 from __future__ import annotations

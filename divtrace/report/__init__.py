@@ -6,4 +6,5 @@
 - :mod:`~divtrace.report.text`: the summary.
 - :mod:`~divtrace.report.html`: Jupyter's view and the self-contained page.
 - :mod:`~divtrace.report.plot`: every picture (comparisons and sweeps).
+- :mod:`~divtrace.report.files`: the output formats (CSV, JSON; HTML is in `html`).
 """
