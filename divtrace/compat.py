@@ -3,6 +3,9 @@ releases, and this is the one file to mend when they do."""
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.testing._comparison import default_tolerances
@@ -17,9 +20,9 @@ BATCH_NORM: type[nn.Module] = nn.modules.batchnorm._BatchNorm
 DROPOUT: type[nn.Module] = nn.modules.dropout._DropoutNd
 
 
-def version(tensor: torch.Tensor) -> int:
-    """The tensor's version counter: it moves whenever the tensor is changed in place."""
-    return tensor._version
+#: ``version(tensor)``: the tensor's version counter, which moves whenever the tensor is
+#: changed in place (a C-level getter: it runs in every hook).
+version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
 
 
 def foreach_copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import torch
@@ -19,9 +20,9 @@ Feed = Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[s
 
 
 def forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-            tracker: Tracker, label: str) -> Any:
+            tracker: Tracker, label: Callable[[], str]) -> Any:
     """One forward pass; an exception keeps its type and gains a note naming the pass
-    and the last site it reached."""
+    (``label()``, made only then) and the last site it reached."""
     tracker.reset()
     for leaf in pytree.tree_leaves((args, kwargs)):
         if isinstance(leaf, torch.Tensor):
@@ -30,7 +31,7 @@ def forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
         return model(*args, **kwargs)
     except Exception as exc:
         where = tracker.last_site or "none (no module had returned yet)"
-        exc.add_note(f"divtrace: raised in the {label}; last site reached: {where}")
+        exc.add_note(f"divtrace: raised in the {label()}; last site reached: {where}")
         raise
 
 
@@ -46,7 +47,8 @@ def drive(model: nn.Module, recorder: Recorder, sink: Sink, batch: BatchedInput,
     ``recorder`` and handed to ``sink``; a chunk runs again while the sink asks for it.
 
     Args:
-        label: Names the pass over ``start:stop`` in the note of an exception.
+        label: Names the pass over ``start:stop`` in the note of an exception (called
+            only then).
         feed: Turns the rows into what the run feeds the model (moved, cast, ...).
         step: Called after each chunk (a progress bar's update).
     """
@@ -56,7 +58,7 @@ def drive(model: nn.Module, recorder: Recorder, sink: Sink, batch: BatchedInput,
             done = False
             while not done:
                 sink.begin_chunk(start, stop, tracker)
-                forward(model, args, kwargs, tracker, label(start, stop))
+                forward(model, args, kwargs, tracker, partial(label, start, stop))
                 done = sink.end_chunk()
             if step is not None:
                 step()

@@ -75,6 +75,7 @@ class RowStore(Sink):
     rows: dict[str, StoredRows] = field(default_factory=dict)
     #: per leaf call: where each tensor input came from, as ``(origin, key)``
     lineage: dict[str, list[tuple[Origin, str | None]]] = field(default_factory=dict)
+    _unseen: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per call: inputs
     _chunk_len: int = 0
     _runs: list[tuple[int, int, int]] = field(default_factory=list)
     _whole: tuple[int, int] | None = None  # (slot, rows) when the whole chunk is compared
@@ -134,12 +135,12 @@ class RowStore(Sink):
         """
         if not self.learn_lineage:
             return
-        known = self.lineage.get(call.key)
-        if known is not None:
-            if any(origin == Origin.INPUT for origin, _ in known):
+        unseen = self._unseen.get(call.key)
+        if unseen is not None:  # a call met before: only its unseen inputs are recorded
+            if unseen:
                 tensors = tensor_inputs(args, kwargs)
-                for index, (origin, _) in enumerate(known):
-                    if origin == Origin.INPUT and index < len(tensors):
+                for index in unseen:
+                    if index < len(tensors):
                         self.on_tensor(input_site(call, index), tensors[index])
             return
         parts = input_parts(call, module, args, kwargs, output, tracker)
@@ -147,6 +148,8 @@ class RowStore(Sink):
             if part.origin == Origin.INPUT:
                 self.on_tensor(input_site(call, index), part.tensor)
         self.lineage[call.key] = [(part.origin, part.key) for part in parts]
+        self._unseen[call.key] = tuple(
+            index for index, part in enumerate(parts) if part.origin == Origin.INPUT)
 
     def on_tensor(self, site: Site, tensor: torch.Tensor) -> None:
         """Records one tensor of the run (called from its hook: kept lean)."""
@@ -202,7 +205,7 @@ class RowStore(Sink):
         """The same rows, read as a batch of their own: sample ``i`` is row ``i``."""
         count = len(self.samples)
         return RowStore(list(range(count)), 0, False, count, rows=self.rows,
-                        lineage=self.lineage)
+                        lineage=self.lineage, _unseen=self._unseen)
 
     @property
     def stored_bytes(self) -> int:

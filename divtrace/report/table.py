@@ -71,10 +71,10 @@ def _measured_rows(plan: Plan, sites: list[Measured]
             fields[site.site.key] = (array, per_sample * len(samples))
             row |= site_figures(array, per_sample, plan.figures)
             mismatch, rel, max_abs = sample_figures(array, per_sample)
-            sample_rows.extend(
-                {"site": site.site.key, "sample": sample, "mismatch": mismatch[j],
-                 "rel_l2": float(rel[j]), "max_abs": max_abs[j]}
-                for j, sample in enumerate(samples))
+            for j, sample in enumerate(samples):
+                sample_rows.append({"site": site.site.key, "sample": sample,
+                                    "mismatch": mismatch[j], "rel_l2": float(rel[j]),
+                                    "max_abs": max_abs[j]})
         if site.flips is not None:
             flips[site.site.key] = tuple(site.flips.get().astype(bool).tolist())
         rows.append(row)
