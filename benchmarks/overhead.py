@@ -57,6 +57,16 @@ def build(case: dict[str, Any], device: torch.device) -> tuple[nn.Module, torch.
     return model.eval().to(device), x.to(device)
 
 
+def use_seed_settings(device: torch.device) -> None:
+    """The settings of the seed reports on CUDA: cuDNN deterministic, no benchmark, TF32
+    off."""
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
 def bare_passes(model: nn.Module, x: torch.Tensor, case: dict[str, Any]) -> None:
     samples = case["samples"] or list(range(case["batch"]))
     with torch.no_grad():
@@ -144,15 +154,11 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     device = torch.device(args.device)
+    use_seed_settings(device)
     if device.type == "cpu" and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
         # glibc keeps freed memory unless large blocks are mapped: start again with that
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
         os.execv(sys.executable, [sys.executable, *sys.argv])
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = False
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
     rows = [measure(name, device, args.repeats, option)
             for name in args.cases for option in args.options]
     env = {"torch": torch.__version__, "threads": torch.get_num_threads(),

@@ -1,4 +1,6 @@
-"""Where compare()'s time goes: each phase timed against its bare counterpart.
+"""Where compare()'s time goes: each phase timed against its bare counterpart, and the
+whole compare() beside them (on CUDA with the settings of overhead.py: cuDNN
+deterministic, no benchmark, TF32 off).
 
     python benchmarks/phases.py [--device cuda] [--case alexnet_b100_per_sample]
 """
@@ -15,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from overhead import CASES, build, timed
+from overhead import CASES, build, timed, use_seed_settings, with_divtrace
 
 from divtrace.measure.host import Host
 from divtrace.measure.meter import Meter
@@ -38,6 +40,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     device = torch.device(args.device)
+    use_seed_settings(device)
     case = CASES[args.case]
     model, x = build(case, device)
     samples = case["samples"] or list(range(case["batch"]))
@@ -66,8 +69,10 @@ def main() -> int:
     with torch.no_grad():
         for fn in (bare_split, empty_hooks_split, lambda: model(x)):
             fn()
-        rows = {"bare batched": [], "bare split": [], "split, empty hooks": [],
-                "split, recording": [], "batched, measuring": []}
+        with_divtrace(model, x, case)
+        rows: dict[str, list[float]] = {
+            "bare batched": [], "bare split": [], "split, empty hooks": [],
+            "split, recording": [], "batched, measuring": [], "compare()": []}
         for _ in range(args.repeats):
             rows["bare batched"].append(timed(lambda: model(x), device))
             rows["bare split"].append(timed(bare_split, device))
@@ -77,6 +82,7 @@ def main() -> int:
                 timed(lambda box=box: box.append(hooked_split()), device))
             rows["batched, measuring"].append(
                 timed(lambda box=box: hooked_batched(box[0]), device))
+            rows["compare()"].append(timed(lambda: with_divtrace(model, x, case), device))
     for name, times in rows.items():
         print(f"{name:>20}: {statistics.median(times) * 1e3:8.2f} ms")
     return 0

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from overhead import CASES, bare_passes, build, timed
+from overhead import CASES, bare_passes, build, timed, use_seed_settings
 
 import divtrace
 
@@ -78,11 +78,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = False
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+    use_seed_settings(device)
     old = load_old(args.old)
     rows = [measure(name, old, device, args.repeats) for name in args.cases]
     print("| case | device | bare (s) | old (s) | new (s) | old ratio | new ratio | new / old |")

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from divtrace.measure.fields import FIELDS, INDEX, MAX_FIELDS, MAX_SLICE
+from divtrace.measure.fields import FIELDS, INDEX
+from divtrace.measure.stats import reduce_blocks
 
 try:  # Triton ships with PyTorch's CUDA builds; without it the eager path is used
     import triton
@@ -122,12 +123,4 @@ def fused_stats(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> t
     _stats_kernel[(rows, n_blocks)](
         b, r, partial, cols, b.stride(0), r.stride(0), n_blocks, float(rtol), float(atol),
         BLOCK=_BLOCK, BITS=_ULP_BITS[b.dtype], N_FIELDS=len(FIELDS), **_LAYOUT)
-    if n_blocks == 1:
-        return partial[:, 0]
-    total = partial.sum(1)
-    if MAX_SLICE is not None:  # a slice, not an index tensor: nothing to copy to the device
-        total[:, MAX_SLICE] = partial[:, :, MAX_SLICE].amax(1)
-        return total
-    for field in MAX_FIELDS:
-        total[:, field] = partial[:, :, field].amax(1)
-    return total
+    return partial[:, 0] if n_blocks == 1 else reduce_blocks(partial, 1)

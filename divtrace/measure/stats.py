@@ -16,7 +16,7 @@ from divtrace.measure.block import F64, INT_VIEW, Block, max_ulp
 from divtrace.measure.fields import FIELDS, INDEX, MAX_FIELDS, MAX_SLICE
 
 __all__ = ["block_stats", "blocks", "combine", "lower_precision", "mixed_stats",
-           "tolerances", "ulp_ordered"]
+           "reduce_blocks", "tolerances", "ulp_ordered"]
 
 
 def tolerances(
@@ -75,18 +75,21 @@ def mixed_stats(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> t
     return out
 
 
-def combine(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Combines the statistics of column blocks of the same rows."""
-    if len(parts) == 1:
-        return parts[0]
-    stacked = torch.stack(parts)
-    total = stacked.sum(0)
+def reduce_blocks(stacked: torch.Tensor, dim: int) -> torch.Tensor:
+    """Combines statistics of column blocks stacked along ``dim`` (the fields last): the
+    sums add up, the maxima take the largest."""
+    total = stacked.sum(dim)
     if MAX_SLICE is not None:  # a slice, not an index tensor: nothing to copy to a device
-        total[:, MAX_SLICE] = stacked[:, :, MAX_SLICE].amax(0)
+        total[..., MAX_SLICE] = stacked[..., MAX_SLICE].amax(dim)
         return total
     for field in MAX_FIELDS:
-        total[:, field] = stacked[:, :, field].amax(0)
+        total[..., field] = stacked[..., field].amax(dim)
     return total
+
+
+def combine(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Combines the statistics of column blocks of the same rows."""
+    return parts[0] if len(parts) == 1 else reduce_blocks(torch.stack(parts), 0)
 
 
 def blocks(rows: int, elements: int, budget: int) -> Iterator[tuple[int, int]]:
