@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from overhead import CASES, bare_passes, build, timed, use_seed_settings
+from overhead import CASES, OPTIONS, bare_passes, build, timed, use_seed_settings
 
 import divtrace
 
@@ -43,13 +43,14 @@ def load_old(checkout: Path) -> Any:
     return importlib.import_module("divtrace_old")
 
 
-def measure(name: str, old: Any, device: torch.device, repeats: int) -> dict[str, Any]:
+def measure(name: str, old: Any, device: torch.device, repeats: int,
+            option: str = "default") -> dict[str, Any]:
     case = CASES[name]
     model, x = build(case, device)
 
     def run(package: Any) -> Callable[[], object]:
         return lambda: package.compare(model, x, chunk=case["chunk"], samples=case["samples"],
-                                       progress=False)
+                                       progress=False, **OPTIONS[option])
 
     contenders = {"bare": lambda: bare_passes(model, x, case), "old": run(old),
                   "new": run(divtrace)}
@@ -61,7 +62,7 @@ def measure(name: str, old: Any, device: torch.device, repeats: int) -> dict[str
         for key in order[i % 3:] + order[:i % 3]:
             times[key].append(timed(contenders[key], device))
     median = {key: statistics.median(values) for key, values in times.items()}
-    return {"case": name, "device": str(device), "repeats": repeats,
+    return {"case": name, "options": option, "device": str(device), "repeats": repeats,
             "bare_s": median["bare"], "old_s": median["old"], "new_s": median["new"],
             "old_ratio": median["old"] / median["bare"],
             "new_ratio": median["new"] / median["bare"],
@@ -75,16 +76,21 @@ def main() -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--options", nargs="*", default=["default"], choices=list(OPTIONS),
+                        help="compare() options to measure, each on its own")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     device = torch.device(args.device)
     use_seed_settings(device)
     old = load_old(args.old)
-    rows = [measure(name, old, device, args.repeats) for name in args.cases]
-    print("| case | device | bare (s) | old (s) | new (s) | old ratio | new ratio | new / old |")
-    print("|---|---|---|---|---|---|---|---|")
+    rows = [measure(name, old, device, args.repeats, option)
+            for name in args.cases for option in args.options]
+    print("| case | options | device | bare (s) | old (s) | new (s) | old ratio | new ratio "
+          "| new / old |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['case']} | {r['device']} | {r['bare_s']:.4f} | {r['old_s']:.4f} "
+        print(f"| {r['case']} | {r['options']} | {r['device']} | {r['bare_s']:.4f} "
+              f"| {r['old_s']:.4f} "
               f"| {r['new_s']:.4f} | {r['old_ratio']:.3f} | {r['new_ratio']:.3f} "
               f"| {r['new_over_old']:.3f} |")
     if args.json:
