@@ -143,15 +143,20 @@ def measure(name: str, device: torch.device, repeats: int, option: str = "defaul
     }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def case_arguments(parser: argparse.ArgumentParser, repeats: int) -> None:
+    """The arguments every benchmark of a case takes."""
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=repeats)
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     parser.add_argument("--options", nargs="*", default=["default"], choices=list(OPTIONS),
                         help="compare() options to measure, each on its own")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    case_arguments(parser, repeats=5)
     args = parser.parse_args()
     device = torch.device(args.device)
     use_seed_settings(device)

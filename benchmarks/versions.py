@@ -27,7 +27,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from overhead import CASES, OPTIONS, bare_passes, build, timed, use_seed_settings
+from overhead import (
+    CASES,
+    OPTIONS,
+    bare_passes,
+    build,
+    case_arguments,
+    timed,
+    use_seed_settings,
+)
 
 import divtrace
 
@@ -73,12 +81,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--old", type=Path, required=True, help="checkout of the other version")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
-    parser.add_argument("--options", nargs="*", default=["default"], choices=list(OPTIONS),
-                        help="compare() options to measure, each on its own")
-    parser.add_argument("--json", type=Path, help="also write the figures here")
+    case_arguments(parser, repeats=30)
     args = parser.parse_args()
     device = torch.device(args.device)
     use_seed_settings(device)
