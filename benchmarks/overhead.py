@@ -28,7 +28,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import divtrace
-from divtrace.plan.inputs import chunks_for
+from divtrace.plan.samples import chunks_for
 
 CASES: dict[str, dict[str, Any]] = {
     "vgg11_features_b128_chunk2": {

@@ -21,7 +21,8 @@ from overhead import CASES, build, timed, use_seed_settings, with_divtrace
 
 from divtrace.measure.host import Host
 from divtrace.measure.meter import Meter
-from divtrace.plan.inputs import chunks_for, prepare_input
+from divtrace.plan.inputs import prepare_input
+from divtrace.plan.samples import chunks_for
 from divtrace.plan.selection import select_modules
 from divtrace.record.hooks import ModuleHooks
 from divtrace.record.loop import drive

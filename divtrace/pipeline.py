@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,9 +57,17 @@ def _measure(ctx: Context, meter: Meter) -> None:
                      ctx.progress.advance)
 
 
+def _plain(value: Any) -> Any:
+    """A JSON-ready form of an option's value (NumPy scalars become Python numbers)."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return value.item() if hasattr(value, "item") else str(value)
+
+
 def _meta(plan: Plan, stored_bytes: int) -> Meta:
     reference = plan.reference
-    options = {probe.option: plan.options.get(probe.option) for probe in PROBES if probe.option}
+    options = {probe.option: _plain(plan.options.get(probe.option))
+               for probe in PROBES if probe.option}
     return Meta(
         batch_size=plan.batch.batch_size, chunk=reference.chunk or plan.batch.batch_size,
         samples=plan.samples, batch_dim=plan.batch.batch_dim,

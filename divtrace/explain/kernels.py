@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from divtrace.align.sites import site_key
 from divtrace.explain.probe import Context, Probe, TableView
 from divtrace.explain.profiling import kernel_family, kernels_by_site
+from divtrace.record.loop import fresh
 
 if TYPE_CHECKING:
     from divtrace.report.comparison import Comparison
@@ -40,7 +41,8 @@ class Kernels(Probe):
         for runner, rows, into in ((ctx.reference, batch.rows(start, stop), self.split),
                                    (ctx.compared, batch.whole(), self.batched)):
             with runner.run.flags():
-                into.update(kernels_by_site(runner.model, runner.modules, *runner.feed(*rows)))
+                into.update(kernels_by_site(runner.model, runner.modules,
+                                            *fresh(*runner.feed(*rows))))
             ctx.progress.advance()
 
     def fill(self, rows: list[dict[str, Any]], view: TableView) -> None:

@@ -19,6 +19,7 @@ from divtrace.measure.fields import INDEX
 from divtrace.measure.figures import rel_l2
 from divtrace.measure.host import Deferred
 from divtrace.measure.meter import CallRecord, LeafCall
+from divtrace.plan.checks import patterns
 from divtrace.record.lineage import Origin
 from divtrace.record.rows import StoredRows
 
@@ -34,12 +35,13 @@ class ReplayStatus(StrEnum):
     OK = "ok"
     TRAIN_MODE = "train_mode"  # modules in train mode are never replayed
     SKIPPED = "skipped"  # named by replay_skip=
-    NO_INPUT = "no_input"  # an input's reference rows are not there
+    NO_INPUT = "no_input"  # an input's reference rows are not there (or were overwritten)
 
 
 def _with_reference_rows(ctx: Context, call: LeafCall, sources: list[StoredRows | None]
                          ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The call's arguments with the compared rows replaced by the reference run's."""
+    """Copies of the call's arguments, the compared rows replaced by the reference run's
+    (copies: a module that works in place must not change the measured run's tensors)."""
     store, batch = ctx.store, ctx.plan.batch.batch_size
     leaves, spec = pytree.tree_flatten((call.args, call.kwargs))
     stored_rows = iter(sources)
@@ -49,14 +51,13 @@ def _with_reference_rows(ctx: Context, call: LeafCall, sources: list[StoredRows 
             replaced.append(leaf)
             continue
         stored = next(stored_rows)
+        copy = leaf.clone()
+        replaced.append(copy)
         dim = store.batch_dim % max(leaf.dim(), 1)
         if leaf.dim() == 0 or leaf.shape[dim] != batch or stored is None:
-            replaced.append(leaf)
             continue
-        copy = leaf.clone()
         rows = store.rows_on(stored, leaf.device).movedim(0, dim).to(leaf.dtype)
         copy.index_copy_(dim, store.samples_on(leaf.device), rows)
-        replaced.append(copy)
     args, kwargs = pytree.tree_unflatten(replaced, spec)
     return args, kwargs
 
@@ -78,8 +79,7 @@ class LocalReplay(Probe):
 
     @classmethod
     def create(cls, options: Mapping[str, Any]) -> LocalReplay | None:
-        skip = options.get("replay_skip", ())
-        skip = (skip,) if isinstance(skip, str) else tuple(skip)
+        skip = patterns(options.get("replay_skip", ()), "replay_skip")
         return cls(skip) if options.get("local") else None
 
     def start(self, ctx: Context) -> None:
@@ -105,8 +105,12 @@ class LocalReplay(Probe):
             return ReplayStatus.TRAIN_MODE
         if any(fnmatch.fnmatchcase(call.site.module, pattern) for pattern in self.skip):
             return ReplayStatus.SKIPPED
-        # the model's own input rows are the same in both runs: nothing to replace
+        # the model's own input rows are the same in both runs: nothing to replace, unless
+        # the module changed them in place (then the values it read are gone)
         same = [part.key == INPUT for part in call.parts]
+        if any(is_input and part.tensor is call.output
+               for is_input, part in zip(same, call.parts, strict=True)):
+            return ReplayStatus.NO_INPUT
         if any((stored is None or stored.rows is None) and not as_is
                for stored, as_is in zip(sources, same, strict=True)):
             return ReplayStatus.NO_INPUT

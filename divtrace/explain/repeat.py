@@ -11,6 +11,7 @@ from divtrace.explain.probe import Context, Probe, TableView
 from divtrace.measure.figures import site_figures
 from divtrace.measure.host import Deferred
 from divtrace.measure.meter import Meter
+from divtrace.plan.checks import whole_number
 from divtrace.record.rows import RowStore
 
 if TYPE_CHECKING:
@@ -37,9 +38,9 @@ class RepeatNoise(Probe):
     @classmethod
     def create(cls, options: Mapping[str, Any]) -> RepeatNoise | None:
         repeat = options.get("repeat", 0)
-        if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 0:
+        if isinstance(repeat, bool) or not hasattr(repeat, "__index__") or repeat < 0:
             raise DivtraceValueError(f"repeat must be a whole number >= 0; got {repeat!r}")
-        return cls(repeat) if repeat else None
+        return cls(whole_number(repeat, "repeat")) if repeat else None
 
     def after(self, ctx: Context) -> None:
         first = RowStore(ctx.store.samples, ctx.store.batch_dim, False, ctx.store.chunk,

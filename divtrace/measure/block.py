@@ -6,7 +6,7 @@ from functools import cached_property
 
 import torch
 
-__all__ = ["INT_VIEW", "Block", "max_ulp"]
+__all__ = ["INT_VIEW", "Block", "max_ulp", "norm_square"]
 
 F64 = torch.float64
 
@@ -38,12 +38,26 @@ def max_ulp(b: torch.Tensor, r: torch.Tensor, finite: torch.Tensor | None,
     return dist.amax(1).double()
 
 
+def norm_square(t: torch.Tensor) -> torch.Tensor:
+    """Per row: the sum of squared magnitudes, in float64."""
+    dtype = torch.complex128 if t.is_complex() else F64
+    return torch.linalg.vector_norm(t, dim=1, dtype=dtype).square()
+
+
+def _accumulation(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums are taken in: float64 (complex128) as is, else float32 (complex64)."""
+    if dtype.is_complex:
+        return torch.complex128 if dtype == torch.complex128 else torch.complex64
+    return F64 if dtype == F64 else torch.float32
+
+
 class Block:
     """``[rows, elements]`` of the batched run (``b``) and the reference run (``r``).
 
     The temporaries are made on first use and shared by every field that needs them. On
     the CPU there is no device to keep busy, so shortcuts that branch on values are free
     (``host``); on an accelerator every branch would be a host synchronisation, so none.
+    Complex elements count as one element each: their difference is the modulus.
     """
 
     def __init__(self, b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> None:
@@ -52,17 +66,18 @@ class Block:
 
     @cached_property
     def bf(self) -> torch.Tensor:
-        """``b`` in the accumulation dtype (float64 for float64, else float32)."""
-        return self.b.to(F64 if self.b.dtype == F64 else torch.float32)
+        """``b`` in the accumulation dtype."""
+        return self.b.to(_accumulation(self.b.dtype))
 
     @cached_property
     def rf(self) -> torch.Tensor:
         """``r`` in the accumulation dtype."""
-        return self.r.to(F64 if self.b.dtype == F64 else torch.float32)
+        return self.r.to(_accumulation(self.b.dtype))
 
     @cached_property
     def _diff(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-        absdiff = (self.bf - self.rf).abs_()
+        difference = self.bf - self.rf
+        absdiff = difference.abs() if difference.is_complex() else difference.abs_()
         finite = absdiff.isfinite()  # false where either run is NaN or infinite
         nonfinite = finite.logical_not().sum(1, dtype=F64)
         odd = not self.host or bool(nonfinite.any())
@@ -91,6 +106,16 @@ class Block:
         return self._diff[3]
 
     @cached_property
+    def finite_b(self) -> torch.Tensor:
+        """``bf`` where both runs are finite, else 0 (for norms and products)."""
+        return self.bf.masked_fill(~self.finite, 0) if self.odd else self.bf
+
+    @cached_property
+    def finite_r(self) -> torch.Tensor:
+        """``rf`` where both runs are finite, else 0."""
+        return self.rf.masked_fill(~self.finite, 0) if self.odd else self.rf
+
+    @cached_property
     def differ(self) -> torch.Tensor:
         """Non-finite pairs that are not equal (NaN never equals anything)."""
         return (self.b != self.r) & ~self.finite
@@ -100,6 +125,18 @@ class Block:
         return self.absdiff.amax(1).to(F64)
 
     @cached_property
+    def _same(self) -> tuple[torch.Tensor, bool]:
+        square = norm_square(self.r)
+        if bool(square.isfinite().all()):  # the shortcut runs on the host only
+            return square, True
+        return norm_square(self.r.masked_fill(~self.r.isfinite(), 0)), False
+
+    @property
     def square(self) -> torch.Tensor:
-        """Per row: ‖r‖², for the shortcut of two bit-identical blocks."""
-        return torch.linalg.vector_norm(self.r, dim=1, dtype=F64).square()
+        """Per row: ‖r‖² over its finite elements, for two bit-identical blocks."""
+        return self._same[0]
+
+    @property
+    def all_finite(self) -> bool:
+        """For two bit-identical blocks: whether every element is finite."""
+        return self._same[1]

@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from divtrace.measure.block import F64, INT_VIEW, Block, max_ulp
+from divtrace.measure.block import F64, INT_VIEW, Block, max_ulp, norm_square
 
 __all__ = ["FIELDS", "INDEX", "MAX_FIELDS", "MAX_SLICE", "Field"]
 
@@ -68,19 +68,19 @@ def _unequal(block: Block) -> torch.Tensor:
 
 
 def _nonfinite_same(block: Block) -> torch.Tensor:
-    if bool(block.square.isfinite().all()):
+    if block.all_finite:
         return torch.zeros_like(block.square)
-    return block.r.isinf().sum(1, dtype=F64)  # infinities (or an overflowing sum)
+    return block.r.isfinite().logical_not().sum(1, dtype=F64)  # infinities
 
 
 def _max_ulp(block: Block) -> torch.Tensor:
-    if block.b.dtype not in INT_VIEW:  # float8 and other formats: no ULP
+    b, r, finite = block.b, block.r, block.finite if block.odd else None
+    if b.is_complex():  # each part on its own; the larger distance counts
+        b, r = torch.view_as_real(b).flatten(1), torch.view_as_real(r).flatten(1)
+        finite = None if finite is None else finite.repeat_interleave(2, dim=1)
+    if b.dtype not in INT_VIEW:  # float8 and other formats: no ULP
         return torch.full_like(block.max_abs, math.nan)
-    return max_ulp(block.b, block.r, block.finite if block.odd else None, block.host)
-
-
-def _norm_square(t: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(t, dim=1, dtype=F64).square()
+    return max_ulp(b, r, finite, block.host)
 
 
 #: The fields, in the order of the statistics' columns.
@@ -95,13 +95,14 @@ FIELDS: tuple[Field, ...] = (
     Field("max_abs", "max", lambda b: b.max_abs, doc="max |batched - split| over finite pairs"),
     Field("sum_abs", "sum", lambda b: b.absdiff.sum(1, dtype=F64),
           doc="sum |batched - split| over finite pairs"),
-    Field("sq_diff", "sum", lambda b: _norm_square(b.absdiff),
+    Field("sq_diff", "sum", lambda b: norm_square(b.absdiff),
           doc="sum (batched - split)^2 over finite pairs"),
-    Field("sq_ref", "sum", lambda b: _norm_square(b.rf), lambda b: b.square, doc="sum split^2"),
-    Field("sq_out", "sum", lambda b: _norm_square(b.bf), lambda b: b.square,
-          doc="sum batched^2"),
-    Field("dot", "sum", lambda b: torch.linalg.vecdot(b.bf, b.rf, dim=1).to(F64),
-          lambda b: b.square, doc="sum batched * split"),
+    Field("sq_ref", "sum", lambda b: norm_square(b.finite_r), lambda b: b.square,
+          doc="sum split^2 over finite pairs"),
+    Field("sq_out", "sum", lambda b: norm_square(b.finite_b), lambda b: b.square,
+          doc="sum batched^2 over finite pairs"),
+    Field("dot", "sum", lambda b: torch.linalg.vecdot(b.finite_b, b.finite_r, dim=1).real.to(F64),
+          lambda b: b.square, doc="sum batched * split over finite pairs (real part)"),
     Field("max_ulp", "max", _max_ulp,
           doc="max distance in units in the last place, in the tensor's own dtype"),
 )

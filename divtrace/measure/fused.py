@@ -57,6 +57,8 @@ if AVAILABLE:
         absdiff = tl.abs(bf - rf)
         finite = absdiff < float("inf")  # false where either run is NaN or infinite
         clean = tl.where(finite, absdiff, 0.0)
+        bf = tl.where(finite, bf, 0.0)  # norms and products over pairs finite in both runs
+        rf = tl.where(finite, rf, 0.0)
         mismatch = (~equal) & (~both_nan) & inside
         nonfinite = (~finite) & inside
         exceed = ((clean > atol + rtol * tl.abs(rf)) | ((~finite) & (~equal))) & inside

@@ -1,9 +1,9 @@
-"""The model's input: find the batch size, validate it, and cut it into chunks."""
+"""The model's input: which tensors carry the batch, along which dimension, and how big."""
 
 from __future__ import annotations
 
+import operator
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +12,12 @@ import torch
 from divtrace.compat import pytree
 from divtrace.errors import DivtraceTypeError, DivtraceValueError, DivtraceWarning
 
-__all__ = ["BatchedInput", "check_chunk", "chunks_for", "prepare_input", "prepare_samples"]
+__all__ = ["BatchDim", "BatchedInput", "prepare_input"]
+
+#: ``batch_dim=``: one dimension for every input tensor, or a structure matching ``x``
+#: (a tuple for a tuple, a dict for a dict; an int or None for a whole argument), where
+#: None keeps that input whole.
+BatchDim = int | None | tuple[Any, ...] | list[Any] | dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -22,38 +27,40 @@ class BatchedInput:
     Attributes:
         leaves: The flattened ``(args, kwargs)`` pair.
         spec: The pytree spec that rebuilds ``(args, kwargs)`` from ``leaves``.
-        sliced: For each leaf, whether it is a tensor cut along the batch dimension.
+        dims: For each leaf, the dimension it is cut along (None: passed whole).
+        names: For each leaf, how messages name it (``x``, ``x[1]``, ``x['mask']``).
         batch_size: B, the size of the batch dimension.
-        batch_dim: The batch dimension as the user gave it (may be negative).
+        batch_dim: The batch dimension of the observed outputs (that of the first cut
+            input tensor, as the user gave it).
     """
 
     leaves: tuple[Any, ...]
     spec: pytree.TreeSpec
-    sliced: tuple[bool, ...]
+    dims: tuple[int | None, ...]
+    names: tuple[str, ...]
     batch_size: int
     batch_dim: int
 
     def rows(self, start: int, stop: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Returns ``(args, kwargs)`` holding rows ``start:stop`` of every batched tensor
-        (the inputs exactly as given when that is the whole batch)."""
+        """``(args, kwargs)`` holding rows ``start:stop`` of every cut tensor (views; the
+        inputs as given when that is the whole batch)."""
         if start == 0 and stop == self.batch_size:
             return self.whole()
-        leaves = [
-            leaf.narrow(self.batch_dim, start, stop - start) if cut else leaf
-            for leaf, cut in zip(self.leaves, self.sliced, strict=True)
-        ]
+        leaves = [leaf if dim is None else leaf.narrow(dim, start, stop - start)
+                  for leaf, dim in zip(self.leaves, self.dims, strict=True)]
         args, kwargs = pytree.tree_unflatten(leaves, self.spec)
         return args, kwargs
 
     def select(self, rows: list[int]) -> BatchedInput:
         """The batch of only these rows, in this order."""
         index = torch.tensor(rows)
-        leaves = tuple(leaf.index_select(self.batch_dim, index.to(leaf.device)) if cut else leaf
-                       for leaf, cut in zip(self.leaves, self.sliced, strict=True))
-        return BatchedInput(leaves, self.spec, self.sliced, len(rows), self.batch_dim)
+        leaves = tuple(leaf if dim is None else leaf.index_select(dim, index.to(leaf.device))
+                       for leaf, dim in zip(self.leaves, self.dims, strict=True))
+        return BatchedInput(leaves, self.spec, self.dims, self.names, len(rows),
+                            self.batch_dim)
 
     def whole(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Returns ``(args, kwargs)`` exactly as the user gave them."""
+        """``(args, kwargs)`` exactly as the user gave them."""
         args, kwargs = pytree.tree_unflatten(list(self.leaves), self.spec)
         return args, kwargs
 
@@ -77,106 +84,177 @@ def _split_x(x: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     )
 
 
-def _has_dim(t: torch.Tensor, dim: int) -> bool:
-    return -t.dim() <= dim < t.dim()
+def _key(entry: Any) -> str:
+    if isinstance(entry, pytree.SequenceKey):
+        return f"[{entry.idx}]"
+    if isinstance(entry, pytree.MappingKey):
+        return f"[{entry.key!r}]"
+    if isinstance(entry, pytree.GetAttrKey):
+        return f".{entry.name}"
+    return str(entry)
 
 
-def prepare_input(x: Any, batch_dim: int, stacklevel: int = 3) -> BatchedInput:
-    """Validates ``x`` and finds its batch size.
+def _names(x: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+    """How messages name each leaf of ``(args, kwargs)``: as a path into ``x``."""
+    paths, _ = pytree.tree_flatten_with_path((args, kwargs))
+    names = []
+    for keys, _leaf in paths:
+        inner = keys[2:] if not isinstance(x, torch.Tensor) else ()
+        head = "x" + (_key(keys[1]) if not isinstance(x, torch.Tensor) else "")
+        names.append(head + "".join(_key(k) for k in inner))
+    return names
 
-    B is the size at ``batch_dim`` of the first tensor (in argument order) that has that
-    dimension. Other tensors of that size at ``batch_dim`` are cut too; tensors of another
-    size pass through whole, with a warning, since that is usually a mistake;
-    ``stacklevel`` points it at the user's call.
-    """
-    if isinstance(batch_dim, bool) or not isinstance(batch_dim, int):
-        raise DivtraceTypeError(f"batch_dim must be an int; got {type(batch_dim).__name__}")
-    args, kwargs = _split_x(x)
-    leaves, spec = pytree.tree_flatten((args, kwargs))
+
+def _is_index(value: Any) -> bool:
+    """An int (or NumPy integer), not a bool."""
+    return hasattr(value, "__index__") and not isinstance(value, bool)
+
+
+def _broadcast(spec: Any, value: Any, name: str) -> list[int | None]:
+    """One requested dimension per pytree leaf of ``value``, from the matching part of a
+    ``batch_dim`` structure."""
+    if spec is None or _is_index(spec):
+        dim = None if spec is None else operator.index(spec)
+        return [dim] * len(pytree.tree_leaves(value))
+    if isinstance(spec, tuple | list) and isinstance(value, tuple | list):
+        if len(spec) != len(value):
+            raise DivtraceValueError(
+                f"batch_dim for {name} has {len(spec)} entries but {name} has "
+                f"{len(value)}; give one entry (an int, or None to keep it whole) per item")
+        return [d for i, (s, v) in enumerate(zip(spec, value, strict=True))
+                for d in _broadcast(s, v, f"{name}[{i}]")]
+    if isinstance(spec, dict) and isinstance(value, dict):
+        unknown = [k for k in spec if k not in value]
+        if unknown:
+            raise DivtraceValueError(
+                f"batch_dim names {unknown} but {name} has the keys {list(value)}")
+        return [d for k, v in value.items() for d in _broadcast(spec.get(k), v, f"{name}[{k!r}]")]
+    raise DivtraceTypeError(
+        f"batch_dim for {name} must be an int, None, or a structure matching it (a tuple "
+        f"for a tuple, a dict for a dict); got {spec!r}")
+
+
+def _requested(x: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+               batch_dim: Any) -> list[int | None] | None:
+    """Per leaf, the dimension a ``batch_dim`` structure asks for (None: not a structure)."""
+    if batch_dim is None or _is_index(batch_dim):
+        return None
+    if isinstance(x, torch.Tensor):
+        raise DivtraceTypeError(
+            f"x is one tensor, so batch_dim must be an int; got {batch_dim!r}")
+    return _broadcast(batch_dim, args if isinstance(x, tuple) else kwargs, "x")
+
+
+def _refuse_lists(args: tuple[Any, ...], kwargs: dict[str, Any], batch_dim: int) -> None:
+    """A list of tensors as one argument is a list of samples (images for a detection
+    model, say): cutting each tensor along ``batch_dim`` would be wrong."""
+    for name, value in [*((f"x[{i}]", a) for i, a in enumerate(args)),
+                        *((f"x[{k!r}]", v) for k, v in kwargs.items())]:
+        if isinstance(value, list) and value and all(isinstance(v, torch.Tensor)
+                                                     for v in value):
+            raise DivtraceValueError(
+                f"{name} is a list of {len(value)} tensors (samples such as the images of a "
+                f"detection model?); divtrace cuts tensors along batch_dim={batch_dim}, so it "
+                f"would take dimension {batch_dim} of each (size {value[0].shape[batch_dim]} "
+                f"for the first) as the batch. Stack them into one tensor if the model "
+                f"accepts that; lists of samples cannot be split yet")
+
+
+def _auto_dims(leaves: list[Any], names: list[str], batch_dim: int, stacklevel: int
+               ) -> tuple[list[int | None], int]:
+    """One ``batch_dim`` for every tensor: those of size B there are cut."""
     tensors = [(i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
-    if not tensors:
-        raise DivtraceValueError(
-            "x holds no tensor, so there is no batch to split; pass the model's input "
-            "tensor(s) as x"
-        )
-    batched = [(i, t) for i, t in tensors if _has_dim(t, batch_dim)]
+    batched = [(i, t) for i, t in tensors if -t.dim() <= batch_dim < t.dim()]
     if not batched:
         shapes = ", ".join(str(tuple(t.shape)) for _, t in tensors)
         raise DivtraceValueError(
             f"no tensor in x has a batch dimension {batch_dim} (shapes: {shapes}); "
             f"add one, e.g. x.unsqueeze(0), or pass batch_dim="
         )
-    batch_size = batched[0][1].shape[batch_dim]
-    if batch_size < 2:
-        raise DivtraceValueError(
-            f"the batch has {batch_size} sample(s) at batch_dim={batch_dim}; comparing a "
-            f"batched run with a split run needs at least 2. Pass a larger batch, or the "
-            f"right batch_dim"
-        )
-    sliced = [False] * len(leaves)
-    odd: list[str] = []
+    first = batched[0][1]
+    size = first.shape[batch_dim]
+    dims: list[int | None] = [None] * len(leaves)
+    odd, ambiguous = [], []
     for i, t in batched:
-        if t.shape[batch_dim] == batch_size:
-            sliced[i] = True
-        else:
-            odd.append(f"leaf {i} with shape {tuple(t.shape)}")
+        if t.shape[batch_dim] != size:
+            odd.append(f"{names[i]} with shape {tuple(t.shape)}")
+            continue
+        dims[i] = batch_dim % t.dim()
+        if t.dim() == 1 and first.dim() > 1:
+            ambiguous.append(f"{names[i]} (shape {tuple(t.shape)})")
     if odd:
         warnings.warn(
-            f"B={batch_size} (from the first tensor in x), but these tensors have another "
+            f"B={size} (from the first tensor in x), but these tensors have another "
             f"size at batch_dim={batch_dim} and pass through whole: {'; '.join(odd)}. If "
             f"they carry the batch too, fix their shape or batch_dim",
-            DivtraceWarning,
-            stacklevel=stacklevel,
-        )
-    return BatchedInput(tuple(leaves), spec, tuple(sliced), batch_size, batch_dim)
+            DivtraceWarning, stacklevel=stacklevel)
+    if ambiguous:
+        warnings.warn(
+            f"{', '.join(ambiguous)}: cut per sample because the size at batch_dim="
+            f"{batch_dim} equals B={size}. If it is not per-sample data (a bias, a vector "
+            f"of weights), keep it whole with a batch_dim structure, e.g. "
+            f"batch_dim={{'x': 0, 'bias': None}}", DivtraceWarning, stacklevel=stacklevel)
+    return dims, size
 
 
-def prepare_samples(samples: Any, batch_size: int) -> list[int]:
-    """Validates ``samples`` and returns them as a sorted list of row indices."""
-    if samples is None:
-        return list(range(batch_size))
-    if isinstance(samples, int) and not isinstance(samples, bool):
-        samples = [samples]
-    elif isinstance(samples, range | torch.Tensor):
-        samples = list(samples.tolist() if isinstance(samples, torch.Tensor) else samples)
-    if not isinstance(samples, Sequence) or isinstance(samples, str):
-        raise DivtraceTypeError(
-            f"samples must be a list of row indices (or None for all rows); got "
-            f"{type(samples).__name__}"
-        )
-    out: list[int] = []
-    for s in samples:
-        if isinstance(s, bool) or not isinstance(s, int):
-            raise DivtraceTypeError(f"samples must hold ints; got {s!r} ({type(s).__name__})")
-        if not 0 <= s < batch_size:
+def _explicit_dims(leaves: list[Any], names: list[str], requested: list[int | None]
+                   ) -> tuple[list[int | None], int, int]:
+    """The dimensions a ``batch_dim`` structure names; every cut tensor must have B rows."""
+    dims: list[int | None] = [None] * len(leaves)
+    size = given = None
+    for i, (leaf, dim) in enumerate(zip(leaves, requested, strict=True)):
+        if dim is None or not isinstance(leaf, torch.Tensor):
+            continue
+        if not -leaf.dim() <= dim < leaf.dim():
             raise DivtraceValueError(
-                f"sample {s} is out of range: the batch has B={batch_size} rows, so "
-                f"samples must lie in 0..{batch_size - 1}"
-            )
-        out.append(s)
-    if not out:
-        raise DivtraceValueError("samples is empty; name at least one row, or pass None")
-    if len(set(out)) != len(out):
-        dup = sorted({s for s in out if out.count(s) > 1})
-        raise DivtraceValueError(f"samples names rows {dup} more than once; name each once")
-    return sorted(out)
+                f"batch_dim asks for dimension {dim} of {names[i]}, which has shape "
+                f"{tuple(leaf.shape)}")
+        if size is None:
+            size, given = leaf.shape[dim], dim
+        elif leaf.shape[dim] != size:
+            raise DivtraceValueError(
+                f"{names[i]} has {leaf.shape[dim]} rows at its batch dimension {dim}, but B="
+                f"{size} (from the first cut tensor); fix its batch_dim entry, or None to "
+                f"keep it whole")
+        dims[i] = dim % leaf.dim()
+    if size is None or given is None:
+        raise DivtraceValueError("batch_dim keeps every tensor of x whole: there is no batch "
+                                 "to split; give the batch dimension of at least one")
+    return dims, size, given
 
 
-def chunks_for(samples: list[int], chunk: int, batch_size: int) -> list[tuple[int, int]]:
-    """The ``(start, stop)`` chunks of the split run that hold at least one compared row."""
-    starts = sorted({s // chunk * chunk for s in samples})
-    return [(start, min(start + chunk, batch_size)) for start in starts]
+def prepare_input(x: Any, batch_dim: BatchDim = 0, stacklevel: int = 3) -> BatchedInput:
+    """Validates ``x`` and ``batch_dim`` and finds the batch size B.
 
-
-def check_chunk(chunk: Any, batch_size: int) -> int:
-    """Validates the split run's chunk size."""
-    if isinstance(chunk, bool) or not isinstance(chunk, int):
-        raise DivtraceTypeError(f"chunk must be an int; got {type(chunk).__name__}")
-    if chunk < 1:
-        raise DivtraceValueError(f"chunk must be at least 1; got {chunk}")
-    if chunk >= batch_size:
+    With one ``batch_dim`` for all, B is the size there of the first tensor (in argument
+    order) that has that dimension; other tensors of that size are cut too (a 1-D one
+    beside a batched one with a warning: it may not be per-sample data), tensors of another
+    size pass through whole with a warning. A ``batch_dim`` structure names each input's
+    dimension, or None to keep it whole. ``stacklevel`` points warnings at the user's call.
+    """
+    args, kwargs = _split_x(x)
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    if not any(isinstance(t, torch.Tensor) for t in leaves):
         raise DivtraceValueError(
-            f"chunk={chunk} but the batch has only B={batch_size} rows, so the split run "
-            f"would be the batched run; pass a chunk below {batch_size} (1 = per-sample)"
+            "x holds no tensor, so there is no batch to split; pass the model's input "
+            "tensor(s) as x"
         )
-    return chunk
+    names = _names(x, args, kwargs)
+    requested = _requested(x, args, kwargs, batch_dim)
+    if requested is None:
+        if not _is_index(batch_dim):
+            raise DivtraceTypeError(f"batch_dim must be an int or a structure matching x; "
+                                    f"got {batch_dim!r}")
+        batch_dim = operator.index(batch_dim)  # type: ignore[arg-type]
+        _refuse_lists(args, kwargs, batch_dim)
+        dims, size = _auto_dims(leaves, names, batch_dim, stacklevel + 1)
+        out_dim = batch_dim
+    else:
+        dims, size, out_dim = _explicit_dims(leaves, names, requested)
+    if size < 2:
+        raise DivtraceValueError(
+            f"the batch has {size} sample(s) at batch_dim={out_dim}; comparing a batched "
+            f"run with a split run needs at least 2. Pass a larger batch, or the right "
+            f"batch_dim"
+        )
+    return BatchedInput(tuple(leaves), spec, tuple(dims), tuple(names), size, out_dim)

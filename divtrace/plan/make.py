@@ -12,14 +12,10 @@ from divtrace.errors import BatchMixingError, DivtraceTypeError, DivtraceValueEr
 from divtrace.explain.probe import Probe
 from divtrace.explain.registry import probes_for
 from divtrace.measure.figures import FIGURES, Figure
-from divtrace.plan.inputs import (
-    BatchedInput,
-    check_chunk,
-    chunks_for,
-    prepare_input,
-    prepare_samples,
-)
+from divtrace.plan.checks import tolerance
+from divtrace.plan.inputs import BatchDim, BatchedInput, prepare_input
 from divtrace.plan.runs import Run
+from divtrace.plan.samples import check_chunk, chunks_for, prepare_samples
 from divtrace.plan.selection import ModuleSpec, check_modules, mixing_modules
 from divtrace.record.runner import RecorderFactory, module_hooks
 
@@ -122,7 +118,7 @@ def _check_train_mode(model: nn.Module, allow_train: bool) -> tuple[str, ...]:
 
 
 def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
-              samples: Iterable[int] | int | None = None, batch_dim: int = 0,
+              samples: Iterable[int] | int | None = None, batch_dim: BatchDim = 0,
               modules: ModuleSpec = None, progress: bool = True, keep: bool = False,
               offload: bool = False, rtol: float | None = None, atol: float | None = None,
               allow_train: bool = False, a: Run | None = None, b: Run | None = None,
@@ -132,6 +128,7 @@ def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
     if not isinstance(model, nn.Module):
         raise DivtraceTypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
     probes = probes_for(options)
+    rtol, atol = tolerance(rtol, "rtol"), tolerance(atol, "atol")
     batch = prepare_input(x, batch_dim, stacklevel=4)
     rows = prepare_samples(samples, batch.batch_size)
     size = batch.batch_size

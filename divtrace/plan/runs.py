@@ -9,6 +9,7 @@ dtype or memory format works on a copy).
 from __future__ import annotations
 
 import copy
+import operator
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
@@ -63,10 +64,12 @@ class Run:
     name: str | None = None
 
     def __post_init__(self) -> None:
-        if self.chunk is not None and (isinstance(self.chunk, bool)
-                                       or not isinstance(self.chunk, int) or self.chunk < 1):
-            raise DivtraceValueError(f"Run(chunk=...) must be None or an int >= 1; "
-                                     f"got {self.chunk!r}")
+        if self.chunk is not None:
+            if (isinstance(self.chunk, bool) or not hasattr(self.chunk, "__index__")
+                    or self.chunk < 1):
+                raise DivtraceValueError(f"Run(chunk=...) must be None or an int >= 1; "
+                                         f"got {self.chunk!r}")
+            object.__setattr__(self, "chunk", operator.index(self.chunk))  # NumPy ints too
         if self.dtype is not None and (not isinstance(self.dtype, torch.dtype)
                                        or not self.dtype.is_floating_point):
             raise DivtraceTypeError(f"Run(dtype=...) must be a floating torch.dtype; "

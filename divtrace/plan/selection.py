@@ -27,6 +27,10 @@ def check_modules(model: nn.Module, modules: ModuleSpec) -> tuple[str | type, ..
     """Validates ``modules=`` against ``model``: every entry must match some module."""
     if modules is None:
         return None
+    if not isinstance(modules, str | type | Iterable):
+        raise DivtraceTypeError(
+            f"modules must be glob patterns (str) or module types, or a list of them; got "
+            f"{modules!r} ({type(modules).__name__})")
     specs = (modules,) if isinstance(modules, str | type) else tuple(modules)
     for spec in specs:
         if not isinstance(spec, str | type):

@@ -16,8 +16,9 @@ def untouched(model: nn.Module, restore_buffers: bool) -> Iterator[None]:
     """No grad inside; the modules' training flags (and, if asked, buffers) restored after."""
     modes = [(module, module.training) for module in model.modules()]
     saved = [buf.detach().clone() for buf in model.buffers()] if restore_buffers else []
-    try:
-        with torch.no_grad():
+    try:  # inference mode off (it turns grad mode on: no_grad after it), since its
+        # tensors track no version and lineage needs them
+        with torch.inference_mode(False), torch.no_grad():
             yield
     finally:
         for module, mode in modes:

@@ -14,7 +14,7 @@ from divtrace.compat import pytree
 from divtrace.plan.inputs import BatchedInput
 from divtrace.record.recorder import Recorder, Sink, Tracker
 
-__all__ = ["drive", "forward"]
+__all__ = ["drive", "forward", "fresh"]
 
 Feed = Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]
 
@@ -35,6 +35,15 @@ def forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
         raise
 
 
+def fresh(args: tuple[Any, ...], kwargs: dict[str, Any]
+          ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Copies of every tensor in ``(args, kwargs)``: a pass that changes its input in place
+    changes only its own copy, and every pass sees the input as the user gave it."""
+    copied = pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v,
+                             (args, kwargs))
+    return copied[0], copied[1]
+
+
 def _as_is(args: tuple[Any, ...], kwargs: dict[str, Any]
            ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return args, kwargs
@@ -45,6 +54,7 @@ def drive(model: nn.Module, recorder: Recorder, sink: Sink, batch: BatchedInput,
           feed: Feed = _as_is, step: Callable[[], object] | None = None) -> None:
     """Runs rows ``start:stop`` of ``batch`` through ``model`` for each chunk, observed by
     ``recorder`` and handed to ``sink``; a chunk runs again while the sink asks for it.
+    Each pass gets its own copy of the input.
 
     Args:
         label: Names the pass over ``start:stop`` in the note of an exception (called
@@ -54,9 +64,10 @@ def drive(model: nn.Module, recorder: Recorder, sink: Sink, batch: BatchedInput,
     """
     with recorder.observe(sink) as tracker:
         for start, stop in chunks:
-            args, kwargs = feed(*batch.rows(start, stop))
+            given = feed(*batch.rows(start, stop))
             done = False
-            while not done:
+            while not done:  # a pass run again gets a fresh copy of the input too
+                args, kwargs = fresh(*given)
                 sink.begin_chunk(start, stop, tracker)
                 forward(model, args, kwargs, tracker, partial(label, start, stop))
                 done = sink.end_chunk()

@@ -1,0 +1,53 @@
+"""Small validators for ``compare()``'s scalar and pattern arguments."""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Iterable
+from typing import Any
+
+from divtrace.errors import DivtraceTypeError, DivtraceValueError
+
+__all__ = ["patterns", "tolerance", "whole_number"]
+
+
+def whole_number(value: Any, name: str, minimum: int | None = None) -> int:
+    """``value`` as an int (NumPy and other integer types welcome; bools and floats not)."""
+    if isinstance(value, bool):
+        raise DivtraceTypeError(f"{name} must be a whole number; got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise DivtraceTypeError(
+            f"{name} must be a whole number; got {value!r} ({type(value).__name__})") from None
+    if minimum is not None and number < minimum:
+        raise DivtraceValueError(f"{name} must be at least {minimum}; got {number}")
+    return number
+
+
+def tolerance(value: Any, name: str) -> float | None:
+    """A tolerance: None (the dtype's default) or a finite number >= 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not hasattr(value, "__float__"):  # str has no __float__
+        raise DivtraceTypeError(f"{name} must be a number or None; got {value!r} "
+                                f"({type(value).__name__})")
+    number = float(value)
+    if not math.isfinite(number) or number < 0:
+        raise DivtraceValueError(f"{name} must be a finite number >= 0; got {value!r}")
+    return number
+
+
+def patterns(value: Any, name: str) -> tuple[str, ...]:
+    """Glob patterns: one string, or an iterable of strings."""
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, Iterable):
+        raise DivtraceTypeError(f"{name} must be a glob pattern or a list of them; got "
+                                f"{value!r} ({type(value).__name__})")
+    found = tuple(value)
+    bad = [v for v in found if not isinstance(v, str)]
+    if bad:
+        raise DivtraceTypeError(f"{name} must hold glob patterns (str); got {bad[0]!r}")
+    return found
