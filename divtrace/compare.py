@@ -35,6 +35,7 @@ def compare(
     truth: str | None = None,
     repeat: int = 0,
     kernels: bool = False,
+    observer: bool | None = None,
     a: Run | None = None,
     b: Run | None = None,
 ) -> Comparison:
@@ -79,6 +80,9 @@ def compare(
             differs from itself (``noise_mismatch``, ``noise_rel_l2``).
         kernels: Profile one split pass and one batched pass and list, per site, the GPU
             kernels (on the CPU: the innermost ops) each launched.
+        observer: Run the measured pass once more without any hook and check that its
+            output is bit-identical (default None: only for models with modules whose
+            code path changes with hooks, such as ``nn.TransformerEncoderLayer``).
         a: Instead of batched vs split: the reference run's configuration
             (:class:`Run`; default ``Run()``: as is, the whole batch in one pass).
         b: The configuration compared with ``a``; the figures are ``b`` against ``a``.
@@ -102,5 +106,6 @@ def compare(
         model, x, chunk=chunk, samples=samples, batch_dim=batch_dim, modules=modules,
         progress=progress, keep=keep, offload=offload, rtol=rtol, atol=atol,
         allow_train=allow_train, a=a, b=b,
-        local=local, replay_skip=replay_skip, truth=truth, repeat=repeat, kernels=kernels)
+        local=local, replay_skip=replay_skip, truth=truth, repeat=repeat, kernels=kernels,
+        observer=observer)
     return execute(plan, model)

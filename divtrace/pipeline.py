@@ -7,19 +7,21 @@ passes and columns) → report (:class:`~divtrace.Comparison`).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from divtrace.explain.probe import Context
+from divtrace.errors import BatchMixingError
+from divtrace.explain.probe import Context, Probe
 from divtrace.explain.registry import PROBES
 from divtrace.measure.host import Host
 from divtrace.measure.meter import Meter
 from divtrace.plan.make import Plan
 from divtrace.progress import Progress
-from divtrace.record.guard import untouched
+from divtrace.record.guard import RandomDraws, cuda_devices, untouched
 from divtrace.record.rows import RowStore
 from divtrace.record.runner import Runner
 from divtrace.report.comparison import Comparison
@@ -30,7 +32,8 @@ __all__ = ["execute", "record"]
 
 
 def record(ctx: Context, runner: Runner, chunks: tuple[tuple[int, int], ...]) -> RowStore:
-    """Runs ``chunks`` of the batch with ``runner``, keeping the compared samples' rows."""
+    """Runs ``chunks`` of the batch with ``runner``, keeping the compared samples' rows
+    (notes in ``ctx`` what the output was when it held no tensor)."""
     plan = ctx.plan
     store = RowStore(list(plan.samples), plan.batch.batch_dim, plan.offload,
                      runner.run.chunk or plan.batch.batch_size, pinned=plan.keep)
@@ -40,7 +43,8 @@ def record(ctx: Context, runner: Runner, chunks: tuple[tuple[int, int], ...]) ->
         return f"{runner.name}, chunk of rows {start}:{stop} (samples {inside})"
 
     ctx.progress.stage(runner.name)
-    runner.execute(store, plan.batch, list(chunks), label, ctx.progress.advance)
+    ctx.output_type = runner.execute(store, plan.batch, list(chunks), label,
+                                     ctx.progress.advance, ctx.check)
     return store
 
 
@@ -53,8 +57,9 @@ def _measure(ctx: Context, meter: Meter) -> None:
         meter.compare_stores(record(ctx, compared, plan.compared_chunks), size)
         return
     ctx.progress.stage(compared.name)
-    compared.execute(meter, plan.batch, [(0, size)], lambda _s, _e: f"{compared.name} (B={size})",
-                     ctx.progress.advance)
+    ctx.output_type = compared.execute(
+        meter, plan.batch, [(0, size)], lambda _s, _e: f"{compared.name} (B={size})",
+        ctx.progress.advance, ctx.check)
 
 
 def _plain(value: Any) -> Any:
@@ -64,7 +69,23 @@ def _plain(value: Any) -> Any:
     return value.item() if hasattr(value, "item") else str(value)
 
 
-def _meta(plan: Plan, stored_bytes: int) -> Meta:
+def _random_check(plan: Plan, draws: RandomDraws) -> Callable[[Callable[[], str]], None]:
+    """After each pass: refuses a model that drew random numbers (unless allowed)."""
+
+    def check(label: Callable[[], str]) -> None:
+        if draws.drew() and not plan.allow_train:
+            raise BatchMixingError(
+                f"the model drew random numbers in the {label()} (F.dropout with "
+                f"training=True, a module left in train mode, torch.rand, ...): batched and "
+                f"split runs would differ for reasons that are not numerical. Make the "
+                f"forward pass deterministic (model.eval(), training=False), or pass "
+                f"allow_train=True to compare anyway")
+
+    return check
+
+
+def _meta(plan: Plan, ctx: Context, stored_bytes: int, draws: RandomDraws,
+          probes: tuple[Probe, ...]) -> Meta:
     reference = plan.reference
     options = {probe.option: _plain(plan.options.get(probe.option))
                for probe in PROBES if probe.option}
@@ -74,7 +95,10 @@ def _meta(plan: Plan, stored_bytes: int) -> Meta:
         split_passes=len(plan.reference_chunks), stored_bytes=stored_bytes, rtol=plan.rtol,
         atol=plan.atol, train_mode=bool(plan.train_mode), torch=torch.__version__,
         options=options,
-        runs=None if plan.default_pair else (reference.label(), plan.compared.label()))
+        runs=None if plan.default_pair else (reference.label(), plan.compared.label()),
+        random_draws=draws.seen, output_type=ctx.output_type,
+        notes={p.option or type(p).__name__: note for p in probes
+               if (note := p.note()) is not None})
 
 
 def execute(plan: Plan, model: nn.Module) -> Comparison:
@@ -85,9 +109,11 @@ def execute(plan: Plan, model: nn.Module) -> Comparison:
                          plan.recorder)
     host = Host()
     probes = copy.deepcopy(plan.probes)  # fresh ones: this run's findings are their own
-    with Progress(plan.passes, plan.progress) as progress, untouched(
-            model, restore_buffers=bool(plan.train_mode)):
-        ctx = Context(plan, model, reference, compared, host, progress)
+    devices = cuda_devices((model, reference.model, compared.model), plan.batch.leaves)
+    with Progress(plan.passes, plan.progress) as progress, untouched(model, devices):
+        draws = RandomDraws(devices)
+        ctx = Context(plan, model, reference, compared, host, progress,
+                      check=_random_check(plan, draws))
         for probe in probes:
             probe.before(ctx)
         ctx.store = record(ctx, reference, plan.reference_chunks)
@@ -105,4 +131,4 @@ def execute(plan: Plan, model: nn.Module) -> Comparison:
         if not plan.keep:
             for site in meter.sites:
                 site.kept = None
-    return build(plan, probes, meter, _meta(plan, stored_bytes), host)
+    return build(plan, probes, meter, _meta(plan, ctx, stored_bytes, draws, probes), host)

@@ -163,10 +163,16 @@ class SwitchOp(nn.Module):
 
 
 class Noisy(nn.Module):
-    """Adds fresh random noise on every call: nondeterministic from run to run."""
+    """Adds fresh noise on every call: nondeterministic from run to run, as a kernel with
+    racing atomics is. Its own generator: the global random state does not move."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + 1e-3 * torch.rand_like(x)
+        noise = torch.rand(x.shape, generator=self.generator).to(x.device, x.dtype)
+        return x + 1e-3 * noise
 
 
 class FunctionalBetween(nn.Module):

@@ -66,7 +66,7 @@ class BatchedNorm(Probe):
         self.found: dict[str, Deferred] = {}
 
     @classmethod
-    def create(cls, options: Mapping[str, Any]) -> BatchedNorm | None:
+    def create(cls, options: Mapping[str, Any], model: nn.Module) -> BatchedNorm | None:
         return cls() if options.get("norms") else None
 
     def on_site(self, ctx: Context, measured: Measured, tensor: torch.Tensor,
@@ -88,9 +88,9 @@ class BatchedNorm(Probe):
 
 def test_a_probe_adds_its_column_and_its_sentence() -> None:
     model, x = models.variant_mlp(), torch.randn(8, 16)
-    probe = BatchedNorm.create({"norms": True})
+    probe = BatchedNorm.create({"norms": True}, model)
     assert probe is not None
-    assert BatchedNorm.create({}) is None
+    assert BatchedNorm.create({}, model) is None
     plan = make_plan(model, x, samples=[1, 6], progress=False, keep=True, local=True)
     result = execute(plan.with_probes(probe), model)
     assert list(result.table.columns)[-1] == "batched_norm"

@@ -142,3 +142,277 @@ def test_numpy_integers_and_0d_tensors_work_where_ints_are_expected() -> None:
     assert result.meta["samples"] == [1, 5]
     assert run(models.variant_mlp(), x, samples=torch.tensor(3)).meta["samples"] == [3]
     assert run(models.variant_mlp(), x, a=divtrace.Run(chunk=np.int64(4))).meta["chunk"] == 4
+
+
+# -- buffers, parameters and the random state -------------------------------------------------
+
+
+class CountsCalls(nn.Module):
+    """An eval-mode model that counts its calls in a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("model", [
+    CountsCalls().eval(),
+    nn.Sequential(nn.Linear(16, 4), nn.InstanceNorm1d(1, track_running_stats=True),
+                  nn.Flatten()).train(),
+], ids=["call-counter", "instance-norm-train"])
+def test_every_buffer_comes_back(model: nn.Module) -> None:
+    x = torch.randn(6, 16)
+    if isinstance(model, nn.Sequential):
+        x = x.unsqueeze(1)  # InstanceNorm1d wants (B, C, L)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    run(model, x)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+
+
+class ChangesItsWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.fc.weight.mul_(1.0)
+        return self.fc(x)
+
+
+def test_a_parameter_changed_in_place_is_a_warning() -> None:
+    with pytest.warns(divtrace.DivtraceWarning, match=r"changed these parameters.*fc\.weight"):
+        run(ChangesItsWeight().eval(), torch.randn(4, 16))
+
+
+class DrawsRandom(nn.Module):
+    """Eval mode, no Dropout module, yet random: a functional dropout left on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(self.fc(x), 0.5, training=True)
+
+
+@pytest.mark.parametrize("model", [
+    DrawsRandom().eval(),
+    nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True),  # fresh: in train mode
+], ids=["functional-dropout", "attention-dropout"])
+def test_random_draws_are_refused(model: nn.Module) -> None:
+    x = torch.randn(4, 3, 8) if isinstance(model, nn.MultiheadAttention) else torch.randn(4, 16)
+    args = (x, x, x) if isinstance(model, nn.MultiheadAttention) else x
+    with pytest.raises(divtrace.BatchMixingError, match=r"drew random numbers in the split run"):
+        run(model, args)
+
+
+def test_random_draws_allowed_are_said_and_the_random_state_comes_back() -> None:
+    model, x = DrawsRandom().eval(), torch.randn(4, 16)
+    state = torch.get_rng_state()
+    result = run(model, x, allow_train=True)
+    assert torch.equal(torch.get_rng_state(), state)  # compare() moved no generator
+    assert result.info.random_draws
+    assert "drew random numbers during its passes" in result.summary()
+
+
+def test_a_deterministic_model_is_not_flagged() -> None:
+    result = run(models.variant_mlp(), torch.randn(4, 16))
+    assert not result.info.random_draws
+    assert "random" not in result.summary()
+
+
+# -- tensors that are not per-sample rows ---------------------------------------------------
+
+
+class PackedLSTM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(4, 5)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> object:
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=False)
+        return self.lstm(packed)
+
+
+def test_packed_sequences_are_reported_apart_and_the_states_compared() -> None:
+    model, x, lengths = PackedLSTM().eval(), torch.randn(6, 4, 4), torch.tensor([6, 3, 5, 2])
+    result = run(model, (x, lengths), batch_dim=(1, 0), keep=True)
+    table = result.table.set_index("site")
+    packed = [f"lstm/0/{f}" for f in ("data", "batch_sizes", "sorted_indices",
+                                      "unsorted_indices")]
+    assert (table.loc[packed, "status"] == "not_per_sample").all()
+    assert table.loc["lstm/1/0", "status"] == "ok"  # h_n: (layers, B, H), batch at dim 1
+    batched, split = result.pair("lstm/1/0")
+    with torch.no_grad():
+        alone = torch.cat([model(x[:, i:i + 1], lengths[i:i + 1])[1][0] for i in range(4)],
+                          dim=1)
+    torch.testing.assert_close(split, alone.movedim(1, 0), rtol=0, atol=0)
+    assert batched.shape == split.shape == (4, 1, 5)
+    first = result.first_divergence
+    assert first is None or first["site"] not in packed
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_nested_tensors_inside_an_encoder_are_reported_and_the_output_compared() -> None:
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    x, mask = torch.randn(4, 6, 16), torch.zeros(4, 6, dtype=torch.bool)
+    mask[0, 4:] = True
+    result = run(encoder, {"src": x, "src_key_padding_mask": mask})
+    table = result.table
+    assert (table.loc[table["site"] != "(model)", "status"] == "nested").all()
+    assert result.output["status"] == "ok"
+    assert result.output["rel_l2"] < 1e-5
+
+
+class SparseOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = models.OrderedLinear(16, 8, variant_from=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).relu().to_sparse()
+
+
+def test_sparse_outputs_are_compared_as_dense() -> None:
+    model, x = SparseOut().eval(), torch.randn(6, 16)
+    result = run(model, x, keep=True)
+    batched, split = result.pair("(model)")
+    with torch.no_grad():
+        expected = model(x).to_dense()
+    torch.testing.assert_close(batched, expected, rtol=0, atol=0)
+    assert result.output["mismatch"] == (batched != split).double().mean().item()
+
+
+def test_meta_tensors_are_refused_with_the_fix() -> None:
+    with pytest.raises(divtrace.DivtraceValueError, match=r"meta device.*load the weights"):
+        run(nn.Linear(4, 4, device="meta"), torch.randn(4, 4))
+    with pytest.raises(divtrace.DivtraceValueError, match=r"x lie\(s\) on the meta device"):
+        run(nn.Linear(4, 4), torch.empty(4, 4, device="meta"))
+
+
+# -- inputs that say what they are ------------------------------------------------------------
+
+
+def test_a_seq_first_encoder_with_a_batch_first_mask() -> None:
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=False)
+    encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).eval()
+    src, mask = torch.randn(5, 4, 16), torch.zeros(4, 5, dtype=torch.bool)
+    mask[1, 3:] = True
+    result = run(encoder, {"src": src, "src_key_padding_mask": mask},
+                 batch_dim={"src": 1, "src_key_padding_mask": 0}, keep=True)
+    batched, split = result.pair("(model)")
+    with torch.no_grad():
+        alone = torch.cat([encoder(src[:, i:i + 1], src_key_padding_mask=mask[i:i + 1])
+                           for i in range(4)], dim=1)
+    torch.testing.assert_close(split, alone.movedim(1, 0), rtol=0, atol=0)
+    with torch.no_grad():
+        whole = encoder(src, src_key_padding_mask=mask)
+    torch.testing.assert_close(batched, whole.movedim(1, 0), rtol=0, atol=0)
+    assert result.meta["batch_dim"] == 1
+
+
+def test_an_lstm_with_an_initial_state() -> None:
+    lstm = nn.LSTM(4, 5).eval()
+    x, h0, c0 = torch.randn(6, 3, 4), torch.randn(1, 3, 5), torch.randn(1, 3, 5)
+    result = run(lstm, (x, (h0, c0)), batch_dim=(1, (1, 1)), keep=True)
+    batched, split = result.pair("(model)/0")
+    with torch.no_grad():
+        alone = torch.cat([lstm(x[:, i:i + 1], (h0[:, i:i + 1], c0[:, i:i + 1]))[0]
+                           for i in range(3)], dim=1)
+        whole = lstm(x, (h0, c0))[0]
+    torch.testing.assert_close(split, alone.movedim(1, 0), rtol=0, atol=0)
+    torch.testing.assert_close(batched, whole.movedim(1, 0), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("batch_dim", "message"), [
+    ((1,), r"batch_dim for x has 1 entries but x has 2"),
+    ({"nope": 0}, r"batch_dim names \['nope'\]"),
+    ((3, None), r"dimension 3 of x\[0\], which has shape \(6, 3, 4\)"),
+    ((None, None), "keeps every tensor of x whole"),
+    ((1, 0), r"x\[1\] has 4 rows at its batch dimension 0, but B=3"),
+])
+def test_bad_batch_dim_structures(batch_dim: object, message: str) -> None:
+    x = {"a": torch.randn(6, 3, 4)} if isinstance(batch_dim, dict) else (
+        torch.randn(6, 3, 4), torch.randn(4))
+    with pytest.raises(divtrace.DivtraceError, match=message):
+        run(nn.Identity(), x, batch_dim=batch_dim)
+
+
+class WithBias(nn.Module):
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return x + bias.sum()
+
+
+def test_a_1d_tensor_beside_a_batched_one_is_named_when_cut() -> None:
+    x = {"x": torch.randn(8, 16), "bias": torch.randn(8)}
+    with pytest.warns(divtrace.DivtraceWarning, match=r"x\['bias'\] \(shape \(8,\)\): cut per"):
+        run(WithBias().eval(), x)
+    result = run(WithBias().eval(), x, batch_dim={"x": 0, "bias": None})  # no warning
+    assert result.output["status"] == "ok"
+
+
+def test_a_list_of_images_is_refused_with_the_fix() -> None:
+    images = [torch.randn(3, 8, 8), torch.randn(3, 8, 8)]
+    with pytest.raises(divtrace.DivtraceValueError, match=r"x\[0\] is a list of 2 tensors.*"
+                                                          r"Stack them"):
+        run(nn.Identity(), (images,))
+
+
+# -- outputs with nothing to compare, and the observer check ------------------------------------
+
+
+class ReturnsNone(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> None:
+        self.fc(x)
+
+
+class ReturnsText(nn.Module):
+    def forward(self, x: torch.Tensor) -> str:
+        return "done"
+
+
+@pytest.mark.parametrize(("model", "said"), [
+    (ReturnsNone(), "The model's output (a NoneType) holds no tensor"),
+    (ReturnsText(), "No site could be compared: no observed module returned a tensor."),
+])
+def test_outputs_without_tensors_are_said(model: nn.Module, said: str) -> None:
+    result = run(model.eval(), torch.randn(4, 4))
+    assert said in result.summary()
+    assert "agree exactly" not in result.summary()
+    assert result.info.output_type == type(model.eval()(torch.randn(1, 4))).__name__
+
+
+class HookShy(nn.Module):
+    """Takes another path when it has hooks (as TransformerEncoderLayer's fast path does)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 3.0 + (1e-3 if self._forward_hooks else 0.0)
+
+
+def test_the_observer_check_finds_hooks_that_change_the_code_path() -> None:
+    result = run(HookShy().eval(), torch.randn(4, 8), observer=True)
+    note = result.info.notes["observer"]
+    assert not note["identical"]
+    assert note["differs"]["(model)"] > 1e-5
+    assert "Observer effect" in result.summary()
+    plain = run(models.variant_mlp(), torch.randn(4, 16), observer=True)
+    assert plain.info.notes["observer"]["identical"]
+    assert "observer" not in run(models.variant_mlp(), torch.randn(4, 16)).info.notes
+
+
+def test_the_observer_check_runs_by_itself_for_transformer_layers() -> None:
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True).eval()
+    result = run(layer, torch.randn(4, 6, 16))
+    assert "observer" in result.info.notes
+    assert result.info.notes["observer"]["identical"] in (True, False)

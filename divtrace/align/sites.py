@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
+from divtrace.align.status import Status
 from divtrace.compat import pytree
 
 __all__ = ["INPUT", "ROOT", "Site", "flatten_output", "input_site", "site_key"]
@@ -25,6 +27,8 @@ class Site:
     ``input`` is set for the pseudo-site of a leaf call's input that no observed module
     made (e.g. the result of a functional op): the index of that input among the call's
     tensor arguments. Such sites feed the lineage; they are not rows of the table.
+    ``opaque`` is set for a tensor that is not per-sample data by construction (a field of
+    a PackedSequence): why it is reported, never compared.
     """
 
     key: str
@@ -34,6 +38,7 @@ class Site:
     path: str
     leaf: bool
     input: int | None = None
+    opaque: Status | None = None
 
     @property
     def call_key(self) -> str:
@@ -68,19 +73,29 @@ def _key_str(entry: Any) -> str:
     return str(entry)
 
 
-def flatten_output(output: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
-    """The tensors in a (nested) module output, each with its path.
+def _packed(value: Any) -> bool:
+    return isinstance(value, PackedSequence)
+
+
+def flatten_output(output: Any, prefix: str = ""
+                   ) -> list[tuple[str, torch.Tensor, Status | None]]:
+    """The tensors in a (nested) module output: ``(path, tensor, opaque)`` each.
 
     Tuples, lists, dicts and named tuples are flattened by ``torch.utils._pytree``;
     dataclass instances that pytree does not know are opened field by field. Anything
-    that is not a tensor is skipped.
+    that is not a tensor is skipped. The fields of a PackedSequence are not per-sample
+    data: their ``opaque`` says so (else it is None).
     """
-    found: list[tuple[str, torch.Tensor]] = []
-    leaves, _ = pytree.tree_flatten_with_path(output)
+    found: list[tuple[str, torch.Tensor, Status | None]] = []
+    leaves, _ = pytree.tree_flatten_with_path(output, is_leaf=_packed)
     for keys, leaf in leaves:
         path = "/".join([prefix] * bool(prefix) + [_key_str(k) for k in keys])
         if isinstance(leaf, torch.Tensor):
-            found.append((path, leaf))
+            found.append((path, leaf, None))
+        elif _packed(leaf):
+            found.extend((f"{path}/{name}" if path else name, value, Status.NOT_PER_SAMPLE)
+                         for name, value in zip(leaf._fields, leaf, strict=True)
+                         if isinstance(value, torch.Tensor))
         elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
             fields = {f.name: getattr(leaf, f.name) for f in dataclasses.fields(leaf)}
             found.extend(flatten_output(fields, path))

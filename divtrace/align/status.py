@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["Status", "status_of"]
+__all__ = ["Status", "comparable", "status_of"]
 
 
 class Status(StrEnum):
@@ -24,6 +24,10 @@ class Status(StrEnum):
     UNBATCHED = "unbatched"
     SHAPE_MISMATCH = "shape_mismatch"
     DTYPE_MISMATCH = "dtype_mismatch"
+    #: a nested tensor: each sample has its own shape; compared where it becomes padded
+    NESTED = "nested"
+    #: a field of a PackedSequence: time steps of several samples, or indices
+    NOT_PER_SAMPLE = "not_per_sample"
 
 
 class Recorded(Protocol):
@@ -32,6 +36,15 @@ class Recorded(Protocol):
     status: Status
     row_shape: tuple[int, ...]
     dtype: torch.dtype
+
+
+def comparable(tensor: torch.Tensor) -> torch.Tensor | Status:
+    """The tensor as it can be compared: a sparse one as dense; a nested one not at all."""
+    if tensor.is_nested:
+        return Status.NESTED
+    if tensor.layout != torch.strided:
+        return tensor.to_dense()
+    return tensor
 
 
 def status_of(recorded: Recorded | None, tensor: torch.Tensor, batch: int, batch_dim: int,

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from torch import nn
+
 from divtrace.align.sites import site_key
 from divtrace.explain.probe import Context, Probe, TableView
 from divtrace.explain.profiling import kernel_family, kernels_by_site
@@ -31,7 +33,7 @@ class Kernels(Probe):
         self.split: dict[str, list[str]] = {}
 
     @classmethod
-    def create(cls, options: Mapping[str, Any]) -> Kernels | None:
+    def create(cls, options: Mapping[str, Any], model: nn.Module) -> Kernels | None:
         return cls() if options.get("kernels") else None
 
     def after(self, ctx: Context) -> None:

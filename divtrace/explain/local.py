@@ -10,6 +10,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from torch import nn
 
 from divtrace.align.sites import INPUT, flatten_output, site_key
 from divtrace.align.status import Status
@@ -78,7 +79,7 @@ class LocalReplay(Probe):
         self.status: dict[str, ReplayStatus] = {}
 
     @classmethod
-    def create(cls, options: Mapping[str, Any]) -> LocalReplay | None:
+    def create(cls, options: Mapping[str, Any], model: nn.Module) -> LocalReplay | None:
         skip = patterns(options.get("replay_skip", ()), "replay_skip")
         return cls(skip) if options.get("local") else None
 
@@ -125,8 +126,11 @@ class LocalReplay(Probe):
 
     def _measure(self, ctx: Context, call: LeafCall, output: Any) -> None:
         meter, store = ctx.meter, ctx.meter.store
-        outputs = [("", output)] if isinstance(output, torch.Tensor) else flatten_output(output)
-        for path, tensor in outputs:
+        outputs = ([("", output, None)] if isinstance(output, torch.Tensor)
+                   else flatten_output(output))
+        for path, tensor, opaque in outputs:
+            if opaque is not None:
+                continue
             key = site_key(call.site.module, call.site.call, path)
             stored = store.rows.get(key)
             if stored is not None and stored.rows is not None and (

@@ -14,7 +14,7 @@ each comparison works on fresh copies of the plan's probes.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -48,6 +48,10 @@ class Context:
     compared: Runner  # the run measured against them (the batched run by default)
     host: Host  # takes device tensors for the one transfer to the host
     progress: Progress
+    #: called after every pass with the pass's label (refuses random draws)
+    check: Callable[[Callable[[], str]], object] | None = None
+    #: the type of the measured run's output when it held no tensor
+    output_type: str | None = None
     _store: RowStore | None = None
     _meter: Meter | None = None
 
@@ -96,9 +100,9 @@ class Probe:
     passes: int = 0
 
     @classmethod
-    def create(cls, options: Mapping[str, Any]) -> Probe | None:
-        """The probe for these ``compare()`` options, or None when it is off. Validates
-        the options it takes."""
+    def create(cls, options: Mapping[str, Any], model: nn.Module) -> Probe | None:
+        """The probe for these ``compare()`` options on ``model``, or None when it is off.
+        Validates the options it takes."""
         return cls() if not cls.option else None
 
     @property
@@ -128,6 +132,11 @@ class Probe:
 
     def fill(self, rows: list[dict[str, Any]], view: TableView) -> None:
         """Writes the probe's columns into the table's rows (one dict per site)."""
+
+    def note(self) -> Any:
+        """What the probe found that is not a column (JSON-ready), for the comparison's
+        meta under the probe's option (or class name); None for nothing."""
+        return None
 
     @classmethod
     def sentences(cls, result: Comparison) -> list[str]:

@@ -6,6 +6,8 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from torch import nn
+
 from divtrace.errors import DivtraceValueError
 from divtrace.explain.probe import Context, Probe, TableView
 from divtrace.measure.figures import site_figures
@@ -36,7 +38,7 @@ class RepeatNoise(Probe):
         self.noise: list[dict[str, Deferred]] = []  # per repeat: site key -> stats
 
     @classmethod
-    def create(cls, options: Mapping[str, Any]) -> RepeatNoise | None:
+    def create(cls, options: Mapping[str, Any], model: nn.Module) -> RepeatNoise | None:
         repeat = options.get("repeat", 0)
         if isinstance(repeat, bool) or not hasattr(repeat, "__index__") or repeat < 0:
             raise DivtraceValueError(f"repeat must be a whole number >= 0; got {repeat!r}")
@@ -53,7 +55,8 @@ class RepeatNoise(Probe):
             ctx.progress.stage(_LABEL)
             again = Meter(first, batch.batch_size, ctx.host, ctx.plan.rtol, ctx.plan.atol,
                           lineage=False)
-            ctx.compared.execute(again, batch, [(0, batch.batch_size)], lambda _s, _e: _LABEL)
+            ctx.compared.execute(again, batch, [(0, batch.batch_size)], lambda _s, _e: _LABEL,
+                                 after=ctx.check)
             self.noise.append({m.site.key: m.stats for m in again.sites if m.stats is not None})
             ctx.progress.advance()
 

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from torch import nn
 
 from divtrace.errors import DivtraceValueError
 from divtrace.explain.probe import Context, Probe, TableView
@@ -36,7 +37,7 @@ class Fp64Truth(Probe):
         self._truth: RowStore | None = None
 
     @classmethod
-    def create(cls, options: Mapping[str, Any]) -> Fp64Truth | None:
+    def create(cls, options: Mapping[str, Any], model: nn.Module) -> Fp64Truth | None:
         truth = options.get("truth")
         if truth not in (None, "fp64"):
             raise DivtraceValueError(f"truth must be None or 'fp64'; got {truth!r}")
@@ -55,7 +56,8 @@ class Fp64Truth(Probe):
         count = len(plan.samples)
         self._truth = RowStore(list(range(count)), picked.batch_dim, False, count,
                                learn_lineage=False)
-        runner.execute(self._truth, picked, [(0, count)], lambda _s, _e: "float64 truth run")
+        runner.execute(self._truth, picked, [(0, count)], lambda _s, _e: "float64 truth run",
+                       after=ctx.check)
         ctx.progress.advance()
 
     def on_site(self, ctx: Context, measured: Measured, tensor: torch.Tensor,

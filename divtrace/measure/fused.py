@@ -11,6 +11,8 @@ does not compute makes :func:`supports` false, and the eager path is used.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from divtrace.measure.fields import FIELDS, INDEX
@@ -122,7 +124,10 @@ def fused_stats(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> t
     rows, cols = b.shape
     n_blocks = max(1, triton.cdiv(cols, _BLOCK))
     partial = torch.empty((rows, n_blocks, len(FIELDS)), dtype=torch.float64, device=b.device)
-    _stats_kernel[(rows, n_blocks)](
-        b, r, partial, cols, b.stride(0), r.stride(0), n_blocks, float(rtol), float(atol),
-        BLOCK=_BLOCK, BITS=_ULP_BITS[b.dtype], N_FIELDS=len(FIELDS), **_LAYOUT)
+    # Triton launches on the current device's stream: make that the tensors' device, or a
+    # model sharded over GPUs is read on another GPU's stream, before its data is written
+    with torch.cuda.device(b.device) if b.is_cuda else contextlib.nullcontext():
+        _stats_kernel[(rows, n_blocks)](
+            b, r, partial, cols, b.stride(0), r.stride(0), n_blocks, float(rtol), float(atol),
+            BLOCK=_BLOCK, BITS=_ULP_BITS[b.dtype], N_FIELDS=len(FIELDS), **_LAYOUT)
     return partial[:, 0] if n_blocks == 1 else reduce_blocks(partial, 1)

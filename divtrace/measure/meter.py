@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from divtrace.align.sites import ROOT, Site, input_site
-from divtrace.align.status import Status, status_of
+from divtrace.align.status import Status, comparable, status_of
 from divtrace.measure import fused
 from divtrace.measure.host import Deferred, Host
 from divtrace.measure.stats import (
@@ -136,6 +136,10 @@ class Meter(Sink):
 
     def measure(self, site: Site, tensor: torch.Tensor) -> Measured:
         """Measures one tensor against the stored rows at its site."""
+        usable = comparable(tensor) if site.opaque is None else site.opaque
+        if isinstance(usable, Status):  # reported, never compared
+            return Measured(site, usable, (), tensor.dtype)
+        tensor = usable
         status = self.status(site.key, tensor)
         measured = Measured(site, status, tuple(tensor.shape), tensor.dtype)
         stored = self.store.rows.get(site.key)

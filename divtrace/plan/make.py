@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
 from torch import nn
 
 from divtrace.errors import BatchMixingError, DivtraceTypeError, DivtraceValueError
@@ -39,6 +40,7 @@ class Plan:
         modules: The validated ``modules=`` selection (None: every module).
         output_only: Only the model's output is observed (a compiled run).
         train_mode: The modules that mix samples in train mode (allowed by the user).
+        allow_train: Compare although the runs mix samples or draw random numbers.
         probes: The explain probes, in column order.
         options: ``compare()``'s explain options as given.
         figures: The figures of the table (default: the registry's).
@@ -60,6 +62,7 @@ class Plan:
     progress: bool
     train_mode: tuple[str, ...]
     probes: tuple[Probe, ...]
+    allow_train: bool = False
     options: Mapping[str, Any] = field(default_factory=dict)
     default_pair: bool = True
     figures: tuple[Figure, ...] = FIGURES
@@ -117,6 +120,26 @@ def _check_train_mode(model: nn.Module, allow_train: bool) -> tuple[str, ...]:
     return tuple(mixing)
 
 
+def _check_materialised(model: nn.Module, batch: BatchedInput) -> None:
+    """Tensors on the meta device have no values: nothing could be compared."""
+    inputs = [name for name, leaf in zip(batch.names, batch.leaves, strict=True)
+              if isinstance(leaf, torch.Tensor) and leaf.is_meta]
+    if inputs:
+        raise DivtraceValueError(
+            f"{', '.join(inputs)} lie(s) on the meta device, which holds shapes but no "
+            f"values; pass real tensors")
+    if any(hasattr(m, "_hf_hook") for m in model.modules()):
+        return  # accelerate supplies offloaded weights at call time
+    empty = [name for name, t in (*model.named_parameters(), *model.named_buffers())
+             if t.is_meta]
+    if empty:
+        raise DivtraceValueError(
+            f"the model's {', '.join(empty[:4])}{' and more' if len(empty) > 4 else ''} lie "
+            f"on the meta device (not materialised: shapes, no values); load the weights "
+            f"first, e.g. model.to_empty(device=...) then load_state_dict(...), or "
+            f"accelerate's load_checkpoint_and_dispatch")
+
+
 def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
               samples: Iterable[int] | int | None = None, batch_dim: BatchDim = 0,
               modules: ModuleSpec = None, progress: bool = True, keep: bool = False,
@@ -127,9 +150,10 @@ def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
     :func:`divtrace.compare`); ``options`` are the explain options, given to each probe."""
     if not isinstance(model, nn.Module):
         raise DivtraceTypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-    probes = probes_for(options)
+    probes = probes_for(options, model)
     rtol, atol = tolerance(rtol, "rtol"), tolerance(atol, "atol")
     batch = prepare_input(x, batch_dim, stacklevel=4)
+    _check_materialised(model, batch)
     rows = prepare_samples(samples, batch.batch_size)
     size = batch.batch_size
     ref, test = _runs(a, b, chunk, size)
@@ -146,5 +170,6 @@ def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
         compared_chunks=tuple(chunks_for(rows, test.chunk, size)) if test.chunk else (),
         modules=check_modules(model, modules),
         output_only=output_only, rtol=rtol, atol=atol, keep=keep, offload=offload,
-        progress=progress, train_mode=train_mode, probes=probes, options=options,
+        progress=progress, train_mode=train_mode, probes=probes, allow_train=allow_train,
+        options=options,
         default_pair=a is None and b is None)

@@ -1,28 +1,87 @@
-"""Nothing of the user's model changes: modes, grad mode and (if asked) buffers."""
+"""Nothing of the user's changes: modes, grad and inference mode, buffers, random state."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-__all__ = ["untouched"]
+from divtrace.compat import foreach_copy, version
+from divtrace.errors import DivtraceWarning
+
+__all__ = ["RandomDraws", "cuda_devices", "untouched"]
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The version counter (None for an inference tensor, which has none)."""
+    return None if tensor.is_inference() else version(tensor)
+
+
+def cuda_devices(models: Iterable[nn.Module], tensors: Iterable[object]) -> list[int]:
+    """The CUDA devices the models' parameters and buffers and the tensors live on."""
+    found = {t.device.index or 0 for m in models for t in (*m.parameters(), *m.buffers())
+             if t.is_cuda}
+    found |= {t.device.index or 0 for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda}
+    return sorted(found)
+
+
+def _restore(buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copies every buffer back from its snapshot. All of them: a kernel may update a
+    buffer without moving its version (BatchNorm's running statistics on the CPU do), and
+    comparing would cost a host synchronisation per buffer; the copies are launched
+    together, per device."""
+    by_device: dict[tuple[torch.device, bool], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for buf, saved in buffers:
+        by_device.setdefault((buf.device, buf.is_inference()), []).append((buf, saved))
+    for (_device, inference), pairs in by_device.items():
+        with torch.inference_mode(inference), torch.no_grad():  # inference tensors: inside
+            foreach_copy([b for b, _ in pairs], [s for _, s in pairs])
 
 
 @contextmanager
-def untouched(model: nn.Module, restore_buffers: bool) -> Iterator[None]:
-    """No grad inside; the modules' training flags (and, if asked, buffers) restored after."""
+def untouched(model: nn.Module, devices: list[int]) -> Iterator[None]:
+    """Runs with grad and inference mode off; afterwards the modules' training flags, the
+    buffers and the random generators of the CPU and of ``devices`` are as before. A
+    parameter changed in place cannot be restored (a copy of every parameter would cost
+    as much memory as the model): that is a warning."""
     modes = [(module, module.training) for module in model.modules()]
-    saved = [buf.detach().clone() for buf in model.buffers()] if restore_buffers else []
+    buffers = [(buf, buf.detach().clone()) for buf in model.buffers()]
+    params = [(name, p, _version(p)) for name, p in model.named_parameters()]
     try:  # inference mode off (it turns grad mode on: no_grad after it), since its
         # tensors track no version and lineage needs them
-        with torch.inference_mode(False), torch.no_grad():
+        with torch.random.fork_rng(devices=devices), torch.inference_mode(False), (
+                torch.no_grad()):
             yield
     finally:
         for module, mode in modes:
             module.training = mode
-        with torch.no_grad():
-            for buf, old in zip(model.buffers(), saved, strict=False):
-                buf.copy_(old)
+        _restore(buffers)
+        changed = [name for name, p, seen in params if seen is not None and version(p) != seen]
+        if changed:
+            warnings.warn(
+                f"the model's forward pass changed these parameters in place, and divtrace "
+                f"cannot put them back: {', '.join(changed[:6])}"
+                f"{' and more' if len(changed) > 6 else ''}", DivtraceWarning, stacklevel=4)
+
+
+class RandomDraws:
+    """Notices whether a forward pass drew random numbers: a generator's state moved."""
+
+    def __init__(self, devices: list[int]) -> None:
+        self.devices = devices
+        self.seen = False
+        self._state = self._now()
+
+    def _now(self) -> list[torch.Tensor]:
+        return [torch.get_rng_state(), *(torch.cuda.get_rng_state(i) for i in self.devices)]
+
+    def drew(self) -> bool:
+        """Whether a generator moved since the last call (or since made)."""
+        now = self._now()
+        moved = any(not torch.equal(a, b) for a, b in zip(now, self._state, strict=True))
+        self._state = now
+        self.seen |= moved
+        return moved

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from divtrace.align.sites import Site, flatten_output, site_key
+from divtrace.align.status import Status
 from divtrace.record.recorder import Recorder, Sink, Tracker
 
 __all__ = ["ModuleHooks"]
@@ -48,11 +49,11 @@ def _hook(name: str, module: nn.Module, sink: Sink, tracker: Tracker) -> Callabl
     on_call = sink.on_call if leaf else None
     on_tensor = sink.on_tensor
 
-    def site(call: int, path: str) -> Site:
+    def site(call: int, path: str, opaque: Status | None = None) -> Site:
         found = sites.get((call, path))
         if found is None:
             found = sites[call, path] = Site(site_key(name, call, path), name, module_type,
-                                             call, path, leaf)
+                                             call, path, leaf, opaque=opaque)
         return found
 
     def hook(mod: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -68,8 +69,8 @@ def _hook(name: str, module: nn.Module, sink: Sink, tracker: Tracker) -> Callabl
             on_tensor(here, output)
             tracker.produced(here.key, output)
             return
-        for path, tensor in flatten_output(output):
-            here = site(call, path)
+        for path, tensor, opaque in flatten_output(output):
+            here = site(call, path, opaque)
             tracker.last_site = here.key
             on_tensor(here, tensor)
             tracker.produced(here.key, tensor)

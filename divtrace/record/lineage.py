@@ -51,7 +51,7 @@ def input_parts(call: Site, module: nn.Module, args: tuple[Any, ...],
     ``nn.Dropout`` and ``nn.Identity`` in eval mode): then the input is its own output.
     """
     outputs = ({id(output)} if isinstance(output, torch.Tensor)
-               else {id(t) for _, t in flatten_output(output)})
+               else {id(t) for _, t, _ in flatten_output(output)})
     parts = []
     for index, tensor in enumerate(tensor_inputs(args, kwargs)):
         returned = id(tensor) in outputs

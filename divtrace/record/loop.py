@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from divtrace.align.sites import INPUT
+from divtrace.align.sites import INPUT, flatten_output
 from divtrace.compat import pytree
 from divtrace.plan.inputs import BatchedInput
 from divtrace.record.recorder import Recorder, Sink, Tracker
@@ -51,7 +51,8 @@ def _as_is(args: tuple[Any, ...], kwargs: dict[str, Any]
 
 def drive(model: nn.Module, recorder: Recorder, sink: Sink, batch: BatchedInput,
           chunks: Iterable[tuple[int, int]], label: Callable[[int, int], str],
-          feed: Feed = _as_is, step: Callable[[], object] | None = None) -> None:
+          feed: Feed = _as_is, step: Callable[[], object] | None = None,
+          after: Callable[[Callable[[], str]], object] | None = None) -> str | None:
     """Runs rows ``start:stop`` of ``batch`` through ``model`` for each chunk, observed by
     ``recorder`` and handed to ``sink``; a chunk runs again while the sink asks for it.
     Each pass gets its own copy of the input.
@@ -61,7 +62,12 @@ def drive(model: nn.Module, recorder: Recorder, sink: Sink, batch: BatchedInput,
             only then).
         feed: Turns the rows into what the run feeds the model (moved, cast, ...).
         step: Called after each chunk (a progress bar's update).
+        after: Called after each pass with the pass's label (e.g. a check that raises).
+
+    Returns:
+        The type of the last pass's output when it holds no tensor (else None).
     """
+    kind = None
     with recorder.observe(sink) as tracker:
         for start, stop in chunks:
             given = feed(*batch.rows(start, stop))
@@ -69,7 +75,12 @@ def drive(model: nn.Module, recorder: Recorder, sink: Sink, batch: BatchedInput,
             while not done:  # a pass run again gets a fresh copy of the input too
                 args, kwargs = fresh(*given)
                 sink.begin_chunk(start, stop, tracker)
-                forward(model, args, kwargs, tracker, partial(label, start, stop))
+                output = forward(model, args, kwargs, tracker, partial(label, start, stop))
+                if after is not None:
+                    after(partial(label, start, stop))
                 done = sink.end_chunk()
+            kind = None if flatten_output(output) else type(output).__name__
+            del output
             if step is not None:
                 step()
+    return kind

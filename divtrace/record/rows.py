@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from divtrace.align.sites import Site, input_site
-from divtrace.align.status import Status
+from divtrace.align.status import Status, comparable
 from divtrace.compat import foreach_copy, version
 from divtrace.record.lineage import Origin, input_parts, tensor_inputs
 from divtrace.record.recorder import Sink, Tracker
@@ -153,6 +153,11 @@ class RowStore(Sink):
 
     def on_tensor(self, site: Site, tensor: torch.Tensor) -> None:
         """Records one tensor of the run (called from its hook: kept lean)."""
+        usable = comparable(tensor) if site.opaque is None else site.opaque
+        if isinstance(usable, Status):  # reported, never compared
+            self.rows[site.key] = StoredRows(site, (), None, (), tensor.dtype, status=usable)
+            return
+        tensor = usable
         stored = self.rows.get(site.key)
         shape = tensor.shape
         dim = self.batch_dim % len(shape) if shape else 0

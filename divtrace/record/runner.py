@@ -59,7 +59,9 @@ class Runner:
 
     def execute(self, sink: Sink, batch: BatchedInput, chunks: list[tuple[int, int]],
                 label: Callable[[int, int], str], step: Callable[[], object] | None = None,
-                ) -> None:
-        """Runs ``chunks`` of ``batch`` under this run's flags, handing tensors to ``sink``."""
+                after: Callable[[Callable[[], str]], object] | None = None) -> str | None:
+        """Runs ``chunks`` of ``batch`` under this run's flags, handing tensors to ``sink``
+        (see :func:`~divtrace.record.loop.drive`)."""
         with self.run.flags():
-            drive(self.model, self.recorder, sink, batch, chunks, label, self.feed, step)
+            return drive(self.model, self.recorder, sink, batch, chunks, label, self.feed,
+                         step, after)

@@ -14,7 +14,7 @@ __all__ = ["Meta"]
 #: Fields written as they are; ``options`` is flattened in after ``torch``.
 _BEFORE = ("batch_size", "chunk", "samples", "batch_dim", "split_passes", "stored_bytes",
            "rtol", "atol", "train_mode", "torch")
-_AFTER = ("runs", "flips")
+_AFTER = ("runs", "flips", "random_draws", "output_type", "notes")
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,9 @@ class Meta:
         options: The explain options (``local``, ``truth``, ``repeat``, ``kernels``).
         runs: The labels of runs a and b, when they were given (else None).
         flips: Per output site of 2-D logits: whether each sample's argmax differs.
+        random_draws: A pass drew random numbers (allowed by ``allow_train=True``).
+        output_type: The type of the model's output when it held no tensor (else None).
+        notes: What probes found that is not a column, by probe.
     """
 
     batch_size: int
@@ -50,6 +53,9 @@ class Meta:
     options: Mapping[str, Any] = field(default_factory=dict)
     runs: tuple[str, str] | None = None
     flips: Mapping[str, tuple[bool, ...]] = field(default_factory=dict)
+    random_draws: bool = False
+    output_type: str | None = None
+    notes: Mapping[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """A plain, JSON-ready dict (a fresh copy): the fields, options flattened in."""
@@ -68,4 +74,6 @@ class Meta:
             **{name: data[name] for name in _BEFORE if name != "samples"},
             samples=tuple(data["samples"]), options=options,
             runs=None if runs is None else (runs[0], runs[1]),
-            flips={k: tuple(v) for k, v in data.get("flips", {}).items()})
+            flips={k: tuple(v) for k, v in data.get("flips", {}).items()},
+            random_draws=bool(data.get("random_draws", False)),
+            output_type=data.get("output_type"), notes=dict(data.get("notes", {})))

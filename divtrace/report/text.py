@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import pandas as pd
 import torch
 
 from divtrace.measure.stats import tolerances
@@ -52,6 +53,27 @@ def _output_sentences(result: Comparison) -> list[str]:
     return lines
 
 
+def _caveats(result: Comparison, ok: pd.DataFrame) -> list[str]:
+    """What makes the runs differ by design, and what could not be compared at all."""
+    meta, lines = result.info, []
+    if meta.train_mode:
+        lines.append(
+            "The model ran in train mode (allow_train=True): BatchNorm or Dropout make "
+            "the runs differ for reasons that are not numerical.")
+    if meta.random_draws:
+        lines.append(
+            "The model drew random numbers during its passes (allowed by allow_train=True): "
+            "the runs differ for reasons that are not numerical.")
+    if meta.output_type is not None:
+        lines.append(f"The model's output (a {meta.output_type}) holds no tensor, so it "
+                     f"could not be compared.")
+    if ok.empty:
+        why = ("see the statuses below" if not result.table.empty
+               else "no observed module returned a tensor")
+        lines.append(f"No site could be compared: {why}.")
+    return lines
+
+
 def summary(result: Comparison, probes: Sequence[type[Probe]] = ()) -> str:
     """Plain sentences on where the runs part, how far it grows, and what it means; the
     ``probes`` that explain the comparison add theirs."""
@@ -67,16 +89,13 @@ def summary(result: Comparison, probes: Sequence[type[Probe]] = ()) -> str:
     else:
         head = f"Batched run (B={meta.batch_size}) vs split run ({chunking})"
     lines = [f"{head}, {len(samples)} compared sample(s) {shown}, {len(ok)} compared sites."]
-    if meta.train_mode:
-        lines.append(
-            "The model ran in train mode (allow_train=True): BatchNorm or Dropout make "
-            "the runs differ for reasons that are not numerical.")
+    lines.extend(_caveats(result, ok))
     identical = int((ok["mismatch"] == 0).sum())
     first = result.first_divergence
-    if first is None:
+    if first is None and not ok.empty:
         every = "The 1 compared site is" if len(ok) == 1 else f"All {len(ok)} compared sites are"
         lines.append(f"{every} bit-identical: the batched and split runs agree exactly.")
-    else:
+    elif first is not None:
         position = int((ok.index < first.name).sum())
         lines.append(
             f"Divergence first appears at '{first['site']}' ({first['module_type']}), "

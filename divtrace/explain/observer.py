@@ -1,0 +1,92 @@
+"""The observer check: does observing the model change what it computes?"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from divtrace.align.sites import ROOT, flatten_output, site_key
+from divtrace.align.status import Status
+from divtrace.errors import DivtraceTypeError
+from divtrace.explain.probe import Context, Probe
+from divtrace.measure.meter import Measured
+from divtrace.record.loop import fresh
+
+if TYPE_CHECKING:
+    from divtrace.report.comparison import Comparison
+
+__all__ = ["HOOK_SENSITIVE", "ObserverCheck"]
+
+#: Modules whose code path changes when a module has hooks: PyTorch turns the fast path
+#: of ``nn.TransformerEncoderLayer`` off whenever any of its modules has a hook.
+HOOK_SENSITIVE: tuple[type[nn.Module], ...] = (nn.TransformerEncoderLayer,)
+
+
+class ObserverCheck(Probe):
+    """``observer=True`` (by default for models with :data:`HOOK_SENSITIVE` modules): one
+    more pass of the measured run without any hook; its output must be bit-identical to
+    the observed one, else the figures describe another code path than the plain one."""
+
+    option: ClassVar[str] = "observer"
+    passes = 1
+
+    def __init__(self) -> None:
+        self.hooked: dict[str, torch.Tensor] = {}
+        self.found: dict[str, Any] | None = None
+
+    @classmethod
+    def create(cls, options: Mapping[str, Any], model: nn.Module) -> ObserverCheck | None:
+        observer = options.get("observer")
+        if observer is not None and not isinstance(observer, bool):
+            raise DivtraceTypeError(f"observer must be None (check models whose code path "
+                                    f"changes with hooks), True or False; got {observer!r}")
+        if observer is None:
+            observer = any(isinstance(m, HOOK_SENSITIVE) for m in model.modules())
+        return cls() if observer else None
+
+    def on_site(self, ctx: Context, measured: Measured, tensor: torch.Tensor,
+                rows: torch.Tensor) -> None:
+        if measured.site.module == ROOT and measured.status == Status.OK:
+            self.hooked[measured.site.key] = ctx.store.pick(tensor).clone()
+
+    def after(self, ctx: Context) -> None:
+        ctx.progress.stage("observer check (no hooks)")
+        if self.hooked:  # the measured run took the whole batch: compare its output
+            runner = ctx.compared
+            args, kwargs = fresh(*runner.feed(*ctx.plan.batch.whole()))
+            with runner.run.flags():
+                output = runner.model(*args, **kwargs)
+            plain = {site_key(ROOT, 0, path): ctx.store.pick(t)
+                     for path, t, opaque in flatten_output(output) if opaque is None}
+            self.found = {"identical": True, "differs": {}}
+            for key, hooked in self.hooked.items():
+                other = plain.get(key)
+                if other is not None and not torch.equal(hooked, other):
+                    error = torch.linalg.vector_norm((hooked - other).double())
+                    scale = torch.linalg.vector_norm(other.double())
+                    self.found["identical"] = False
+                    self.found["differs"][key] = float(error / scale) if scale > 0 else (
+                        float("inf"))
+        ctx.progress.advance()
+
+    def note(self) -> Any:
+        return self.found
+
+    @classmethod
+    def sentences(cls, result: Comparison) -> list[str]:
+        found = result.info.notes.get("observer")
+        if found is None:
+            return []
+        if found["identical"]:
+            return ["Observer check: with divtrace's hooks the model's output is "
+                    "bit-identical to a plain forward pass."]
+        site, error = next(iter(found["differs"].items()))
+        return [f"Observer effect: with divtrace's hooks the model's output differs from a "
+                f"plain forward pass (rel_l2 {error:.3g} at '{site}'). Hooks change this "
+                f"model's code path (PyTorch turns off the fast path of "
+                f"nn.TransformerEncoderLayer when any of its modules has a hook), so the "
+                f"figures describe the hooked path, not the kernels a plain forward runs; "
+                f"modules= naming only modules outside such layers keeps their fast path."]
