@@ -134,3 +134,75 @@ def test_flags_reach_cuda_runs_and_come_back() -> None:
     conv = result.table.set_index("site").loc["0"]
     assert conv["kernels_differ"]  # cuDNN kernels against the native convolution
     assert (torch.backends.cudnn.enabled, torch.backends.cuda.matmul.allow_tf32) == before
+
+
+needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+
+
+class Placed(nn.Module):
+    """Layers on the given devices, the activations moved between them."""
+
+    def __init__(self, layers: list[nn.Module], devices: list[str]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layer.to(d) for layer, d in zip(layers, devices, strict=True))
+        self.devices = devices
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer, device in zip(self.layers, self.devices, strict=True):
+            x = layer(x.to(device))
+        return x
+
+
+FIGURES = ["site", "status", "mismatch", "rel_l2", "max_abs", "role"]
+
+
+@needs_two
+def test_a_model_split_over_two_gpus_gives_the_figures_of_one_gpu() -> None:
+    import copy
+
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(512, 512), nn.GELU()) for _ in range(8)]
+    one = Placed(copy.deepcopy(layers), ["cuda:0"] * 8).eval()
+    two = Placed(layers, ["cuda:0"] * 4 + ["cuda:1"] * 4).eval()
+    x = torch.randn(16, 512, device="cuda:0")
+    alone, split = (divtrace.compare(m, x, progress=False).table for m in (one, two))
+    assert alone[FIGURES].equals(split[FIGURES])
+    assert (alone["rel_l2"] < 1e-4).all()
+
+
+@needs_two
+def test_a_llama_dispatched_over_two_gpus_with_accelerate() -> None:
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    accelerate = pytest.importorskip("accelerate")
+    config = transformers.LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=8, vocab_size=512, max_position_embeddings=64)
+    torch.manual_seed(0)
+    one = transformers.LlamaForCausalLM(config).eval().to("cuda:0")
+    two = copy.deepcopy(one)
+    device_map = {"lm_head": 1}
+    for name, _child in two.model.named_children():
+        if name == "layers":
+            device_map |= {f"model.layers.{i}": int(i >= 4) for i in range(8)}
+        else:
+            device_map[f"model.{name}"] = 0 if name == "embed_tokens" else 1
+    two = accelerate.dispatch_model(two, device_map=device_map)
+    ids = torch.randint(0, 512, (16, 12), device="cuda:0")
+    x = {"input_ids": ids, "use_cache": False}
+    alone, split = (divtrace.compare(m, x, samples=range(4), progress=False).table
+                    for m in (one, two))
+    assert alone[FIGURES].equals(split[FIGURES])
+    assert (alone.loc[alone["status"] == "ok", "rel_l2"] < 1e-3).all()
+
+
+def test_the_observer_check_of_a_transformer_layer_on_cuda() -> None:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True).eval().cuda()
+    result = divtrace.compare(layer, torch.randn(8, 16, 64, device="cuda"), chunk=2,
+                              samples=[0, 1], progress=False)
+    note = result.info.notes["observer"]
+    said = "Observer effect" in result.summary()
+    assert said == (not note["identical"])
+    assert note["identical"] or note["differs"]["(model)"] > 0
