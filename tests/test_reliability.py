@@ -416,3 +416,36 @@ def test_the_observer_check_runs_by_itself_for_transformer_layers() -> None:
     result = run(layer, torch.randn(4, 6, 16))
     assert "observer" in result.info.notes
     assert result.info.notes["observer"]["identical"] in (True, False)
+
+
+ODD_OUTPUTS = {
+    "quantized": lambda x: torch.quantize_per_tensor(x, 0.1, 0, torch.qint8),
+    "float8": lambda x: x.to(torch.float8_e4m3fn),
+    "complex32": lambda x: torch.complex(x, x).to(torch.complex32),
+    "generator": lambda x: (t for t in [x]),
+    "0-d": lambda x: x.sum(),
+    "jagged": lambda x: torch.nested.nested_tensor(list(x), layout=torch.jagged),
+    "list with None": lambda x: [x * 2, None, "text"],
+}
+
+
+class Odd(nn.Module):
+    def __init__(self, make: object) -> None:
+        super().__init__()
+        self.make = make
+
+    def forward(self, x: torch.Tensor) -> object:
+        return self.make(x * (1.0001 if x.shape[0] > 1 else 1.0))  # type: ignore[operator]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("name", list(ODD_OUTPUTS))
+def test_odd_outputs_are_reported_never_a_crash(name: str) -> None:
+    truth = None if name == "quantized" else "fp64"  # quantize takes no float64 input
+    result = run(Odd(ODD_OUTPUTS[name]).eval(), torch.randn(4, 3), local=True, truth=truth,
+                 repeat=1, kernels=True, observer=True)
+    statuses = set(result.table["status"])
+    assert statuses <= {"ok", "unbatched", "nested", "not_per_sample"}
+    assert result.summary()
+    if name in ("quantized", "float8", "complex32"):
+        assert statuses == {"ok"}

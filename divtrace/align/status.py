@@ -39,11 +39,14 @@ class Recorded(Protocol):
 
 
 def comparable(tensor: torch.Tensor) -> torch.Tensor | Status:
-    """The tensor as it can be compared: a sparse one as dense; a nested one not at all."""
+    """The tensor as it can be compared: a sparse one as dense, a quantized one as its
+    float values; a nested one not at all."""
     if tensor.is_nested:
         return Status.NESTED
     if tensor.layout != torch.strided:
         return tensor.to_dense()
+    if tensor.is_quantized:
+        return tensor.dequantize()
     return tensor
 
 

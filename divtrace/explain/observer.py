@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 from divtrace.align.sites import ROOT, flatten_output, site_key
-from divtrace.align.status import Status
+from divtrace.align.status import Status, comparable
 from divtrace.errors import DivtraceTypeError
 from divtrace.explain.probe import Context, Probe
+from divtrace.measure.block import bit_equal
 from divtrace.measure.meter import Measured
 from divtrace.record.loop import fresh
 
@@ -59,12 +60,13 @@ class ObserverCheck(Probe):
             args, kwargs = fresh(*runner.feed(*ctx.plan.batch.whole()))
             with runner.run.flags():
                 output = runner.model(*args, **kwargs)
-            plain = {site_key(ROOT, 0, path): ctx.store.pick(t)
-                     for path, t, opaque in flatten_output(output) if opaque is None}
+            plain = {site_key(ROOT, 0, path): ctx.store.pick(usable)
+                     for path, t, opaque in flatten_output(output) if opaque is None
+                     and not isinstance(usable := comparable(t), Status)}
             self.found = {"identical": True, "differs": {}}
             for key, hooked in self.hooked.items():
                 other = plain.get(key)
-                if other is not None and not torch.equal(hooked, other):
+                if other is not None and not bit_equal(hooked, other):
                     error = torch.linalg.vector_norm((hooked - other).double())
                     scale = torch.linalg.vector_norm(other.double())
                     self.found["identical"] = False

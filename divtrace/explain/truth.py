@@ -65,7 +65,7 @@ class Fp64Truth(Probe):
         stored = self._truth.rows.get(measured.site.key) if self._truth is not None else None
         if stored is None or stored.rows is None or not tensor.is_floating_point():
             return
-        exact = RowStore.rows_on(stored, tensor.device)
+        exact = RowStore.rows_on(stored, tensor.device).double()
         if exact.shape != rows.shape:
             return
         norm = torch.linalg.vector_norm(exact)

@@ -6,7 +6,7 @@ from functools import cached_property
 
 import torch
 
-__all__ = ["INT_VIEW", "Block", "max_ulp", "norm_square"]
+__all__ = ["INT_VIEW", "Block", "bit_equal", "max_ulp", "norm_square"]
 
 F64 = torch.float64
 
@@ -36,6 +36,18 @@ def max_ulp(b: torch.Tensor, r: torch.Tensor, finite: torch.Tensor | None,
     if finite is not None:
         dist = dist.masked_fill(~finite, 0)
     return dist.amax(1).double()
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one dtype and shape hold the same bits (any dtype)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+#: Dtypes that torch.linalg.vector_norm takes as they are (others are upcast first).
+_NORMED = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                     torch.complex64, torch.complex128})
 
 
 def norm_square(t: torch.Tensor) -> torch.Tensor:
@@ -126,10 +138,11 @@ class Block:
 
     @cached_property
     def _same(self) -> tuple[torch.Tensor, bool]:
-        square = norm_square(self.r)
+        r = self.r if self.r.dtype in _NORMED else self.rf  # float8: no norm of its own
+        square = norm_square(r)
         if bool(square.isfinite().all()):  # the shortcut runs on the host only
             return square, True
-        return norm_square(self.r.masked_fill(~self.r.isfinite(), 0)), False
+        return norm_square(r.masked_fill(~r.isfinite(), 0)), False
 
     @property
     def square(self) -> torch.Tensor:

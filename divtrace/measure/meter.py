@@ -37,6 +37,11 @@ _MIN_BLOCK = 1 << 20
 _CPU_BLOCK = 1 << 18
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Per row, the index of the largest value (float8 has no argmax: upcast, exactly)."""
+    return (logits.float() if logits.element_size() == 1 else logits).argmax(1)
+
+
 @dataclass
 class Measured:
     """One site of the measured run: what it is and, if it could be compared, its stats."""
@@ -150,7 +155,7 @@ class Meter(Sink):
         for watcher in self.site_watchers:
             watcher(measured, tensor, rows)
         if site.module == ROOT and tensor.dim() == 2 and tensor.is_floating_point():
-            flips = self.store.pick(tensor).argmax(1) != rows.argmax(1)
+            flips = _argmax(self.store.pick(tensor)) != _argmax(rows)
             measured.flips = self.host.add(flips.double())
         if self.keep:
             measured.kept = self.store.pick(tensor).to(stored.rows.device).contiguous()
