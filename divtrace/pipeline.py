@@ -69,13 +69,13 @@ def _plain(value: Any) -> Any:
     return value.item() if hasattr(value, "item") else str(value)
 
 
-def _random_check(plan: Plan, draws: RandomDraws) -> Callable[[Callable[[], str]], None]:
-    """After each pass: refuses a model that drew random numbers (unless allowed)."""
+def _random_check(plan: Plan, draws: RandomDraws) -> Callable[[str], None]:
+    """After each run: refuses a model that drew random numbers (unless allowed)."""
 
-    def check(label: Callable[[], str]) -> None:
+    def check(run: str) -> None:
         if draws.drew() and not plan.allow_train:
             raise BatchMixingError(
-                f"the model drew random numbers in the {label()} (F.dropout with "
+                f"the model drew random numbers in the {run} (F.dropout with "
                 f"training=True, a module left in train mode, torch.rand, ...): batched and "
                 f"split runs would differ for reasons that are not numerical. Make the "
                 f"forward pass deterministic (model.eval(), training=False), or pass "

@@ -10,7 +10,6 @@ from torch import nn
 from divtrace.align.sites import site_key
 from divtrace.explain.probe import Context, Probe, TableView
 from divtrace.explain.profiling import kernel_family, kernels_by_site
-from divtrace.record.loop import fresh
 
 if TYPE_CHECKING:
     from divtrace.report.comparison import Comparison
@@ -40,11 +39,11 @@ class Kernels(Probe):
         ctx.progress.stage("profiling")
         batch = ctx.plan.batch
         start, stop = ctx.plan.reference_chunks[0]
-        for runner, rows, into in ((ctx.reference, batch.rows(start, stop), self.split),
-                                   (ctx.compared, batch.whole(), self.batched)):
+        for runner, rows, into in ((ctx.reference, batch.rows(start, stop, copy=True),
+                                    self.split),
+                                   (ctx.compared, batch.whole(copy=True), self.batched)):
             with runner.run.flags():
-                into.update(kernels_by_site(runner.model, runner.modules,
-                                            *fresh(*runner.feed(*rows))))
+                into.update(kernels_by_site(runner.model, runner.modules, *runner.feed(*rows)))
             ctx.progress.advance()
 
     def fill(self, rows: list[dict[str, Any]], view: TableView) -> None:

@@ -14,7 +14,6 @@ from divtrace.errors import DivtraceTypeError
 from divtrace.explain.probe import Context, Probe
 from divtrace.measure.block import bit_equal
 from divtrace.measure.meter import Measured
-from divtrace.record.loop import fresh
 
 if TYPE_CHECKING:
     from divtrace.report.comparison import Comparison
@@ -57,7 +56,7 @@ class ObserverCheck(Probe):
         ctx.progress.stage("observer check (no hooks)")
         if self.hooked:  # the measured run took the whole batch: compare its output
             runner = ctx.compared
-            args, kwargs = fresh(*runner.feed(*ctx.plan.batch.whole()))
+            args, kwargs = runner.feed(*ctx.plan.batch.whole(copy=True))
             with runner.run.flags():
                 output = runner.model(*args, **kwargs)
             plain = {site_key(ROOT, 0, path): ctx.store.pick(usable)

@@ -48,8 +48,8 @@ class Context:
     compared: Runner  # the run measured against them (the batched run by default)
     host: Host  # takes device tensors for the one transfer to the host
     progress: Progress
-    #: called after every pass with the pass's label (refuses random draws)
-    check: Callable[[Callable[[], str]], object] | None = None
+    #: called after every run with the run's name (refuses random draws)
+    check: Callable[[str], object] | None = None
     #: the type of the measured run's output when it held no tensor
     output_type: str | None = None
     _store: RowStore | None = None

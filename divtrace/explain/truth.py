@@ -57,7 +57,7 @@ class Fp64Truth(Probe):
         self._truth = RowStore(list(range(count)), picked.batch_dim, False, count,
                                learn_lineage=False)
         runner.execute(self._truth, picked, [(0, count)], lambda _s, _e: "float64 truth run",
-                       after=ctx.check)
+                       check=ctx.check)
         ctx.progress.advance()
 
     def on_site(self, ctx: Context, measured: Measured, tensor: torch.Tensor,

@@ -41,13 +41,17 @@ class BatchedInput:
     batch_size: int
     batch_dim: int
 
-    def rows(self, start: int, stop: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """``(args, kwargs)`` holding rows ``start:stop`` of every cut tensor (views; the
-        inputs as given when that is the whole batch)."""
-        if start == 0 and stop == self.batch_size:
-            return self.whole()
-        leaves = [leaf if dim is None else leaf.narrow(dim, start, stop - start)
+    def rows(self, start: int, stop: int, copy: bool = False
+             ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``(args, kwargs)`` holding rows ``start:stop`` of every cut tensor: views (the
+        inputs as given for the whole batch), or with ``copy`` fresh copies of every
+        tensor, for a pass that may change its input in place."""
+        leaves = [leaf if dim is None or (start == 0 and stop == self.batch_size)
+                  else leaf.narrow(dim, start, stop - start)
                   for leaf, dim in zip(self.leaves, self.dims, strict=True)]
+        if copy:
+            leaves = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf
+                      for leaf in leaves]
         args, kwargs = pytree.tree_unflatten(leaves, self.spec)
         return args, kwargs
 
@@ -59,10 +63,9 @@ class BatchedInput:
         return BatchedInput(leaves, self.spec, self.dims, self.names, len(rows),
                             self.batch_dim)
 
-    def whole(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """``(args, kwargs)`` exactly as the user gave them."""
-        args, kwargs = pytree.tree_unflatten(list(self.leaves), self.spec)
-        return args, kwargs
+    def whole(self, copy: bool = False) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``(args, kwargs)`` exactly as the user gave them (or copies of them)."""
+        return self.rows(0, self.batch_size, copy)
 
 
 def _split_x(x: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

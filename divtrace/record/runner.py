@@ -59,9 +59,12 @@ class Runner:
 
     def execute(self, sink: Sink, batch: BatchedInput, chunks: list[tuple[int, int]],
                 label: Callable[[int, int], str], step: Callable[[], object] | None = None,
-                after: Callable[[Callable[[], str]], object] | None = None) -> str | None:
+                check: Callable[[str], object] | None = None) -> str | None:
         """Runs ``chunks`` of ``batch`` under this run's flags, handing tensors to ``sink``
-        (see :func:`~divtrace.record.loop.drive`)."""
+        (see :func:`~divtrace.record.loop.drive`); then ``check(self.name)``."""
         with self.run.flags():
-            return drive(self.model, self.recorder, sink, batch, chunks, label, self.feed,
-                         step, after)
+            kind = drive(self.model, self.recorder, sink, batch, chunks, label, self.feed,
+                         step)
+        if check is not None:
+            check(self.name)
+        return kind
