@@ -7,6 +7,7 @@ passes and columns) → report (:class:`~divtrace.Comparison`).
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from divtrace.errors import BatchMixingError
+from divtrace.errors import BatchMixingError, DivtraceWarning
 from divtrace.explain.probe import Context, Probe
 from divtrace.explain.registry import PROBES
 from divtrace.measure.host import Host
@@ -22,6 +23,7 @@ from divtrace.measure.meter import Meter
 from divtrace.plan.make import Plan
 from divtrace.progress import Progress
 from divtrace.record.guard import RandomDraws, cuda_devices, untouched
+from divtrace.record.loop import InputCopies
 from divtrace.record.rows import RowStore
 from divtrace.record.runner import Runner
 from divtrace.report.comparison import Comparison
@@ -44,7 +46,7 @@ def record(ctx: Context, runner: Runner, chunks: tuple[tuple[int, int], ...]) ->
 
     ctx.progress.stage(runner.name)
     ctx.output_type = runner.execute(store, plan.batch, list(chunks), label,
-                                     ctx.progress.advance, ctx.check)
+                                     ctx.progress.advance, ctx.check, ctx.copies)
     return store
 
 
@@ -59,7 +61,7 @@ def _measure(ctx: Context, meter: Meter) -> None:
     ctx.progress.stage(compared.name)
     ctx.output_type = compared.execute(
         meter, plan.batch, [(0, size)], lambda _s, _e: f"{compared.name} (B={size})",
-        ctx.progress.advance, ctx.check)
+        ctx.progress.advance, ctx.check, ctx.copies)
 
 
 def _plain(value: Any) -> Any:
@@ -113,7 +115,7 @@ def execute(plan: Plan, model: nn.Module) -> Comparison:
     with Progress(plan.passes, plan.progress) as progress, untouched(model, devices):
         draws = RandomDraws(devices)
         ctx = Context(plan, model, reference, compared, host, progress,
-                      check=_random_check(plan, draws))
+                      check=_random_check(plan, draws), copies=InputCopies(plan.batch))
         for probe in probes:
             probe.before(ctx)
         ctx.store = record(ctx, reference, plan.reference_chunks)
@@ -131,4 +133,9 @@ def execute(plan: Plan, model: nn.Module) -> Comparison:
         if not plan.keep:
             for site in meter.sites:
                 site.kept = None
+    if ctx.copies is not None and ctx.copies.changed_given:
+        warnings.warn(
+            "the model changed its input in place in a pass that ran on x itself (the "
+            "first pass, on a copy, did not): rows of x were changed", DivtraceWarning,
+            stacklevel=3)
     return build(plan, probes, meter, _meta(plan, ctx, stored_bytes, draws, probes), host)

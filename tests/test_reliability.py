@@ -449,3 +449,38 @@ def test_odd_outputs_are_reported_never_a_crash(name: str) -> None:
     assert result.summary()
     if name in ("quantized", "float8", "complex32"):
         assert statuses == {"ok"}
+
+
+class InPlaceWhenBatched(nn.Module):
+    """Changes its input in place only for batches of more than 2 rows."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 2:
+            x.mul_(2.0)
+        return x + 1.0
+
+
+def test_only_the_first_pass_pays_for_a_copy_unless_the_input_changes() -> None:
+    from divtrace.plan.inputs import prepare_input
+    from divtrace.record.loop import InputCopies
+
+    batch = prepare_input(torch.randn(4, 3), 0)
+    copies = InputCopies(batch)
+    quiet = [torch.randn(3)]
+    copies.after(quiet, copies.seen(quiet))
+    assert not copies.copy  # the first pass left its copy alone: views from now on
+    loud = [torch.randn(3)]
+    seen = copies.seen(loud)
+    loud[0].add_(1.0)
+    copies.after(loud, seen)
+    assert copies.copy  # a view was changed, so was the input: copies from now on
+    assert copies.changed_given
+    with torch.inference_mode():
+        made_there = torch.randn(4, 3)
+    assert InputCopies(prepare_input(made_there, 0)).copy  # no version counter: copies
+
+
+def test_a_model_that_changes_its_input_only_when_batched_is_named() -> None:
+    x = torch.randn(4, 3)
+    with pytest.warns(divtrace.DivtraceWarning, match="rows of x were changed"):
+        run(InPlaceWhenBatched(), x, chunk=2)

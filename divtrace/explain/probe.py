@@ -28,6 +28,7 @@ from divtrace.measure.host import Host
 from divtrace.measure.meter import CallRecord, LeafCall, Measured, Meter
 from divtrace.progress import Progress
 from divtrace.record.lineage import Origin
+from divtrace.record.loop import InputCopies
 from divtrace.record.rows import RowStore
 from divtrace.record.runner import Runner
 
@@ -52,6 +53,8 @@ class Context:
     check: Callable[[str], object] | None = None
     #: the type of the measured run's output when it held no tensor
     output_type: str | None = None
+    #: whether passes over the batch need copies of the input (learnt from the first)
+    copies: InputCopies | None = None
     _store: RowStore | None = None
     _meter: Meter | None = None
 

@@ -56,7 +56,7 @@ class RepeatNoise(Probe):
             again = Meter(first, batch.batch_size, ctx.host, ctx.plan.rtol, ctx.plan.atol,
                           lineage=False)
             ctx.compared.execute(again, batch, [(0, batch.batch_size)], lambda _s, _e: _LABEL,
-                                 check=ctx.check)
+                                 check=ctx.check, copies=ctx.copies)
             self.noise.append({m.site.key: m.stats for m in again.sites if m.stats is not None})
             ctx.progress.advance()
 

@@ -41,19 +41,27 @@ class BatchedInput:
     batch_size: int
     batch_dim: int
 
-    def rows(self, start: int, stop: int, copy: bool = False
-             ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """``(args, kwargs)`` holding rows ``start:stop`` of every cut tensor: views (the
-        inputs as given for the whole batch), or with ``copy`` fresh copies of every
-        tensor, for a pass that may change its input in place."""
+    def row_leaves(self, start: int, stop: int, copy: bool = False) -> list[Any]:
+        """The leaves holding rows ``start:stop`` of every cut tensor: views (the inputs as
+        given for the whole batch), or with ``copy`` fresh copies of every tensor, for a
+        pass that may change its input in place."""
         leaves = [leaf if dim is None or (start == 0 and stop == self.batch_size)
                   else leaf.narrow(dim, start, stop - start)
                   for leaf, dim in zip(self.leaves, self.dims, strict=True)]
         if copy:
             leaves = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf
                       for leaf in leaves]
+        return leaves
+
+    def build(self, leaves: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``(args, kwargs)`` from leaves in the order of :attr:`leaves`."""
         args, kwargs = pytree.tree_unflatten(leaves, self.spec)
         return args, kwargs
+
+    def rows(self, start: int, stop: int, copy: bool = False
+             ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``(args, kwargs)`` holding rows ``start:stop`` (see :meth:`row_leaves`)."""
+        return self.build(self.row_leaves(start, stop, copy))
 
     def select(self, rows: list[int]) -> BatchedInput:
         """The batch of only these rows, in this order."""

@@ -99,6 +99,11 @@ class Run:
         return (self.device is not None or self.dtype is not None or self.channels_last
                 or bool(self.compile))
 
+    @property
+    def changes_inputs(self) -> bool:
+        """Whether this run feeds the inputs moved, cast or reformatted."""
+        return self.device is not None or self.dtype is not None or self.channels_last
+
     def model(self, model: nn.Module) -> nn.Module:
         """The model this run uses: the user's own, or a changed copy."""
         if not self.changes_model:

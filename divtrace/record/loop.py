@@ -10,34 +10,60 @@ import torch
 from torch import nn
 
 from divtrace.align.sites import INPUT, flatten_output
-from divtrace.compat import pytree
+from divtrace.compat import pytree, version
 from divtrace.plan.inputs import BatchedInput
 from divtrace.record.recorder import Recorder, Sink, Tracker
 
-__all__ = ["drive", "forward"]
+__all__ = ["InputCopies", "drive", "forward"]
 
-Feed = Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]
+
+class InputCopies:
+    """Whether passes need their own copies of the input, learnt from the first pass.
+
+    The first pass of a comparison gets copies. If it left them as they were (their
+    version counters did not move), later passes get views of the user's input: no
+    memory, no time. A pass that changes its input in place makes every later pass get
+    copies; if it had views, the user's input was changed (:attr:`changed_given`). Inputs
+    made under ``torch.inference_mode`` carry no version counter: always copied.
+    """
+
+    def __init__(self, batch: BatchedInput) -> None:
+        self.copy = True
+        self.changed_given = False
+        self._settled = any(isinstance(t, torch.Tensor) and t.is_inference()
+                            for t in batch.leaves)
+
+    def seen(self, tensors: list[torch.Tensor]) -> list[int]:
+        """The version counters of a pass's input tensors, before the pass."""
+        return [version(t) for t in tensors]
+
+    def after(self, tensors: list[torch.Tensor], seen: list[int]) -> None:
+        """Learns from a pass whether it changed its input in place."""
+        moved = any(version(t) != v for t, v in zip(tensors, seen, strict=True))
+        if moved:
+            self.changed_given |= not self.copy
+            self.copy, self._settled = True, True
+        elif not self._settled:
+            self.copy, self._settled = False, True
 
 
 def forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-            tracker: Tracker, label: Callable[[], str]) -> Any:
+            tracker: Tracker, label: Callable[[], str],
+            inputs: list[torch.Tensor] | None = None) -> Any:
     """One forward pass; an exception keeps its type and gains a note naming the pass
-    (``label()``, made only then) and the last site it reached."""
+    (``label()``, made only then) and the last site it reached. ``inputs``: the tensors
+    among the arguments, when the caller has them already."""
     tracker.reset()
-    for leaf in pytree.tree_leaves((args, kwargs)):
-        if isinstance(leaf, torch.Tensor):
-            tracker.produced(INPUT, leaf)
+    if inputs is None:
+        inputs = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
+    for tensor in inputs:
+        tracker.produced(INPUT, tensor)
     try:
         return model(*args, **kwargs)
     except Exception as exc:
         where = tracker.last_site or "none (no module had returned yet)"
         exc.add_note(f"divtrace: raised in the {label()}; last site reached: {where}")
         raise
-
-
-def _as_is(args: tuple[Any, ...], kwargs: dict[str, Any]
-           ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    return args, kwargs
 
 
 def _kind(output: Any) -> str | None:
@@ -49,29 +75,38 @@ def _kind(output: Any) -> str | None:
 
 def drive(model: nn.Module, recorder: Recorder, sink: Sink, batch: BatchedInput,
           chunks: Iterable[tuple[int, int]], label: Callable[[int, int], str],
-          feed: Feed = _as_is, step: Callable[[], object] | None = None) -> str | None:
+          feed: Callable[[Any], Any] | None = None, step: Callable[[], object] | None = None,
+          copies: InputCopies | None = None) -> str | None:
     """Runs rows ``start:stop`` of ``batch`` through ``model`` for each chunk, observed by
     ``recorder`` and handed to ``sink``; a chunk runs again while the sink asks for it.
-    Each pass, a rerun too, gets its own copy of the input: a pass that changes its input
-    in place changes only its copy.
 
     Args:
         label: Names the pass over ``start:stop`` in the note of an exception (called
             only then).
-        feed: Turns the rows into what the run feeds the model (moved, cast, ...).
+        feed: Turns each input leaf into what the run feeds the model (moved, cast, ...;
+            None: as it is).
         step: Called after each chunk (a progress bar's update).
+        copies: Whether passes get copies of the input (default: always), so that a pass
+            that changes its input in place changes only its copy.
 
     Returns:
         The type of the last pass's output when it holds no tensor (else None).
     """
+    copies = copies or InputCopies(batch)
     kind = None
     with recorder.observe(sink) as tracker:
         for start, stop in chunks:
             done = False
-            while not done:
-                args, kwargs = feed(*batch.rows(start, stop, copy=True))
+            while not done:  # a rerun gets the input as given too
+                leaves = batch.row_leaves(start, stop, copies.copy)
+                if feed is not None:
+                    leaves = [feed(v) for v in leaves]
+                tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
+                seen = copies.seen(tensors)
                 sink.begin_chunk(start, stop, tracker)
-                output = forward(model, args, kwargs, tracker, partial(label, start, stop))
+                output = forward(model, *batch.build(leaves), tracker,
+                                 partial(label, start, stop), tensors)
+                copies.after(tensors, seen)
                 done = sink.end_chunk()
             kind = _kind(output)
             del output

@@ -153,11 +153,14 @@ class RowStore(Sink):
 
     def on_tensor(self, site: Site, tensor: torch.Tensor) -> None:
         """Records one tensor of the run (called from its hook: kept lean)."""
-        usable = comparable(tensor) if site.opaque is None else site.opaque
-        if isinstance(usable, Status):  # reported, never compared
-            self.rows[site.key] = StoredRows(site, (), None, (), tensor.dtype, status=usable)
-            return
-        tensor = usable
+        if site.opaque is not None or tensor.layout is not torch.strided or (
+                tensor.is_nested or tensor.is_quantized):  # the rare cases, out of the way
+            usable = comparable(tensor) if site.opaque is None else site.opaque
+            if isinstance(usable, Status):  # reported, never compared
+                self.rows[site.key] = StoredRows(site, (), None, (), tensor.dtype,
+                                                 status=usable)
+                return
+            tensor = usable
         stored = self.rows.get(site.key)
         shape = tensor.shape
         dim = self.batch_dim % len(shape) if shape else 0

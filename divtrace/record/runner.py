@@ -14,7 +14,7 @@ from divtrace.plan.inputs import BatchedInput
 from divtrace.plan.runs import Run
 from divtrace.plan.selection import select_modules
 from divtrace.record.hooks import ModuleHooks
-from divtrace.record.loop import drive
+from divtrace.record.loop import InputCopies, drive
 from divtrace.record.recorder import Recorder, Sink
 
 __all__ = ["RecorderFactory", "Runner", "module_hooks"]
@@ -51,20 +51,21 @@ class Runner:
     def feed(self, args: tuple[Any, ...], kwargs: dict[str, Any]
              ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The inputs as this run feeds them (moved, cast, reformatted)."""
-        run = self.run
-        if run.device is None and run.dtype is None and not run.channels_last:
+        if not self.run.changes_inputs:
             return args, kwargs
-        mapped = pytree.tree_map(run.tensor, (args, kwargs))
+        mapped = pytree.tree_map(self.run.tensor, (args, kwargs))
         return mapped[0], mapped[1]
 
     def execute(self, sink: Sink, batch: BatchedInput, chunks: list[tuple[int, int]],
                 label: Callable[[int, int], str], step: Callable[[], object] | None = None,
-                check: Callable[[str], object] | None = None) -> str | None:
+                check: Callable[[str], object] | None = None,
+                copies: InputCopies | None = None) -> str | None:
         """Runs ``chunks`` of ``batch`` under this run's flags, handing tensors to ``sink``
         (see :func:`~divtrace.record.loop.drive`); then ``check(self.name)``."""
         with self.run.flags():
-            kind = drive(self.model, self.recorder, sink, batch, chunks, label, self.feed,
-                         step)
+            feed = self.run.tensor if self.run.changes_inputs else None
+            kind = drive(self.model, self.recorder, sink, batch, chunks, label, feed, step,
+                         copies)
         if check is not None:
             check(self.name)
         return kind
