@@ -22,8 +22,7 @@ from divtrace.report.comparison import Comparison
 from divtrace.report.plot import overlay
 from divtrace.report.table import COLUMNS
 from divtrace.sweep import BatchSweep, Sweep, sweep, sweep_batch
-
-__version__ = "0.1.0"
+from divtrace.version import __version__
 
 __all__ = [
     "COLUMNS",

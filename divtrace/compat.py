@@ -11,8 +11,8 @@ from torch import nn
 from torch.testing._comparison import default_tolerances
 from torch.utils import _pytree as pytree
 
-__all__ = ["BATCH_NORM", "DROPOUT", "default_tolerances", "foreach_copy", "pytree",
-           "version"]
+__all__ = ["BATCH_NORM", "DROPOUT", "cuda_driver", "default_tolerances", "foreach_copy",
+           "pytree", "version"]
 
 #: The base classes of BatchNorm and of Dropout layers (they mix samples, or draw random
 #: numbers, in train mode).
@@ -28,3 +28,11 @@ version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
 def foreach_copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     """Copies each source into its target, launched together."""
     torch._foreach_copy_(targets, sources)
+
+
+def cuda_driver() -> int | None:
+    """The CUDA driver's version (e.g. 13000 for 13.0), or None without one."""
+    try:
+        return int(torch._C._cuda_getDriverVersion())  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError):
+        return None

@@ -27,6 +27,7 @@ from divtrace.record.loop import InputCopies
 from divtrace.record.rows import RowStore
 from divtrace.record.runner import Runner
 from divtrace.report.comparison import Comparison
+from divtrace.report.environment import environment, run_settings
 from divtrace.report.meta import Meta
 from divtrace.report.table import build
 
@@ -98,7 +99,9 @@ def _meta(plan: Plan, ctx: Context, stored_bytes: int, draws: RandomDraws,
         atol=plan.atol, train_mode=bool(plan.train_mode), torch=torch.__version__,
         options=options,
         runs=None if plan.default_pair else (reference.label(), plan.compared.label()),
-        random_draws=draws.seen, output_type=ctx.output_type,
+        random_draws=draws.seen, output_type=ctx.output_type, environment=environment(),
+        settings={"a": run_settings(reference, ctx.reference.model),
+                  "b": run_settings(plan.compared, ctx.compared.model)},
         notes={p.option or type(p).__name__: note for p in probes
                if (note := p.note()) is not None})
 

@@ -32,7 +32,7 @@ def test_roles_without_options(chain: nn.Sequential) -> None:
     assert (table.loc[["4", "5", "6", "7"], "input_mismatch"] > 0).all()
     assert table.loc["(model)", "role"] == ""  # not a leaf
     assert list(result.sources["site"]) == ["3"]
-    assert "Source(s) of divergence (input bit-identical in both runs, output not): '3'" in (
+    assert "Source of divergence (input bit-identical in both runs, output not): '3'" in (
         result.summary())
 
 
@@ -51,7 +51,11 @@ def test_carriers_add_no_local_error(chain: nn.Sequential) -> None:
     for site in ("4", "5", "6", "7"):  # Hardtanh, batch-invariant OrderedLinear, Scales
         assert table.loc[site, "local_rel_l2"] == 0
         assert table.loc[site, "local_max_abs"] == 0
-    assert "sources add on their own (local rel_l2): '3'" in result.summary()
+    assert "1 layer adds error of its own (local rel_l2): '3' (OrderedLinear)" in (
+        result.summary())
+    assert "4 divergent layers add none" in result.summary()
+    assert table.loc["3", "adds_error"] is True
+    assert (table.loc[["4", "5", "6", "7"], "adds_error"] == False).all()  # noqa: E712
 
 
 def test_scaling_by_k_amplifies_error_by_k(chain: nn.Sequential) -> None:
@@ -193,6 +197,7 @@ def test_plots_show_local_error_fp64_and_sources(chain: nn.Sequential) -> None:
         result.plot(ax=top)
         labels = [t.get_text() for t in top.get_legend().get_texts()]
         assert "local (replayed on identical input)" in labels
+        assert "adds error of its own" in labels
         assert {"batched vs float64", "split vs float64"} <= set(labels)
         assert result.plot_sources(ax=bottom) is bottom
         ticks = [t.get_text() for t in bottom.get_yticklabels()]

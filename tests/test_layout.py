@@ -62,7 +62,8 @@ def test_compare_is_a_thin_face() -> None:
 def test_no_private_name_crosses_modules(path: Path) -> None:
     for node in runtime_imports(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("divtrace"):
-            private = [a.name for a in node.names if a.name.startswith("_")]
+            private = [a.name for a in node.names
+                       if a.name.startswith("_") and not a.name.endswith("__")]
             assert not private, f"{name_of(path)} imports {private} from {node.module}"
 
 

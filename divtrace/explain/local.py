@@ -69,8 +69,8 @@ class LocalReplay(Probe):
 
     option: ClassVar[str] = "local"
     columns: ClassVar[tuple[str, ...]] = ("local_rel_l2", "local_max_abs", "amplification",
-                                          "local_status")
-    shown: ClassVar[tuple[str, ...]] = ("local_rel_l2", "amplification")
+                                          "local_status", "adds_error")
+    shown: ClassVar[tuple[str, ...]] = ("local_rel_l2", "adds_error", "amplification")
     whole_batch: ClassVar[bool] = True
 
     def __init__(self, skip: tuple[str, ...] = ()) -> None:
@@ -146,10 +146,12 @@ class LocalReplay(Probe):
             status = self.status.get(call_key)
             row["local_status"] = "" if status is None else status.value
             local = self.local.get((call_key, row["site"]))
+            row["adds_error"] = None  # not replayed: not known
             if local is not None:
                 own = sums([(local.get(), 1)])
                 row["local_rel_l2"] = rel_l2(own.diff, own.ref)
                 row["local_max_abs"] = float(local.get()[:, INDEX["max_abs"]].max())
+                row["adds_error"] = bool(own.diff > 0)
             fields, inputs = view.fields.get(row["site"]), view.inputs(call_key)
             if fields is not None and inputs is not None:
                 out = sums([fields]).diff
@@ -162,20 +164,27 @@ class LocalReplay(Probe):
         if "local_rel_l2" not in table:
             return []
         ok = table[table["status"] == "ok"]
+        diverged = ok[ok["leaf"] & (ok["mismatch"] > 0)]
+        adders = diverged[diverged["adds_error"] == True]  # noqa: E712 (None: not known)
+        carriers = diverged[diverged["adds_error"] == False]  # noqa: E712
         lines = []
-        sources = result.sources
-        carriers = ok[ok["role"] == "carrier"]
-        if not sources.empty:
-            own = ", ".join(f"'{r.site}' {r.local_rel_l2:.3g}"
-                            for r in sources.head(4).itertuples())
-            lines.append(f"Replayed on identical inputs with the batched run's kernels, the "
-                         f"sources add on their own (local rel_l2): {own}.")
-        if not carriers.empty and carriers["local_rel_l2"].notna().any():
-            worst = carriers.loc[carriers["local_rel_l2"].idxmax()]
-            lines.append(f"The carriers add at most local rel_l2 {worst['local_rel_l2']:.3g} "
-                         f"(at '{worst['site']}').")
+        if not adders.empty:
+            own = ", ".join(f"'{r.site}' ({r.module_type}) {r.local_rel_l2:.2g}"
+                            for r in adders.head(6).itertuples())
+            more = "" if len(adders) <= 6 else f" and {len(adders) - 6} more"
+            verb = "layers add error of their own" if len(adders) > 1 else (
+                "layer adds error of its own")
+            lines.append(f"Replayed on identical inputs with the batched run's kernels, "
+                         f"{len(adders)} {verb} (local rel_l2): {own}{more}.")
+        if not carriers.empty:
+            names = ", ".join(f"'{r.site}'" for r in carriers.head(6).itertuples())
+            more = "" if len(carriers) <= 6 else f" and {len(carriers) - 6} more"
+            lines.append(f"{len(carriers)} divergent layer{'s' * (len(carriers) > 1)} add "
+                         f"none: {'they only pass' if len(carriers) > 1 else 'it only passes'} "
+                         f"on the error {'they receive' if len(carriers) > 1 else 'it receives'}"
+                         f" ({names}{more}).")
         amp = ok["amplification"].replace(math.inf, math.nan).dropna()
-        if not amp.empty:
+        if not amp.empty and amp.max() > 0:
             top = ok.loc[amp.idxmax()]
             lines.append(f"The largest amplification of the incoming error is "
                          f"{top['amplification']:.3g}× at '{top['site']}' ({top['module_type']}).")

@@ -56,10 +56,16 @@ class Roles(Probe):
         if sources.empty:
             return []
         carriers = table[table["role"] == Role.CARRIER]
+        many = len(carriers) > 1
+        are = "are carriers" if many else "is a carrier"
         after = ("No divergent leaf site follows." if carriers.empty else
-                 f"{len(carriers)} divergent leaf site(s) after them are carriers: they "
-                 f"pass on, and may amplify, the error they received.")
-        lines = [f"Source(s) of divergence (input bit-identical in both runs, output not): "
+                 f"{len(carriers)} divergent leaf site{'s' * many} after "
+                 f"{'them' if len(sources) > 1 else 'it'} {are}: "
+                 f"{'their' if many else 'its'} input already differed"
+                 + ("." if "local_rel_l2" in table else
+                    " (local=True tells which of them add error of their own)."))
+        noun = "Sources" if len(sources) > 1 else "Source"
+        lines = [f"{noun} of divergence (input bit-identical in both runs, output not): "
                  f"{listed(sources)}. {after}"]
         unknown = table[table["role"] == Role.UNKNOWN]
         if not unknown.empty:

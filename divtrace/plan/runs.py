@@ -20,9 +20,18 @@ from torch import nn
 
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
 
-__all__ = ["Run"]
+__all__ = ["Run", "backend_flags"]
 
 _PRECISIONS = ("highest", "high", "medium")
+
+
+def backend_flags() -> dict[str, Any]:
+    """The numerics-relevant backend flags in force now."""
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    return {"cudnn": cudnn.enabled, "deterministic": cudnn.deterministic,
+            "benchmark": cudnn.benchmark, "tf32_matmul": matmul.allow_tf32,
+            "tf32_cudnn": cudnn.allow_tf32,
+            "matmul_precision": torch.get_float32_matmul_precision()}
 
 
 @dataclass(frozen=True)

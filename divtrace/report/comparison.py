@@ -14,6 +14,7 @@ from divtrace.errors import DivtraceValueError
 from divtrace.measure.stats import tolerances
 from divtrace.report import files, html, text
 from divtrace.report.meta import Meta
+from divtrace.report.verdict import judge
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -87,6 +88,13 @@ class Comparison:
         hits = self._compared()
         hits = hits[hits["mismatch"] > 0]
         return None if hits.empty else hits.iloc[0]
+
+    @property
+    def verdict(self) -> str:
+        """``"identical"``, ``"rounding"`` or ``"not rounding"``: is the divergence the size
+        floating-point reordering produces here? (The rule: :mod:`divtrace.report.verdict`;
+        :meth:`summary` opens with the reason.)"""
+        return judge(self._table, self._meta, self.output).kind
 
     @property
     def sources(self) -> pd.DataFrame:

@@ -14,7 +14,7 @@ __all__ = ["Meta"]
 #: Fields written as they are; ``options`` is flattened in after ``torch``.
 _BEFORE = ("batch_size", "chunk", "samples", "batch_dim", "split_passes", "stored_bytes",
            "rtol", "atol", "train_mode", "torch")
-_AFTER = ("runs", "flips", "random_draws", "output_type", "notes")
+_AFTER = ("runs", "flips", "random_draws", "output_type", "notes", "environment", "settings")
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,9 @@ class Meta:
         random_draws: A pass drew random numbers (allowed by ``allow_train=True``).
         output_type: The type of the model's output when it held no tensor (else None).
         notes: What probes found that is not a column, by probe.
+        environment: divtrace, torch, CUDA, cuDNN, GPUs and driver versions.
+        settings: Per run (``a``: the reference, the split run by default; ``b``: the
+            compared one): its label, device, dtype and the backend flags in force.
     """
 
     batch_size: int
@@ -56,6 +59,8 @@ class Meta:
     random_draws: bool = False
     output_type: str | None = None
     notes: Mapping[str, Any] = field(default_factory=dict)
+    environment: Mapping[str, Any] = field(default_factory=dict)
+    settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """A plain, JSON-ready dict (a fresh copy): the fields, options flattened in."""
@@ -76,4 +81,6 @@ class Meta:
             runs=None if runs is None else (runs[0], runs[1]),
             flips={k: tuple(v) for k, v in data.get("flips", {}).items()},
             random_draws=bool(data.get("random_draws", False)),
-            output_type=data.get("output_type"), notes=dict(data.get("notes", {})))
+            output_type=data.get("output_type"), notes=dict(data.get("notes", {})),
+            environment=dict(data.get("environment", {})),
+            settings=dict(data.get("settings", {})))

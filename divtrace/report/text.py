@@ -10,7 +10,7 @@ import pandas as pd
 import torch
 
 from divtrace.measure.stats import tolerances
-from divtrace.words import fmt
+from divtrace.report.verdict import judge
 
 if TYPE_CHECKING:
     from divtrace.explain.probe import Probe
@@ -28,12 +28,12 @@ def _output_sentences(result: Comparison) -> list[str]:
     first = result.first_divergence
     if first is not None and out["mismatch"] > 0:
         factor = out["rel_l2"] / first["rel_l2"] if first["rel_l2"] > 0 else math.nan
-        grown = "" if first["site"] == out["site"] or math.isnan(factor) else (
-            f" ({factor:.3g}× that of the first divergent site)")
+        grown = "" if first["site"] == out["site"] or math.isnan(factor) or (
+            2 / 3 < factor < 1.5) else f" ({factor:.3g}× that of the first divergent site)"
         lines.append(
-            f"By the model's output '{out['site']}', rel_l2 is {out['rel_l2']:.3g}{grown}; "
-            f"{out['mismatch']:.1%} of its elements are not bit-identical, max "
-            f"{out['max_abs']:.3g} absolute, {fmt(out['max_ulp'], '.0f')} ULP.")
+            f"At the output, rel_l2 is {out['rel_l2']:.3g}{grown}; {out['mismatch']:.1%} of "
+            f"its elements are not bit-identical (largest difference "
+            f"{out['max_abs']:.3g}).")
     dtype = getattr(torch, out["dtype"], None)
     if isinstance(dtype, torch.dtype):
         rtol, atol = tolerances(dtype, meta.rtol, meta.atol)
@@ -88,7 +88,8 @@ def summary(result: Comparison, probes: Sequence[type[Probe]] = ()) -> str:
         head = f"Run b ({run_b}) vs run a ({run_a}), B={meta.batch_size}"
     else:
         head = f"Batched run (B={meta.batch_size}) vs split run ({chunking})"
-    lines = [f"{head}, {len(samples)} compared sample(s) {shown}, {len(ok)} compared sites."]
+    lines = [judge(table, meta, result.output).sentence,
+             f"{head}, {len(samples)} compared sample(s) {shown}, {len(ok)} compared sites."]
     lines.extend(_caveats(result, ok))
     identical = int((ok["mismatch"] == 0).sum())
     first = result.first_divergence
@@ -97,11 +98,12 @@ def summary(result: Comparison, probes: Sequence[type[Probe]] = ()) -> str:
         lines.append(f"{every} bit-identical: the batched and split runs agree exactly.")
     elif first is not None:
         position = int((ok.index < first.name).sum())
+        before = ("at the first compared site" if position == 0 else
+                  f"after {position} bit-identical site{'s' * (position > 1)}")
         lines.append(
             f"Divergence first appears at '{first['site']}' ({first['module_type']}), "
-            f"after {position} bit-identical site(s): {first['mismatch']:.1%} of its "
-            f"elements differ, rel_l2 {first['rel_l2']:.3g}, max "
-            f"{fmt(first['max_ulp'], '.0f')} ULP.")
+            f"{before}: {first['mismatch']:.1%} of its elements differ, rel_l2 "
+            f"{first['rel_l2']:.3g}.")
         lines.append(f"{identical} of {len(ok)} compared sites are bit-identical.")
     for probe in probes:
         if probe.leads:

@@ -1,0 +1,178 @@
+"""The verdict: is the divergence the size floating-point reordering produces, or not?
+
+The rule, from the rounding scale of the precision in force and how error enters a
+network (documented in the README):
+
+* **identical** — every compared site is bit-identical in both runs.
+* **not rounding**, with the reason, when the runs differ by design (train-mode
+  BatchNorm or Dropout, random draws), when they ran different modules, when nothing
+  could be compared, or when error *enters* beyond the rounding budget: at a source (its
+  inputs identical in both runs), at the first divergent site, at a layer whose own error
+  on identical inputs (``local=True``) exceeds it, or at a jump of more than
+  :data:`JUMP` over the error the layer received. With ``truth="fp64"`` also when one run
+  is far from float64 and the other is not.
+* **rounding** otherwise: error enters within the budget and is then carried (and may grow).
+
+The budget of a site is ``8 u_op + 1024 u_acc``: a few roundings of the operands (``u_op``
+is the unit roundoff of the coarsest of the site's dtype, the runs' dtypes, and the
+reduced-precision math in force on CUDA: TF32, or bfloat16 matmuls) plus a reordered sum of
+up to a million terms, whose rounding errors add up like a random walk (``sqrt(2**20)
+u_acc``, ``u_acc`` that of the float32 accumulator, or float64's). Float32: 6.2e-5;
+TF32: 4.0e-3; bfloat16: 3.1e-2; float64: 1.1e-13.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+import torch
+
+if TYPE_CHECKING:
+    from divtrace.report.meta import Meta
+
+__all__ = ["JUMP", "Verdict", "budget", "judge"]
+
+#: A carrier whose error grows by more than this over what it received adds error of its
+#: own beyond rounding (amplification by a layer is rarely more than a few times).
+JUMP = 2.0**10
+_OPERAND_ROUNDINGS = 8
+_SUM_STEPS = 2.0**10  # sqrt(2**20): a reordered sum of up to a million terms
+_TF32, _BF16 = 2.0**-11, 2.0**-8
+_CHECK = ("Check for a layer that mixes samples in eval mode (a statistic over the batch), "
+          "a wrong batch_dim, random numbers, or padding that is not masked.")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One of ``identical``, ``rounding``, ``not rounding``, and the sentence that says why."""
+
+    kind: str
+    sentence: str
+
+
+def _unit(name: str | None) -> float | None:
+    dtype = getattr(torch, name or "", None)
+    if not isinstance(dtype, torch.dtype) or not (dtype.is_floating_point or dtype.is_complex):
+        return None
+    return float(torch.finfo(dtype).eps) / 2
+
+
+def budget(site_dtype: str, meta: Meta) -> tuple[float, float, str]:
+    """``(budget, u_op, what u_op is)`` for a site of ``site_dtype`` under ``meta``."""
+    candidates: list[tuple[float | None, str]] = [(_unit(site_dtype), site_dtype)]
+    candidates += [(_unit(s.get("dtype")), str(s.get("dtype")))
+                   for s in meta.settings.values()]
+    for s in meta.settings.values():
+        if str(s.get("device", "")).startswith("cuda") and s.get("dtype") == "float32":
+            if s.get("tf32_matmul") or s.get("tf32_cudnn"):
+                candidates.append((_TF32, "TF32"))
+            if s.get("matmul_precision") == "medium":
+                candidates.append((_BF16, "bfloat16 matmul"))
+    found = [(u, name) for u, name in candidates if u is not None]
+    if not found:
+        return math.inf, math.nan, site_dtype
+    u_op, name = max(found, key=lambda item: item[0])
+    u_acc = _unit("float64") if u_op <= 2.0**-52 else _unit("float32")
+    assert u_acc is not None
+    return _OPERAND_ROUNDINGS * u_op + _SUM_STEPS * u_acc, u_op, str(name)
+
+
+def _entries(table: pd.DataFrame, first: pd.Series) -> list[tuple[pd.Series, float, str]]:
+    """Where error enters: ``(row, its error, how it was seen)``; in order of preference
+    when two tie."""
+    found = [(row, row["rel_l2"], "source") for _, row in table[table["role"] == "source"]
+             .iterrows()]
+    if "local_rel_l2" in table:
+        found += [(row, row["local_rel_l2"], "own") for _, row in
+                  table[table["local_rel_l2"] > 0].iterrows()]
+    found.append((first, first["rel_l2"], "first"))
+    jumps = table[table["leaf"] & (table["growth"] > JUMP)]
+    found += [(row, row["rel_l2"], "jump") for _, row in jumps.iterrows()]
+    return found
+
+
+def _subject(row: pd.Series, error: float, seen: str) -> str:
+    where = f"'{row['site']}' ({row['module_type']})"
+    size = ("by an infinite rel_l2 (the split run is all zeros there)" if math.isinf(error)
+            else f"by rel_l2 {error:.2g}")
+    if seen == "source":
+        return f"the error enters at {where}, on identical inputs, {size}"
+    if seen == "own":
+        return f"{where} adds error of its own on identical inputs, {size}"
+    if seen == "jump":
+        grows = ("without bound" if math.isinf(row["growth"]) else
+                 f"{row['growth']:.3g}×")
+        return f"the error grows {grows} at {where}, to {size.removeprefix('by ')}"
+    return f"the runs first part at {where} {size}"
+
+
+def _by_design(table: pd.DataFrame, meta: Meta) -> str | None:
+    if meta.train_mode:
+        return ("the model ran in train mode (allow_train=True): BatchNorm or Dropout make "
+                "the runs differ by design.")
+    if meta.random_draws:
+        return ("the model drew random numbers during its passes (allow_train=True): the "
+                "runs differ by design.")
+    apart = table[table["status"].isin(["missing_in_split", "missing_in_batched"])]
+    if not apart.empty:
+        row = apart.iloc[0]
+        return (f"the runs did not run the same modules: '{row['site']}' ran in one of "
+                f"them only ({row['status']}); the model's control flow depends on the "
+                f"batch.")
+    return None
+
+
+def _truth(out: pd.Series | None, meta: Meta) -> str | None:
+    if out is None or "batched_err_fp64" not in out or math.isnan(out["batched_err_fp64"]):
+        return None
+    b, s = out["batched_err_fp64"], out["split_err_fp64"]
+    high, low = max(b, s), min(b, s)
+    limit, _, _ = budget(out["dtype"], meta)
+    if high > limit and (low == 0 or high / low > 100):
+        worse, better = ("batched", "split") if b > s else ("split", "batched")
+        return (f"against a float64 run of the same samples the {worse} run is off by "
+                f"rel_l2 {high:.2g} and the {better} run by {low:.2g}: floating point does "
+                f"not explain that. {_CHECK}")
+    return None
+
+
+def judge(table: pd.DataFrame, meta: Meta, output: pd.Series | None = None) -> Verdict:
+    """The verdict on a comparison's table (see the module's documentation)."""
+    reason = _by_design(table, meta)
+    if reason is not None:
+        return Verdict("not rounding", f"Verdict: not rounding — {reason}")
+    ok = table[table["status"] == "ok"]
+    if ok.empty:
+        return Verdict("not rounding", "Verdict: not rounding — nothing could be compared, "
+                                       "so floating point cannot be shown to explain it.")
+    diverged = ok[ok["mismatch"] > 0]
+    if diverged.empty:
+        noun = "site is" if len(ok) == 1 else f"{len(ok)} compared sites are"
+        return Verdict("identical", f"Verdict: identical — {'the one' if len(ok) == 1 else 'all'}"
+                                    f" {noun} bit-identical in both runs.")
+    worst: tuple[float, Any] | None = None
+    for row, error, seen in _entries(ok, diverged.iloc[0]):
+        limit, u_op, name = budget(row["dtype"], meta)
+        share = error / limit if limit > 0 else math.inf
+        if not math.isnan(share) and (worst is None or share > worst[0]):
+            worst = (share, (row, error, seen, limit, u_op, name))
+    assert worst is not None
+    share, (row, error, seen, limit, u_op, name) = worst
+    units = "" if math.isinf(error) else f", {error / u_op:.3g} units of {name} rounding"
+    if share > 1:
+        return Verdict("not rounding", (
+            f"Verdict: not rounding — {_subject(row, error, seen)}{units}, far beyond the "
+            f"{limit:.2g} a reordered sum can give. {_CHECK}"))
+    reason = _truth(output, meta)
+    if reason is not None:
+        return Verdict("not rounding", f"Verdict: not rounding — {reason}")
+    tail = "" if output is None or output["status"] != "ok" or output["site"] == row["site"] \
+        else f"; at the output it is {output['rel_l2']:.2g}"
+    cause = ("the batch size changes the order of operations" if not meta.runs
+             else "the two configurations round differently")
+    return Verdict("rounding", (
+        f"Verdict: rounding — {_subject(row, error, seen)}{units}, within the {limit:.2g} a "
+        f"reordered sum can give{tail}. Not a bug: {cause}."))
