@@ -65,19 +65,28 @@ def test_html_shows_roles_and_the_options_columns() -> None:
     result = divtrace.compare(models.variant_mlp(), torch.randn(6, 16), progress=False,
                               local=True, repeat=1)
     page = result._repr_html_()
-    assert "<th class=\"\">role</th>" in page
+    assert ">role</th>" in page
     assert ">source</td>" in page
-    assert "local_rel_l2</th>" in page
-    assert "noise_mismatch</th>" in page
-    assert "batched_err_fp64" not in page  # truth was not asked for
+    assert ">local_rel_l2</th>" in page
+    assert ">adds_error</th>" in page
+    assert ">noise_mismatch</th>" in page
+    compact = page.split("<details>")[0]
+    assert "batched_err_fp64" not in compact  # truth was not asked for
 
 
-def test_html_marks_identical_rows_and_highlights_the_first(diverging) -> None:
+def row_kinds(html: str) -> list[str]:
+    """The kind of each table row: the class of its first cell."""
+    return re.findall(r'<td[^>]*class="data row\d+ col0 (\w+)"', html)
+
+
+def test_html_folds_identical_runs_and_highlights_the_first(diverging) -> None:
     page = diverging._repr_html_()
-    rows = re.findall(r'<tr class="(\w+)">', page)
-    assert rows == ["identical"] * 3 + ["first"] + ["diverged"] * 3
-    assert "first divergence" in page
-    assert "<table>" in page
+    compact, full = page.split("<details>")
+    assert row_kinds(compact) == ["collapsed", "first", "diverged", "diverged", "diverged"]
+    assert "⋯ 3 bit-identical sites: 0 … 2" in compact
+    assert row_kinds(full) == ["identical"] * 3 + ["first"] + ["diverged"] * 3
+    assert "All 7 sites, every column" in full
+    assert 'class="verdict rounding"' in page
     assert "Divergence first appears" in page
 
 
@@ -103,9 +112,13 @@ def test_files(diverging, tmp_path: Path) -> None:
     assert len(doc["samples"]) == 7 * 6
     page = diverging.to_html(tmp_path / "t.html").read_text()
     images = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
-    assert len(images) == 3  # snowball, per-sample heatmap, sources
+    assert len(images) == 3  # snowball, per-sample heatmap, where error enters
     assert base64.b64decode(images[0]).startswith(b"\x89PNG")
     assert "http" not in page.replace("charset", "")  # nothing fetched from outside
+    for shown in (">torch</td>", ">divtrace</td>", "tf32_matmul=", "deterministic="):
+        assert shown in page  # the environment and each run's flags
+    assert doc["meta"]["environment"]["torch"] == torch.__version__
+    assert set(doc["meta"]["settings"]) == {"a", "b"}
 
 
 def lane_of(ax) -> object:

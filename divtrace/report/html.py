@@ -1,4 +1,8 @@
-"""HTML for a :class:`~divtrace.Comparison`: Jupyter's view and a self-contained page."""
+"""HTML for a :class:`~divtrace.Comparison`: Jupyter's view and a self-contained page.
+
+Tables are rendered by pandas' ``Styler``; runs of bit-identical sites are folded into one
+row, the first divergence is highlighted, and the full table sits folded below.
+"""
 
 from __future__ import annotations
 
@@ -11,74 +15,118 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from divtrace.words import fmt
-
 if TYPE_CHECKING:
     from divtrace.explain.probe import Probe
     from divtrace.report.comparison import Comparison
 
-__all__ = ["escape", "fragment", "page", "table_html"]
+__all__ = ["compact", "escape", "fragment", "page", "styled"]
 
 escape = html.escape
 
-_CSS = """
-<style>
-.divtrace table{border-collapse:collapse;font:12px/1.4 monospace}
-.divtrace th,.divtrace td{padding:2px 8px;border-bottom:1px solid #ddd;text-align:right}
-.divtrace td.name,.divtrace th.name{text-align:left}
-.divtrace tr.identical td{color:#777}
-.divtrace tr.first td{background:#ffe08a;font-weight:bold}
-.divtrace tr.skipped td{color:#a33;font-style:italic}
-.divtrace p.summary{font:13px/1.5 sans-serif;white-space:pre-line}
-</style>
+CSS = """
+.divtrace{font:13px/1.45 system-ui,sans-serif;max-width:1100px;margin:0 auto;color:#222}
+.divtrace .verdict{font-size:15px;padding:8px 12px;border-left:5px solid #888;background:#f6f6f6}
+.divtrace .verdict.rounding{border-color:#2a7}
+.divtrace .verdict.identical{border-color:#27a}
+.divtrace .verdict.not-rounding{border-color:#c33;background:#fff3f3}
+.divtrace .summary{white-space:pre-line}
+.divtrace .scroll{overflow-x:auto}
+.divtrace table{border-collapse:collapse;font:12px/1.4 ui-monospace,monospace}
+.divtrace th,.divtrace td{padding:2px 8px;border-bottom:1px solid #e4e4e4;text-align:right}
+.divtrace th{background:#f3f3f3;position:sticky;top:0}
+.divtrace td.col0,.divtrace td.col1{text-align:left}
+.divtrace td.identical{color:#888}
+.divtrace td.collapsed{color:#888;font-style:italic;text-align:left}
+.divtrace td.first{background:#ffe08a;font-weight:bold}
+.divtrace td.diverged{background:#fff6f0}
+.divtrace td.skipped{color:#a33;font-style:italic}
+.divtrace img{max-width:100%;height:auto;display:block;margin:12px 0}
+.divtrace details{margin:12px 0}
+.divtrace summary{cursor:pointer;color:#27a}
 """
-_SHOWN = ("site", "module_type", "status", "role", "shape", "dtype", "mismatch", "rel_l2",
-          "max_abs", "max_ulp", "cosine", "growth")
+#: The columns of the compact table (the explain options add the ones they show).
+_COMPACT = ("site", "module_type", "status", "role", "mismatch", "rel_l2", "max_abs",
+            "growth")
+_FOLD = 3  # runs of at least this many bit-identical sites become one row
 
 
-def _cell(column: str, value: object) -> str:
-    if column in ("mismatch", "noise_mismatch") and isinstance(value, float) and (
-            not math.isnan(value)):
-        return f"{value:.1%}"
-    if column == "max_ulp" and isinstance(value, float):
-        return fmt(value, ".0f")
-    if column == "cosine" and isinstance(value, float):
-        return fmt(value, ".9f")
+def _text(value: Any, column: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
     if isinstance(value, float):
-        return fmt(value)
-    return escape(str(value))
+        if column in ("mismatch", "noise_mismatch", "exceed", "input_mismatch"):
+            return f"{value:.1%}"
+        return f"{value:.3g}"
+    return str(value)
 
 
-def table_html(result: Comparison, probes: Sequence[type[Probe]] = ()) -> str:
-    """The table as HTML: bit-identical rows marked, the first divergence highlighted; the
-    columns the ``probes`` show, after the main ones."""
+def _kind(row: pd.Series, first: int | None) -> str:
+    if row["status"] != "ok":
+        return "skipped"
+    if first is not None and row.name == first:
+        return "first"
+    return "identical" if row["mismatch"] == 0 else "diverged"
+
+
+def compact(table: pd.DataFrame, first: int | None, columns: Sequence[str]
+            ) -> tuple[pd.DataFrame, list[str]]:
+    """The table's rows with runs of bit-identical sites folded, and each row's kind."""
+    kinds = [_kind(row, first) for _, row in table.iterrows()]
+    rows: list[dict[str, Any]] = []
+    out_kinds: list[str] = []
+    i = 0
+    while i < len(table):
+        j = i
+        while j < len(table) and kinds[j] == "identical":
+            j += 1
+        if j - i >= _FOLD:
+            names = table["site"]
+            rows.append({"site": f"⋯ {j - i} bit-identical sites: {names.iloc[i]} … "
+                                 f"{names.iloc[j - 1]}"})
+            out_kinds.append("collapsed")
+            i = j
+            continue
+        end = max(j, i + 1)
+        for k in range(i, end):
+            rows.append(table.iloc[k][list(columns)].to_dict())
+            out_kinds.append(kinds[k])
+        i = end
+    return pd.DataFrame(rows, columns=list(columns)), out_kinds
+
+
+def styled(frame: pd.DataFrame, kinds: list[str]) -> str:
+    """``frame`` as an HTML table through pandas' Styler, each row's cells classed by kind."""
+    text = frame.astype(object).apply(lambda column: column.map(
+        lambda value: _text(value, str(column.name))))
+    classes = pd.DataFrame([[kind] * len(frame.columns) for kind in kinds],
+                           index=frame.index, columns=frame.columns)
+    style = (text.style.hide(axis="index").set_td_classes(classes)
+             .set_table_attributes('class="sites"'))
+    return f'<div class="scroll">{style.to_html()}</div>'
+
+
+def _tables(result: Comparison, probes: Sequence[type[Probe]]) -> str:
     table = result.table
     first = result.first_divergence
-    shown = [*_SHOWN, *(c for probe in probes for c in probe.shown if c in table)]
-    head = "".join(
-        f'<th class="{"name" if c in ("site", "module_type") else ""}">{c}</th>'
-        for c in shown)
-    body = []
-    for index, row in table.iterrows():
-        if row["status"] != "ok":
-            cls, mark = "skipped", ""
-        elif first is not None and index == first.name:
-            cls, mark = "first", " ◀ first divergence"
-        elif row["mismatch"] == 0:
-            cls, mark = "identical", " ≡"
-        else:
-            cls, mark = "diverged", ""
-        cells = "".join(
-            f'<td class="{"name" if c in ("site", "module_type") else ""}">'
-            f'{_cell(c, row[c])}{mark if c == "site" else ""}</td>' for c in shown)
-        body.append(f'<tr class="{cls}">{cells}</tr>')
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    at = None if first is None else int(first.name)
+    shown = [*_COMPACT, *(c for probe in probes for c in probe.shown if c in table)]
+    folded, kinds = compact(table, at, shown)
+    every = [_kind(row, at) for _, row in table.iterrows()]
+    return (f"{styled(folded, kinds)}<details><summary>All {len(table)} sites, every "
+            f"column</summary>{styled(table, every)}</details>")
+
+
+def _words(result: Comparison) -> str:
+    lines = result.summary().splitlines()
+    kind = result.verdict.replace(" ", "-")
+    return (f'<p class="verdict {kind}">{escape(lines[0])}</p>'
+            f'<p class="summary">{escape(chr(10).join(lines[1:]))}</p>')
 
 
 def fragment(result: Comparison, probes: Sequence[type[Probe]] = ()) -> str:
     """The HTML that Jupyter shows for a comparison."""
-    return (f'{_CSS}<div class="divtrace"><p class="summary">{escape(result.summary())}'
-            f"</p>{table_html(result, probes)}</div>")
+    return (f'<style>{CSS}</style><div class="divtrace">{_words(result)}'
+            f"{_tables(result, probes)}</div>")
 
 
 def _png(figure: object) -> str:
@@ -87,28 +135,51 @@ def _png(figure: object) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def page(result: Comparison, title: str, probes: Sequence[type[Probe]] = ()) -> str:
-    """A self-contained HTML page: summary, snowball plot, sample heatmap, table."""
+def _figures(result: Comparison) -> str:
     from matplotlib.figure import Figure  # no pyplot: the user's backend stays as it is
 
-    images = []
     n_leaf = int(result.table["leaf"].sum())
-    width = min(24.0, max(8.0, 0.35 * n_leaf))
-    drawings: list[tuple[Callable[..., Any], float]] = [
-        (result.plot, 4.5),
-        (result.plot_samples, 1.2 + 0.25 * len(result.info.samples))]
+    width = min(16.0, max(8.0, 0.3 * n_leaf))
+    drawings: list[tuple[Callable[..., Any], float, str]] = [
+        (result.plot, 4.5, "rel_l2 by depth: where the runs part and how it grows"),
+        (result.plot_samples, 1.4 + 0.22 * min(len(result.info.samples), 40),
+         "rel_l2 per sample and site")]
+    table = result.table
     if not result.sources.empty:
-        drawings.append((result.plot_sources, 1.5 + 0.8 * min(len(result.sources), 12)))
-    for draw, height in drawings:
-        fig = Figure(figsize=(width, min(height, 12.0)))
-        draw(ax=fig.subplots())
-        images.append(f'<img alt="plot" src="data:image/png;base64,{_png(fig)}">')
-    meta = pd.Series(result.meta).drop(labels=["flips"], errors="ignore")
-    settings = "".join(f"<tr><td class='name'>{escape(str(k))}</td>"
-                       f"<td class='name'>{escape(str(v))}</td></tr>" for k, v in meta.items())
+        adds = int((table["adds_error"] == True).sum()) if "adds_error" in table else 0  # noqa: E712
+        count = len(result.sources) + adds
+        drawings.append((result.plot_sources, 1.2 + 0.5 * min(count, 16),
+                         "where error enters"))
+    images = []
+    for draw, height, caption in drawings:
+        figure = Figure(figsize=(width, min(height, 10.0)))
+        draw(ax=figure.subplots())
+        images.append(f'<figure><img alt="{escape(caption)}" '
+                      f'src="data:image/png;base64,{_png(figure)}">'
+                      f"<figcaption>{escape(caption)}</figcaption></figure>")
+    return "".join(images)
+
+
+def _pairs(title: str, values: dict[str, Any]) -> str:
+    frame = pd.DataFrame({"setting": list(values), "value": [str(v) for v in values.values()]})
+    return f"<h2>{escape(title)}</h2>{styled(frame, ['plain'] * len(frame))}"
+
+
+def page(result: Comparison, title: str, probes: Sequence[type[Probe]] = ()) -> str:
+    """A self-contained HTML page: verdict and summary, the plots, the sites (bit-identical
+    runs folded, every column below), the settings of each run and the environment."""
+    meta = result.meta
+    settings = {k: v for k, v in meta.items()
+                if k not in ("flips", "environment", "settings", "notes")}
+    runs = meta.get("settings", {})
+    run_rows = {f"{name} ({s.get('label')})": ", ".join(f"{k}={v}" for k, v in s.items()
+                                                       if k != "label")
+                for name, s in runs.items()}
     return (
-        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{escape(title)}</title>"
-        f"{_CSS}</head><body><div class='divtrace'><h1>{escape(title)}</h1>"
-        f"<p class='summary'>{escape(result.summary())}</p>{''.join(images)}"
-        f"<h2>Sites</h2>{table_html(result, probes)}<h2>Settings</h2><table>{settings}</table>"
-        f"</div></body></html>")
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'>"
+        f"<meta name='viewport' content='width=device-width, initial-scale=1'>"
+        f"<title>{escape(title)}</title><style>{CSS}</style></head><body>"
+        f"<main class='divtrace'><h1>{escape(title)}</h1>{_words(result)}"
+        f"{_figures(result)}<h2>Sites</h2>{_tables(result, probes)}"
+        f"{_pairs('Runs', run_rows)}{_pairs('Environment', meta.get('environment', {}))}"
+        f"{_pairs('Settings', settings)}</main></body></html>")
