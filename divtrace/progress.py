@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from types import TracebackType
 
-from tqdm import tqdm
+from tqdm.auto import tqdm
 
 __all__ = ["Progress"]
 
 
 class Progress:
-    """A tqdm bar over ``total`` passes, named after the run in progress."""
+    """A tqdm bar over ``total`` passes, named after the run in progress (a widget in
+    Jupyter, text on stderr elsewhere)."""
 
     def __init__(self, total: int, enabled: bool) -> None:
         self._bar = tqdm(total=total, desc="divtrace", unit="pass", disable=not enabled,

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 import torch
 from torch import nn
-from tqdm import tqdm
+from tqdm.auto import tqdm
 
 from divtrace.compare import compare
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
@@ -54,8 +54,8 @@ class Sweep:
     """Comparisons of several run settings against one reference run.
 
     Attributes:
-        table: One row per setting: the output's divergence, the first divergent site
-            and the number of sources.
+        table: One row per setting: the output's divergence, the first divergent site,
+            the number of sources and the verdict.
         comparisons: The full :class:`~divtrace.Comparison` of each setting, by name.
     """
 
@@ -126,6 +126,7 @@ def sweep(model: nn.Module, x: Any, settings: Mapping[str, Any] | Sequence[Run],
             "sources": len(result.sources),
             "identical_sites": int((ok["mismatch"] == 0).sum()),
             "sites": len(ok),
+            "verdict": result.verdict,
         })
     return Sweep(pd.DataFrame(rows), comparisons)
 

@@ -240,3 +240,20 @@ def test_kernel_families_are_short() -> None:
     assert kernel_family("void at::native::elementwise_kernel<128, 2>(int, float)") == (
         "elementwise_kernel")
     assert kernel_family("aten::mkldnn_convolution") == "oneDNN convolution"
+
+
+def test_kernels_on_the_cpu_print_no_profiler_noise() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import torch, divtrace\n"
+            "divtrace.compare(torch.nn.Linear(3, 3), torch.randn(4, 3), kernels=True,\n"
+            "                 progress=False)\n"
+            "print('done')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "done"
+    assert "gpuGetDeviceCount" not in done.stderr
+    assert "USDT" not in done.stderr

@@ -206,3 +206,9 @@ def test_the_observer_check_of_a_transformer_layer_on_cuda() -> None:
     said = "Observer effect" in result.summary()
     assert said == (not note["identical"])
     assert note["identical"] or note["differs"]["(model)"] > 0
+
+
+def test_an_input_on_another_device_is_named_before_the_model_runs() -> None:
+    model = nn.Linear(4, 4).cuda().eval()
+    with pytest.raises(divtrace.DivtraceValueError, match=r"x is on cpu .* x\.to\('cuda:0'\)"):
+        divtrace.compare(model, torch.randn(4, 4), progress=False)

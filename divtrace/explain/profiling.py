@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import re
+import sys
+import tempfile
 import warnings
 from collections import defaultdict
 from collections.abc import Iterator
@@ -108,6 +112,32 @@ def _ranges(modules: dict[str, nn.Module]) -> Iterator[None]:
             handle.remove()
 
 
+#: What the profiler's own start-up prints on stderr, none of it the user's business.
+_NOISE = re.compile(r"gpuGetDeviceCount failed|SyncActivityProfilerHandler|^USDT|"
+                    r"profiler_(start|stop)")
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """Drops the profiler's start-up noise from stderr (it writes there from C++, so the
+    file descriptor itself is caught); every other line is written out afterwards."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [line for line in caught.read().decode(errors="replace").splitlines()
+                    if line.strip() and not _NOISE.search(line)]
+            if kept:
+                sys.stderr.write("\n".join(kept) + "\n")
+
+
 def kernels_by_site(model: nn.Module, modules: dict[str, nn.Module], args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> dict[str, list[str]]:
     """Runs one forward pass under ``torch.profiler``; per module call, what it launched.
@@ -120,7 +150,8 @@ def kernels_by_site(model: nn.Module, modules: dict[str, nn.Module], args: tuple
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with warnings.catch_warnings():  # one profiled pass: the profiler's cycle notice is moot
         warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
-        with profile(activities=activities) as prof, _ranges(modules), torch.no_grad():
+        with _quiet(), profile(activities=activities) as prof, _ranges(modules), (
+                torch.no_grad()):
             model(*args, **kwargs)
             if cuda:
                 torch.cuda.synchronize()

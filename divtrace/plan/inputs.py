@@ -89,6 +89,11 @@ def _split_x(x: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
                 f"(str); got the key(s) {bad!r}"
             )
         return (), dict(x)
+    if isinstance(x, list) and x and all(isinstance(v, torch.Tensor) for v in x):
+        raise DivtraceTypeError(
+            f"x is a list of {len(x)} tensors; if they are samples, stack them into one "
+            f"batch (torch.stack(x)); if they are the model's positional arguments, pass "
+            f"them as a tuple (tuple(x))")
     raise DivtraceTypeError(
         f"x must be a tensor, a tuple of positional arguments or a dict of keyword "
         f"arguments; got {type(x).__name__}. Wrap a single non-tensor argument as (x,)"

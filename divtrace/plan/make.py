@@ -140,6 +140,34 @@ def _check_materialised(model: nn.Module, batch: BatchedInput) -> None:
             f"accelerate's load_checkpoint_and_dispatch")
 
 
+_CONV: dict[type[nn.Module], int] = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
+
+
+def _check_input(model: nn.Module, x: Any, batch: BatchedInput, runs: tuple[Run, Run]) -> None:
+    """Mistakes that the model would only report deep inside, caught before it runs."""
+    if isinstance(x, torch.Tensor):
+        conv = next((m for m in model.modules() if type(m) in _CONV), None)
+        if conv is not None and x.dim() == _CONV[type(conv)] + 1 and (
+                x.shape[0] == conv.in_channels):
+            raise DivtraceValueError(
+                f"x has shape {tuple(x.shape)}: one example without a batch dimension (the "
+                f"model's first {type(conv).__name__} takes {conv.in_channels} channels)? "
+                f"Add one with x.unsqueeze(0), and stack several examples to compare a "
+                f"batch with its samples")
+    if any(run.device is not None for run in runs) or any(
+            hasattr(m, "_hf_hook") for m in model.modules()):
+        return  # the runs move the inputs (or accelerate does)
+    devices = {t.device for t in model.parameters()}
+    if len(devices) != 1:
+        return
+    (device,) = devices
+    for name, leaf in zip(batch.names, batch.leaves, strict=True):
+        if isinstance(leaf, torch.Tensor) and leaf.device != device:
+            raise DivtraceValueError(
+                f"{name} is on {leaf.device} but the model's parameters are on {device}; "
+                f"move it first: {name}.to('{device}')")
+
+
 def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
               samples: Iterable[int] | int | None = None, batch_dim: BatchDim = 0,
               modules: ModuleSpec = None, progress: bool = True, keep: bool = False,
@@ -157,6 +185,7 @@ def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
     rows = prepare_samples(samples, batch.batch_size)
     size = batch.batch_size
     ref, test = _runs(a, b, chunk, size)
+    _check_input(model, x, batch, (ref, test))
     needing = [probe.option for probe in probes if probe.whole_batch]
     if test.chunk is not None and needing:
         raise DivtraceValueError(

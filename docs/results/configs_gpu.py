@@ -54,7 +54,7 @@ def main() -> int:
     gpu = torch.cuda.get_device_name()
     lines = [json.dumps({"gpu": gpu, "torch": torch.__version__,
                          "cudnn": torch.backends.cudnn.version()}), ""]
-    figure = Figure(figsize=(10, 8))
+    figure = Figure(figsize=(9, 8))
     axes = figure.subplots(2, 1)
     for i, (name, (model, x, how)) in enumerate(cases.items()):
         x = x.cuda()
@@ -71,8 +71,7 @@ def main() -> int:
         lines += [f"== {name}: each setting against GPU fp32, whole batch ==",
                   pairs.table.to_string(), ""]
         print("\n".join(lines[-6:]), flush=True)
-    figure.tight_layout()
-    figure.savefig(args.out / "configs_sweep.png", dpi=100)
+    figure.savefig(args.out / "configs_sweep.png", dpi=100, bbox_inches="tight")
 
     model, x, _ = cases["vgg11_features"]
     with SETTINGS[0].flags():
@@ -82,8 +81,7 @@ def main() -> int:
               "(per-sample reference, samples 0 and 1) ==", sizes.onset.to_string(), ""]
     figure = Figure(figsize=(8, 7))
     sizes.plot(ax=figure.subplots())
-    figure.tight_layout()
-    figure.savefig(args.out / "batch_sweep_vgg11_features.png", dpi=100)
+    figure.savefig(args.out / "batch_sweep_vgg11_features.png", dpi=100, bbox_inches="tight")
     (args.out / "configs_summary.txt").write_text("\n".join(lines))
     print("\n".join(lines[-3:]))
     return 0

@@ -57,8 +57,8 @@ def run(args: argparse.Namespace) -> int:
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "cudnn": torch.backends.cudnn.version(), "options": OPTIONS}
     lines = [json.dumps(env), ""]
-    snowballs = Figure(figsize=(11, 13))
-    sources = Figure(figsize=(11, 10))
+    snowballs = Figure(figsize=(13, 15))
+    sources = Figure(figsize=(12, 12))
     axes = snowballs.subplots(3, 1)
     source_axes = sources.subplots(3, 1)
     for i, (name, (model, x, how)) in enumerate(cases().items()):
@@ -75,17 +75,13 @@ def run(args: argparse.Namespace) -> int:
         lines += ["sources:", table[shown].to_string(max_colwidth=90), ""]
         result.plot(ax=axes[i])
         axes[i].set_title(f"{name}: rel_l2 by depth ({env['gpu']})")
-        if len(result.table) > 60:
-            axes[i].set_xticks([])
         result.plot_sources(ax=source_axes[i])
-        source_axes[i].set_title(f"{name}: sources")
+        source_axes[i].set_title(f"{name}: where error enters")
         print("\n".join(lines[-4:]), flush=True)
         del model, result
         torch.cuda.empty_cache()
-    snowballs.tight_layout()
-    snowballs.savefig(args.out / "explain_snowball.png", dpi=100)
-    sources.tight_layout()
-    sources.savefig(args.out / "explain_sources.png", dpi=100)
+    snowballs.savefig(args.out / "explain_snowball.png", dpi=100, bbox_inches="tight")
+    sources.savefig(args.out / "explain_sources.png", dpi=100, bbox_inches="tight")
     (args.out / "explain_summary.txt").write_text("\n".join(lines))
     return 0
 
