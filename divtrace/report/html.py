@@ -81,8 +81,9 @@ def compact(table: pd.DataFrame, first: int | None, columns: Sequence[str]
             j += 1
         if j - i >= _FOLD:
             names = table["site"]
-            rows.append({"site": f"⋯ {j - i} bit-identical sites: {names.iloc[i]} … "
-                                 f"{names.iloc[j - 1]}"})
+            rows.append(dict.fromkeys(columns, "") | {
+                "site": f"⋯ {j - i} bit-identical sites: {names.iloc[i]} … "
+                        f"{names.iloc[j - 1]}"})
             out_kinds.append("collapsed")
             i = j
             continue

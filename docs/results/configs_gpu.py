@@ -55,7 +55,7 @@ def main() -> int:
     lines = [json.dumps({"gpu": gpu, "torch": torch.__version__,
                          "cudnn": torch.backends.cudnn.version()}), ""]
     figure = Figure(figsize=(9, 8))
-    axes = figure.subplots(2, 1)
+    axes = figure.subplots(2, 1, gridspec_kw={"hspace": 0.35})
     for i, (name, (model, x, how)) in enumerate(cases.items()):
         x = x.cuda()
         found = divtrace.sweep(model, x, SETTINGS, chunk=how["chunk"],

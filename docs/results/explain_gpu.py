@@ -59,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
     lines = [json.dumps(env), ""]
     snowballs = Figure(figsize=(13, 15))
     sources = Figure(figsize=(12, 12))
-    axes = snowballs.subplots(3, 1)
-    source_axes = sources.subplots(3, 1)
+    axes = snowballs.subplots(3, 1, gridspec_kw={"hspace": 0.95})
+    source_axes = sources.subplots(3, 1, gridspec_kw={"hspace": 0.35})
     for i, (name, (model, x, how)) in enumerate(cases().items()):
         model = model.eval().cuda()
         start = time.perf_counter()
