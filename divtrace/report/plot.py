@@ -223,6 +223,10 @@ def log_heatmap(ax: Axes, values: np.ndarray, metric: str) -> None:
     cmap = mpl.colormaps["viridis"].with_extremes(under="0.88", bad="0.88")
     image = ax.imshow(np.where(np.isfinite(logged), logged, low - 1), aspect="auto",
                       cmap=cmap, vmin=low, vmax=high, interpolation="nearest")
+    if not np.isfinite(logged).any():  # nothing to colour: say so, no scale of nothing
+        ax.text(0.5, 0.5, f"every cell is {IDENTICAL}", ha="center", va="center",
+                transform=ax.transAxes, fontsize=10)
+        return
     bar = ax.figure.colorbar(image, ax=ax, fraction=0.04, pad=0.02)
     bar.ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     bar.ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"1e{int(v)}"))
