@@ -1,19 +1,10 @@
-"""Small formatting helpers shared by the summary sentences, the HTML and the plots."""
+"""Formatting helpers shared by the summary sentences."""
 
 from __future__ import annotations
 
-import math
-
 import pandas as pd
 
-__all__ = ["fmt", "listed"]
-
-
-def fmt(value: float | None, spec: str = ".3g") -> str:
-    """``value`` formatted, or an en dash for a missing or NaN value."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "–"
-    return format(value, spec)
+__all__ = ["listed"]
 
 
 def listed(rows: pd.DataFrame, limit: int = 6) -> str:

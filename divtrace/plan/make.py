@@ -120,6 +120,11 @@ def _check_train_mode(model: nn.Module, allow_train: bool) -> tuple[str, ...]:
     return tuple(mixing)
 
 
+def _dispatched(model: nn.Module) -> bool:
+    """Whether accelerate placed the model (its hooks move weights and inputs per call)."""
+    return any(hasattr(m, "_hf_hook") for m in model.modules())
+
+
 def _check_materialised(model: nn.Module, batch: BatchedInput) -> None:
     """Tensors on the meta device have no values: nothing could be compared."""
     inputs = [name for name, leaf in zip(batch.names, batch.leaves, strict=True)
@@ -128,7 +133,7 @@ def _check_materialised(model: nn.Module, batch: BatchedInput) -> None:
         raise DivtraceValueError(
             f"{', '.join(inputs)} lie(s) on the meta device, which holds shapes but no "
             f"values; pass real tensors")
-    if any(hasattr(m, "_hf_hook") for m in model.modules()):
+    if _dispatched(model):
         return  # accelerate supplies offloaded weights at call time
     empty = [name for name, t in (*model.named_parameters(), *model.named_buffers())
              if t.is_meta]
@@ -154,8 +159,7 @@ def _check_input(model: nn.Module, x: Any, batch: BatchedInput, runs: tuple[Run,
                 f"model's first {type(conv).__name__} takes {conv.in_channels} channels)? "
                 f"Add one with x.unsqueeze(0), and stack several examples to compare a "
                 f"batch with its samples")
-    if any(run.device is not None for run in runs) or any(
-            hasattr(m, "_hf_hook") for m in model.modules()):
+    if any(run.device is not None for run in runs) or _dispatched(model):
         return  # the runs move the inputs (or accelerate does)
     devices = {t.device for t in model.parameters()}
     if len(devices) != 1:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from divtrace.align.sites import INPUT, flatten_output
-from divtrace.compat import pytree, version
+from divtrace.compat import version
 from divtrace.plan.inputs import BatchedInput
 from divtrace.record.recorder import Recorder, Sink, Tracker
 
@@ -48,14 +48,11 @@ class InputCopies:
 
 
 def forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-            tracker: Tracker, label: Callable[[], str],
-            inputs: list[torch.Tensor] | None = None) -> Any:
+            tracker: Tracker, label: Callable[[], str], inputs: list[torch.Tensor]) -> Any:
     """One forward pass; an exception keeps its type and gains a note naming the pass
     (``label()``, made only then) and the last site it reached. ``inputs``: the tensors
-    among the arguments, when the caller has them already."""
+    among the arguments (the model's own input, for the lineage)."""
     tracker.reset()
-    if inputs is None:
-        inputs = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
     for tensor in inputs:
         tracker.produced(INPUT, tensor)
     try:
