@@ -36,6 +36,7 @@ def compare(
     repeat: int = 0,
     kernels: bool = False,
     observer: bool | None = None,
+    ops: bool | str = False,
     a: Run | None = None,
     b: Run | None = None,
 ) -> Comparison:
@@ -83,6 +84,12 @@ def compare(
         observer: Run the measured pass once more without any hook and check that its
             output is bit-identical (default None: only for models with modules whose
             code path changes with hooks, such as ``nn.TransformerEncoderLayer``).
+        ops: Also make every tensor-producing ATen op a site (``True``), named by the
+            module call that ran it: ``layers.0.self_attn:aten.bmm#1``. Sees inside
+            modules (functional matmuls, residual adds, fused kernels); roles work at op
+            level too. ``"only"``: op sites and the model's output, with no hook inside
+            the model (fast paths that hooks turn off stay on). ``modules=`` picks the
+            scopes whose ops are recorded.
         a: Instead of batched vs split: the reference run's configuration
             (:class:`Run`; default ``Run()``: as is, the whole batch in one pass).
         b: The configuration compared with ``a``; the figures are ``b`` against ``a``.
@@ -107,5 +114,5 @@ def compare(
         progress=progress, keep=keep, offload=offload, rtol=rtol, atol=atol,
         allow_train=allow_train, a=a, b=b,
         local=local, replay_skip=replay_skip, truth=truth, repeat=repeat, kernels=kernels,
-        observer=observer)
+        observer=observer, ops=ops)
     return execute(plan, model)

@@ -4,15 +4,18 @@ releases, and this is the one file to mend when they do."""
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
 from torch.testing._comparison import default_tolerances
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.module_tracker import ModuleTracker
 
 __all__ = ["BATCH_NORM", "DROPOUT", "cuda_driver", "default_tolerances", "foreach_copy",
-           "pytree", "version"]
+           "impl", "modes_off", "module_tracker", "pytree", "version"]
 
 #: The base classes of BatchNorm and of Dropout layers (they mix samples, or draw random
 #: numbers, in train mode).
@@ -23,6 +26,11 @@ DROPOUT: type[nn.Module] = nn.modules.dropout._DropoutNd
 #: ``version(tensor)``: the tensor's version counter, which moves whenever the tensor is
 #: changed in place (a C-level getter: it runs in every hook).
 version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
+
+#: ``impl(tensor)``: the address of the tensor's C++ object. Between ops inside a forward
+#: pass a tensor may have no Python object at all (and gets a new one, with a new id(),
+#: each time Python sees it), so lineage across ops is keyed by this address.
+impl: Callable[[torch.Tensor], int] = operator.attrgetter("_cdata")
 
 
 def foreach_copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
@@ -36,3 +44,19 @@ def cuda_driver() -> int | None:
         return int(torch._C._cuda_getDriverVersion())  # type: ignore[attr-defined]
     except (AttributeError, RuntimeError):
         return None
+
+
+def module_tracker(names: Mapping[nn.Module, str]) -> ModuleTracker:
+    """``torch.utils.module_tracker.ModuleTracker`` that knows the modules by ``names``
+    (their qualified names in the model) instead of naming them by their class."""
+    tracker = ModuleTracker()
+    for module, name in names.items():
+        tracker._known_modules[module] = name
+        tracker._seen_modules.add(module)
+    return tracker
+
+
+def modes_off() -> AbstractContextManager[object]:
+    """A context in which no ``TorchDispatchMode`` is active (divtrace's own work inside a
+    recorded pass must not be recorded)."""
+    return _disable_current_modes()

@@ -91,7 +91,7 @@ def _meta(plan: Plan, ctx: Context, stored_bytes: int, draws: RandomDraws,
           probes: tuple[Probe, ...]) -> Meta:
     reference = plan.reference
     options = {probe.option: _plain(plan.options.get(probe.option))
-               for probe in PROBES if probe.option}
+               for probe in PROBES if probe.option} | {"ops": plan.ops}
     return Meta(
         batch_size=plan.batch.batch_size, chunk=reference.chunk or plan.batch.batch_size,
         samples=plan.samples, batch_dim=plan.batch.batch_dim,

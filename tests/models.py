@@ -197,3 +197,43 @@ class InplaceOnFunctional(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(self.first(x) - 0.1)
+
+
+class FunctionalLinear(nn.Module):
+    """Element-wise ops, then ``F.linear`` as a functional call, then a residual add: the
+    functional matmul is the op that parts the runs (a GEMM at batch B, a GEMV alone)."""
+
+    def __init__(self, width: int = 256) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(3)
+        self.weight = nn.Parameter(torch.randn(width, width, generator=generator) / width**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x * 0.5 + 0.25)
+        y = nn.functional.linear(h, self.weight)
+        return x + y
+
+
+class InplaceOps(nn.Module):
+    """In-place ops on a tensor an op made: ``mul`` then ``add_`` and ``relu_`` on it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 3.0
+        h.add_(1.0)
+        return torch.relu_(h)
+
+
+class Attention(nn.Module):
+    """Projections, then ``F.scaled_dot_product_attention`` over heads."""
+
+    def __init__(self, width: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, w = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        y = nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.out(y.transpose(1, 2).reshape(b, s, w))

@@ -12,12 +12,17 @@ from torch.nn.utils.rnn import PackedSequence
 from divtrace.align.status import Status
 from divtrace.compat import pytree
 
-__all__ = ["INPUT", "ROOT", "Site", "flatten_output", "input_site", "site_key"]
+__all__ = ["CONSTANT", "INPUT", "ROOT", "Site", "flatten_output", "input_site", "op_key",
+           "site_key"]
 
 #: The name under which the model itself (its final output) appears in the table.
 ROOT = "(model)"
 #: The producer of the model's own input tensors: the same rows in both runs.
 INPUT = "(input)"
+#: The producer of tensors that hold no per-sample data: parameters, buffers, tensors
+#: made from nothing (``torch.arange``, ``torch.ones``) and tensors without the batch
+#: dimension. Like a module's weights, they count as part of the op that reads them.
+CONSTANT = "(constant)"
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,10 @@ class Site:
     tensor arguments. Such sites feed the lineage; they are not rows of the table.
     ``opaque`` is set for a tensor that is not per-sample data by construction (a field of
     a PackedSequence): why it is reported, never compared.
+
+    An *op site* (``op`` set: the ATen overload, e.g. ``aten.bmm.default``) is a tensor an
+    ATen op produced; ``module`` and ``call`` are then its scope, the innermost module call
+    that ran it, and ``index`` counts the earlier calls of the same op in that scope call.
     """
 
     key: str
@@ -39,10 +48,20 @@ class Site:
     leaf: bool
     input: int | None = None
     opaque: Status | None = None
+    op: str = ""
+    index: int = 0
+
+    @property
+    def scope(self) -> str:
+        """The module call this site belongs to (for an op site: the one that ran it)."""
+        return site_key(self.module, self.call, "")
 
     @property
     def call_key(self) -> str:
-        """The key of the module call this site belongs to (no output path)."""
+        """The key of the call this site is an output of (no output path): a module call,
+        or for an op site the op call."""
+        if self.op:
+            return op_key(self.scope, self.op, self.index)
         return site_key(self.module, self.call, "")
 
 
@@ -56,11 +75,19 @@ def site_key(module: str, call: int, path: str) -> str:
     return f"{key}/{path}" if path else key
 
 
+def op_key(scope: str, op: str, index: int) -> str:
+    """The key of an op call, e.g. ``layers.0.self_attn:aten.bmm#1``: its scope's key, the
+    op's name without the overload, and ``#k`` for the (k+1)-th such op in that scope call.
+    """
+    name = op.rsplit(".", 1)[0] if op.count(".") > 1 else op
+    return f"{scope}:{name}" if index == 0 else f"{scope}:{name}#{index}"
+
+
 def input_site(call: Site, index: int) -> Site:
     """The pseudo-site under which an unseen input of the leaf call ``call`` is recorded."""
     path = f"<in{index}>"
     return Site(f"{call.key}{path}", call.module, call.module_type, call.call, path, True,
-                input=index)
+                input=index, op=call.op, index=call.index)
 
 
 def _key_str(entry: Any) -> str:

@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import nn
 
-from divtrace.align.sites import site_key
 from divtrace.explain.probe import Context, Probe, TableView
 from divtrace.explain.profiling import kernel_family, kernels_by_site
 
@@ -39,16 +38,17 @@ class Kernels(Probe):
         ctx.progress.stage("profiling")
         batch = ctx.plan.batch
         start, stop = ctx.plan.reference_chunks[0]
-        for runner, rows, into in ((ctx.reference, batch.rows(start, stop, copy=True),
-                                    self.split),
-                                   (ctx.compared, batch.whole(copy=True), self.batched)):
+        for runner, rows, count, into in (
+                (ctx.reference, batch.rows(start, stop, copy=True), stop - start, self.split),
+                (ctx.compared, batch.whole(copy=True), batch.batch_size, self.batched)):
             with runner.run.flags():
-                into.update(kernels_by_site(runner.model, runner.modules, *runner.feed(*rows)))
+                into.update(kernels_by_site(runner.model, runner.recorder, count,
+                                             *runner.feed(*rows)))
             ctx.progress.advance()
 
     def fill(self, rows: list[dict[str, Any]], view: TableView) -> None:
         for row in rows:
-            key = site_key(row["module"], row["call"], "")
+            key = view.call_key(row)
             batched, split = self.batched.get(key, []), self.split.get(key, [])
             row["kernels_batched"] = "; ".join(batched)
             row["kernels_split"] = "; ".join(split)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from divtrace.align.sites import INPUT, flatten_output, site_key
+from divtrace.align.sites import CONSTANT, INPUT, flatten_output, site_key
 from divtrace.align.status import Status
 from divtrace.compat import pytree
 from divtrace.explain.probe import Context, Probe, TableView, sums
@@ -22,6 +22,7 @@ from divtrace.measure.host import Deferred
 from divtrace.measure.meter import CallRecord, LeafCall
 from divtrace.plan.checks import patterns
 from divtrace.record.lineage import Origin
+from divtrace.record.ops import per_sample
 from divtrace.record.rows import StoredRows
 
 if TYPE_CHECKING:
@@ -55,10 +56,12 @@ def _with_reference_rows(ctx: Context, call: LeafCall, sources: list[StoredRows 
         copy = leaf.clone()
         replaced.append(copy)
         dim = store.batch_dim % max(leaf.dim(), 1)
-        if leaf.dim() == 0 or leaf.shape[dim] != batch or stored is None:
+        size = leaf.shape[dim] if leaf.dim() else 0
+        if stored is None or not size or (size % batch if call.site.op else size != batch):
             continue
+        target = per_sample(copy, dim, batch)  # a view: the batch merged in an op's input
         rows = store.rows_on(stored, leaf.device).movedim(0, dim).to(leaf.dtype)
-        copy.index_copy_(dim, store.samples_on(leaf.device), rows)
+        target.index_copy_(dim, store.samples_on(leaf.device), rows)
     args, kwargs = pytree.tree_unflatten(replaced, spec)
     return args, kwargs
 
@@ -102,13 +105,15 @@ class LocalReplay(Probe):
 
     def _replay(self, ctx: Context, call: LeafCall, sources: list[StoredRows | None]
                 ) -> ReplayStatus:
-        if call.module.training:
+        if call.training:
             return ReplayStatus.TRAIN_MODE
-        if any(fnmatch.fnmatchcase(call.site.module, pattern) for pattern in self.skip):
+        names = (call.site.module, call.site.op.rsplit(".", 1)[0]) if call.site.op else (
+            call.site.module,)
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in self.skip for name in names):
             return ReplayStatus.SKIPPED
         # the model's own input rows are the same in both runs: nothing to replace, unless
         # the module changed them in place (then the values it read are gone)
-        same = [part.key == INPUT for part in call.parts]
+        same = [part.key in (INPUT, CONSTANT) for part in call.parts]
         if any(is_input and part.tensor is call.output
                for is_input, part in zip(same, call.parts, strict=True)):
             return ReplayStatus.NO_INPUT
@@ -118,7 +123,7 @@ class LocalReplay(Probe):
         args, kwargs = _with_reference_rows(ctx, call, sources)
         call.tracker.replaying = True
         try:
-            output = call.module(*args, **kwargs)
+            output = call.run(*args, **kwargs)
         finally:
             call.tracker.replaying = False
         self._measure(ctx, call, output)
@@ -126,12 +131,22 @@ class LocalReplay(Probe):
 
     def _measure(self, ctx: Context, call: LeafCall, output: Any) -> None:
         meter, store = ctx.meter, ctx.meter.store
-        outputs = ([("", output, None)] if isinstance(output, torch.Tensor)
-                   else flatten_output(output))
+        site = call.site
+        outputs: list[tuple[str, torch.Tensor, Status | None]]
+        if site.op:  # an op's outputs, as the op recorder hands them on
+            batch, dim = ctx.plan.batch.batch_size, store.batch_dim
+            leaves = [("", output)] if isinstance(output, torch.Tensor) else [
+                (str(i), t) for i, t in enumerate(pytree.tree_leaves(output))
+                if isinstance(t, torch.Tensor) and t.dim() > 0]
+            outputs = [(p, per_sample(t, dim, batch), None) for p, t in leaves]
+        else:
+            outputs = ([("", output, None)] if isinstance(output, torch.Tensor)
+                       else flatten_output(output))
         for path, tensor, opaque in outputs:
             if opaque is not None:
                 continue
-            key = site_key(call.site.module, call.site.call, path)
+            key = (f"{site.key}/{path}" if path else site.key) if site.op else site_key(
+                site.module, site.call, path)
             stored = store.rows.get(key)
             if stored is not None and stored.rows is not None and (
                     meter.status(key, tensor) == Status.OK):

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from divtrace.align.sites import INPUT, site_key
+from divtrace.align.sites import CONSTANT, INPUT, site_key
 from divtrace.measure.fields import INDEX
 from divtrace.measure.host import Host
 from divtrace.measure.meter import CallRecord, LeafCall, Measured, Meter
@@ -170,20 +170,22 @@ class TableView:
     the leaf calls' lineage."""
 
     def __init__(self, fields: dict[str, tuple[np.ndarray, int]], calls: dict[str, CallRecord],
-                 batch: int, n_samples: int) -> None:
+                 batch: int, n_samples: int, call_keys: Mapping[str, str] | None = None
+                 ) -> None:
         self.fields = fields  # site key -> (per-sample fields, compared elements)
         self.calls = calls
         self.batch, self.n_samples = batch, n_samples
+        self.call_keys = call_keys or {}  # site key -> key of its call, where it differs
         self._inputs: dict[str, Sums | None] = {}
 
     def call(self, row: Mapping[str, Any]) -> CallRecord | None:
         """The leaf call a row belongs to (None for other rows)."""
         return self.calls.get(self.call_key(row)) if row["leaf"] else None
 
-    @staticmethod
-    def call_key(row: Mapping[str, Any]) -> str:
-        """The key of the module call a row belongs to."""
-        return site_key(row["module"], row["call"], "")
+    def call_key(self, row: Mapping[str, Any]) -> str:
+        """The key of the call a row belongs to: a module call, or an op call."""
+        found = self.call_keys.get(row["site"])
+        return found if found is not None else site_key(row["module"], row["call"], "")
 
     def inputs(self, call_key: str) -> Sums | None:
         """The call's inputs taken together (None when one of them is not known); the
@@ -195,8 +197,8 @@ class TableView:
     def _input_sums(self, call: CallRecord) -> Sums | None:
         parts: list[tuple[np.ndarray, int]] = []
         for origin, key, measured in call.inputs:
-            if origin == Origin.SITE and key == INPUT:
-                continue  # the model's own input: the same rows in both runs
+            if origin == Origin.SITE and key in (INPUT, CONSTANT):
+                continue  # the model's own input, or no per-sample data: the same in both
             if origin == Origin.SITE and key in self.fields:
                 parts.append(self.fields[key])
             elif origin == Origin.INPUT and measured is not None and measured.stats is not None:

@@ -14,10 +14,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
-from divtrace.align.sites import site_key
+from divtrace.record.recorder import OP_RANGE, Recorder
 
 __all__ = ["kernel_family", "kernels_by_site"]
 
@@ -45,6 +44,10 @@ _FAMILIES = (
 )
 
 
+#: The profiler's event for a Python dispatch mode (the op recorder's): the op that
+#: computes is inside it.
+_MODE = "PythonDispatchMode"
+
 #: CPU ops that move, view or allocate rather than compute.
 _PLUMBING = frozenset({
     "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::as_strided",
@@ -56,12 +59,13 @@ _PLUMBING = frozenset({
     "aten::item", "aten::_local_scalar_dense", "aten::alias", "aten::lift_fresh",
     "aten::flatten", "aten::_unsafe_view", "aten::expand_as", "aten::unbind",
     "aten::as_strided_", "aten::resize_", "aten::set_", "aten::_nnpack_available",
+    "aten::detach_", "detach_",
 })
 
 
 def _innermost(event: Any) -> bool:
     """A CPU op that computes and has no computing op below it."""
-    if event.name in _PLUMBING:
+    if event.name in _PLUMBING or event.name == _MODE:
         return False
     return not any(child.name not in _PLUMBING and not child.name.startswith(_PREFIX)
                    for child in event.cpu_children)
@@ -80,36 +84,6 @@ def kernel_family(name: str) -> str:
             return family
     bare = name.removeprefix("void ").split("<", 1)[0].split("(", 1)[0]
     return bare.rsplit("::", 1)[-1].strip() or name
-
-
-@contextmanager
-def _ranges(modules: dict[str, nn.Module]) -> Iterator[None]:
-    """A profiler range per module call, named after the call's site."""
-    calls: defaultdict[str, int] = defaultdict(int)
-    open_ranges: list[Any] = []
-    handles = []
-
-    def make(name: str) -> tuple[Any, Any]:
-        def pre(_module: nn.Module, _args: Any) -> None:
-            scope = record_function(_PREFIX + site_key(name, calls[name], ""))
-            scope.__enter__()
-            open_ranges.append(scope)
-
-        def post(_module: nn.Module, _args: Any, _output: Any) -> None:
-            calls[name] += 1
-            open_ranges.pop().__exit__(None, None, None)
-
-        return pre, post
-
-    try:
-        for name, module in modules.items():
-            pre, post = make(name)
-            handles.append(module.register_forward_pre_hook(pre))
-            handles.append(module.register_forward_hook(post, always_call=True))
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 #: What the profiler's own start-up prints on stderr, none of it the user's business.
@@ -138,19 +112,34 @@ def _quiet() -> Iterator[None]:
                 sys.stderr.write("\n".join(kept) + "\n")
 
 
-def kernels_by_site(model: nn.Module, modules: dict[str, nn.Module], args: tuple[Any, ...],
-                    kwargs: dict[str, Any]) -> dict[str, list[str]]:
-    """Runs one forward pass under ``torch.profiler``; per module call, what it launched.
+def _calls_around(event: Any) -> list[str]:
+    """The innermost module call whose range holds ``event`` and, inside it, the op call's."""
+    sites = []
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(_PREFIX):
+            site = parent.name[len(_PREFIX):]
+            sites.append(site.removeprefix(OP_RANGE))
+            if not site.startswith(OP_RANGE):
+                break
+        parent = parent.cpu_parent
+    return sites
 
-    On CUDA: the names of the GPU kernels, attributed to the innermost module call whose
-    range holds the op that launched them. On the CPU: the names of the innermost ops.
+
+def kernels_by_site(model: nn.Module, recorder: Recorder, rows: int, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> dict[str, list[str]]:
+    """Runs one forward pass under ``torch.profiler``; per call, what it launched.
+
+    The recorder names a profiler range per call (module calls; with ops, op calls too).
+    On CUDA: the names of the GPU kernels, attributed to the innermost call whose range
+    holds the op that launched them. On the CPU: the names of the innermost ops.
     """
     cuda = any(t.is_cuda for t in model.parameters()) or any(
         isinstance(a, torch.Tensor) and a.is_cuda for a in (*args, *kwargs.values()))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with warnings.catch_warnings():  # one profiled pass: the profiler's cycle notice is moot
         warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
-        with _quiet(), profile(activities=activities) as prof, _ranges(modules), (
+        with _quiet(), profile(activities=activities) as prof, recorder.ranges(_PREFIX, rows), (
                 torch.no_grad()):
             model(*args, **kwargs)
             if cuda:
@@ -163,13 +152,8 @@ def kernels_by_site(model: nn.Module, modules: dict[str, nn.Module], args: tuple
                  else ([event.name] if _innermost(event) else []))
         if not names:
             continue
-        parent = event.cpu_parent
-        while parent is not None and not parent.name.startswith(_PREFIX):
-            parent = parent.cpu_parent
-        if parent is None:
-            continue
-        site = parent.name[len(_PREFIX):]
-        for name in names:
-            if name not in found[site]:
-                found[site].append(name)
+        for site in _calls_around(event):
+            for name in names:
+                if name not in found[site]:
+                    found[site].append(name)
     return dict(found)

@@ -65,15 +65,17 @@ class CallRecord:
 
 @dataclass(frozen=True)
 class LeafCall:
-    """A leaf module call of the measured run, as its hook sees it."""
+    """A leaf call of the measured run, as its hook sees it: a leaf module's call (after
+    it ran) or an op's (before it runs: ``output`` is None)."""
 
     site: Site
-    module: nn.Module
+    run: Callable[..., Any]  # the module, or the op
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     output: Any
     parts: list[InputPart]
     tracker: Tracker
+    training: bool = False  # the module is in train mode
 
 
 #: Told of each measured site: ``(measured, tensor, rows)`` — the whole batch's tensor
@@ -121,15 +123,23 @@ class Meter(Sink):
         if not self.lineage:
             return
         parts = input_parts(call, module, args, kwargs, output, tracker)
-        record = self.calls[call.key] = CallRecord([
+        self._call(LeafCall(call, module, args, kwargs, output, parts, tracker,
+                            module.training))
+
+    def on_op(self, call: Site, op: Callable[..., Any], args: tuple[Any, ...],
+              kwargs: dict[str, Any], parts: list[InputPart], tracker: Tracker) -> None:
+        """An op call, before it runs: its inputs' lineage, then the call watchers."""
+        if self.lineage:
+            self._call(LeafCall(call, op, args, kwargs, None, parts, tracker))
+
+    def _call(self, leaf: LeafCall) -> None:
+        record = self.calls[leaf.site.key] = CallRecord([
             (part.origin, part.key,
-             self.measure(input_site(call, index), part.tensor)
+             self.measure(input_site(leaf.site, index), part.tensor)
              if part.origin == Origin.INPUT else None)
-            for index, part in enumerate(parts)])
-        if self.call_watchers:
-            leaf = LeafCall(call, module, args, kwargs, output, parts, tracker)
-            for watcher in self.call_watchers:
-                watcher(leaf, record)
+            for index, part in enumerate(leaf.parts)])
+        for watcher in self.call_watchers:
+            watcher(leaf, record)
 
     # -- measuring --------------------------------------------------------------------
 

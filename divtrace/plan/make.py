@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from divtrace.align.sites import ROOT
 from divtrace.errors import BatchMixingError, DivtraceTypeError, DivtraceValueError
 from divtrace.explain.probe import Probe
 from divtrace.explain.registry import probes_for
@@ -18,6 +19,8 @@ from divtrace.plan.inputs import BatchDim, BatchedInput, prepare_input
 from divtrace.plan.runs import Run
 from divtrace.plan.samples import check_chunk, chunks_for, prepare_samples
 from divtrace.plan.selection import ModuleSpec, check_modules, mixing_modules
+from divtrace.record.ops import OpRecorder
+from divtrace.record.recorder import Recorder
 from divtrace.record.runner import RecorderFactory, module_hooks
 
 __all__ = ["Plan", "make_plan"]
@@ -45,6 +48,8 @@ class Plan:
         options: ``compare()``'s explain options as given.
         figures: The figures of the table (default: the registry's).
         recorder: Makes each run's recorder (default: module forward hooks).
+        ops: Op sites too (True), op sites and the model's output only (``"only"``: no
+            hook inside the model), or none (False).
     """
 
     batch: BatchedInput
@@ -67,6 +72,7 @@ class Plan:
     default_pair: bool = True
     figures: tuple[Figure, ...] = FIGURES
     recorder: RecorderFactory = module_hooks
+    ops: bool | str = False
 
     @property
     def passes(self) -> int:
@@ -118,6 +124,32 @@ def _check_train_mode(model: nn.Module, allow_train: bool) -> tuple[str, ...]:
             f"allow_train=True to compare anyway"
         )
     return tuple(mixing)
+
+
+def _check_ops(ops: Any, runs: tuple[Run, Run]) -> bool | str:
+    if ops not in (False, True, "only") or not isinstance(ops, bool | str):
+        raise DivtraceValueError(
+            f"ops must be False, True (op sites besides module outputs) or 'only' (op "
+            f"sites and the model's output, no hook inside the model); got {ops!r}")
+    if ops and any(run.compile for run in runs):
+        raise DivtraceValueError(
+            "ops= records the ATen ops of an eager run; a compiled run (Run(compile=...)) "
+            "runs fused code instead. Leave ops out, or compare eager runs")
+    return ops
+
+
+def _recorder(ops: bool | str, modules: ModuleSpec, batch_dim: int, local: bool
+              ) -> RecorderFactory:
+    """The recorder of each run: module hooks, or with ``ops`` the op recorder."""
+    if not ops:
+        return module_hooks
+
+    def make(model: nn.Module, selected: dict[str, nn.Module]) -> Recorder:
+        scopes = set(selected) if modules is None else set(selected) - {ROOT}
+        return OpRecorder(model, selected, scopes, batch_dim, module_sites=ops is True,
+                          through_views=not local)
+
+    return make
 
 
 def _dispatched(model: nn.Module) -> bool:
@@ -177,7 +209,7 @@ def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
               modules: ModuleSpec = None, progress: bool = True, keep: bool = False,
               offload: bool = False, rtol: float | None = None, atol: float | None = None,
               allow_train: bool = False, a: Run | None = None, b: Run | None = None,
-              **options: Any) -> Plan:
+              ops: bool | str = False, **options: Any) -> Plan:
     """Validates ``compare()``'s arguments and decides what will run (see
     :func:`divtrace.compare`); ``options`` are the explain options, given to each probe."""
     if not isinstance(model, nn.Module):
@@ -197,6 +229,7 @@ def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
             f"b=Run(chunk={test.chunk}). Swap a and b, or leave {', '.join(needing)} out")
     train_mode = _check_train_mode(model, allow_train)
     output_only = bool(ref.compile or test.compile)
+    ops = _check_ops(ops, (ref, test))
     return Plan(
         batch=batch, samples=tuple(rows), reference=ref, compared=test,
         reference_chunks=tuple(chunks_for(rows, ref.chunk or size, size)),
@@ -204,5 +237,5 @@ def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
         modules=check_modules(model, modules),
         output_only=output_only, rtol=rtol, atol=atol, keep=keep, offload=offload,
         progress=progress, train_mode=train_mode, probes=probes, allow_train=allow_train,
-        options=options,
-        default_pair=a is None and b is None)
+        options=options, default_pair=a is None and b is None, ops=ops,
+        recorder=_recorder(ops, modules, batch.batch_dim, bool(options.get("local"))))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.profiler import record_function
 
 from divtrace.align.sites import Site, flatten_output, site_key
 from divtrace.align.status import Status
@@ -27,15 +29,47 @@ class ModuleHooks(Recorder):
     def __init__(self, modules: dict[str, nn.Module]) -> None:
         self.modules = modules
 
+    def observe(self, sink: Sink) -> AbstractContextManager[Tracker]:
+        return self.attach(sink, Tracker())
+
     @contextmanager
-    def observe(self, sink: Sink) -> Iterator[Tracker]:
-        tracker = Tracker()
+    def attach(self, sink: Sink, tracker: Tracker) -> Iterator[Tracker]:
+        """Observes with the given ``tracker`` (one that another recorder shares)."""
         handles: list[torch.utils.hooks.RemovableHandle] = []
         try:
             for name, module in self.modules.items():
                 hook = _hook(name, module, sink, tracker)
                 handles.append(module.register_forward_hook(hook, with_kwargs=True))
             yield tracker
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    @contextmanager
+    def ranges(self, prefix: str, rows: int = 0) -> Iterator[None]:
+        """A profiler range per module call, named ``prefix`` + the call's key."""
+        calls: defaultdict[str, int] = defaultdict(int)
+        open_ranges: list[Any] = []
+        handles = []
+
+        def make(name: str) -> tuple[Any, Any]:
+            def pre(_module: nn.Module, _args: Any) -> None:
+                scope = record_function(prefix + site_key(name, calls[name], ""))
+                scope.__enter__()
+                open_ranges.append(scope)
+
+            def post(_module: nn.Module, _args: Any, _output: Any) -> None:
+                calls[name] += 1
+                open_ranges.pop().__exit__(None, None, None)
+
+            return pre, post
+
+        try:
+            for name, module in self.modules.items():
+                pre, post = make(name)
+                handles.append(module.register_forward_pre_hook(pre))
+                handles.append(module.register_forward_hook(post, always_call=True))
+            yield
         finally:
             for handle in handles:
                 handle.remove()

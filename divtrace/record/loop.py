@@ -48,11 +48,13 @@ class InputCopies:
 
 
 def forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-            tracker: Tracker, label: Callable[[], str], inputs: list[torch.Tensor]) -> Any:
-    """One forward pass; an exception keeps its type and gains a note naming the pass
-    (``label()``, made only then) and the last site it reached. ``inputs``: the tensors
-    among the arguments (the model's own input, for the lineage)."""
-    tracker.reset()
+            tracker: Tracker, label: Callable[[], str], inputs: list[torch.Tensor],
+            rows: int = 0) -> Any:
+    """One forward pass over ``rows`` rows of the batch; an exception keeps its type and
+    gains a note naming the pass (``label()``, made only then) and the last site it
+    reached. ``inputs``: the tensors among the arguments (the model's own input, for the
+    lineage)."""
+    tracker.reset(rows)
     for tensor in inputs:
         tracker.produced(INPUT, tensor)
     try:
@@ -102,7 +104,7 @@ def drive(model: nn.Module, recorder: Recorder, sink: Sink, batch: BatchedInput,
                 seen = copies.seen(tensors)
                 sink.begin_chunk(start, stop, tracker)
                 output = forward(model, *batch.build(leaves), tracker,
-                                 partial(label, start, stop), tensors)
+                                 partial(label, start, stop), tensors, stop - start)
                 copies.after(tensors, seen)
                 done = sink.end_chunk()
             kind = _kind(output)

@@ -11,9 +11,10 @@ from __future__ import annotations
 import weakref
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from contextlib import AbstractContextManager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -21,7 +22,14 @@ from torch import nn
 from divtrace.align.sites import Site
 from divtrace.compat import version
 
-__all__ = ["Recorder", "Sink", "Tracker"]
+if TYPE_CHECKING:
+    from divtrace.record.lineage import InputPart
+
+__all__ = ["OP_RANGE", "Recorder", "Sink", "Tracker"]
+
+#: Between the prefix and the key in the name of an op call's profiler range (an op
+#: runs inside its module call's range; the kernels it launches count for both).
+OP_RANGE = "op::"
 
 
 @dataclass
@@ -33,11 +41,14 @@ class Tracker:
     last_site: str | None = None
     replaying: bool = False  # while set, the recorder ignores what runs
     lineage: bool = True  # note which site produced which tensor
+    rows: int = 0  # the rows of the batch in the pass in progress
     _made: dict[int, tuple[weakref.ref[torch.Tensor], str, int]] = field(default_factory=dict)
 
-    def reset(self) -> None:
+    def reset(self, rows: int = 0) -> None:
+        """A new pass over ``rows`` rows of the batch begins."""
         self.calls.clear()
         self.last_site = None
+        self.rows = rows
         self._made.clear()
 
     def produced(self, key: str, tensor: torch.Tensor) -> None:
@@ -69,6 +80,11 @@ class Sink:
                 kwargs: dict[str, Any], output: Any, tracker: Tracker) -> None:
         """A leaf module call returned; called before its outputs reach :meth:`on_tensor`."""
 
+    def on_op(self, call: Site, op: Callable[..., Any], args: tuple[Any, ...],
+              kwargs: dict[str, Any], parts: list[InputPart], tracker: Tracker) -> None:
+        """An op call is about to run (its outputs reach :meth:`on_tensor` after it ran):
+        ``parts`` says where each of its tensor inputs came from."""
+
     def on_tensor(self, site: Site, tensor: torch.Tensor) -> None:
         """A tensor produced at ``site``. It must not be kept beyond the call (a later
         in-place op may change it): only copies of it, or figures made from it."""
@@ -85,3 +101,9 @@ class Recorder(ABC):
     def observe(self, sink: Sink) -> AbstractContextManager[Tracker]:
         """A context inside which every forward pass is observed. On exit, the model is
         exactly as before (every hook or mode removed), also when a pass raised."""
+
+    def ranges(self, prefix: str, rows: int) -> AbstractContextManager[None]:
+        """A context inside which each site's work, in a pass over ``rows`` rows of the
+        batch, runs in a profiler range named ``prefix`` + the site's call key (for the
+        kernels each site launched); an op call's range: ``prefix + OP_RANGE + key``."""
+        return nullcontext()

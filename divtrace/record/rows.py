@@ -13,7 +13,7 @@ from torch import nn
 from divtrace.align.sites import Site, input_site
 from divtrace.align.status import Status, comparable
 from divtrace.compat import foreach_copy, version
-from divtrace.record.lineage import Origin, input_parts, tensor_inputs
+from divtrace.record.lineage import InputPart, Origin, input_parts, tensor_inputs
 from divtrace.record.recorder import Sink, Tracker
 
 __all__ = ["RowStore", "StoredRows", "runs_of"]
@@ -150,6 +150,17 @@ class RowStore(Sink):
         self.lineage[call.key] = [(part.origin, part.key) for part in parts]
         self._unseen[call.key] = tuple(
             index for index, part in enumerate(parts) if part.origin == Origin.INPUT)
+
+    def on_op(self, call: Site, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+              parts: list[InputPart], tracker: Tracker) -> None:
+        """An op call: its lineage (first met), and its inputs made unseen, recorded."""
+        if not self.learn_lineage:
+            return
+        if call.key not in self.lineage:
+            self.lineage[call.key] = [(part.origin, part.key) for part in parts]
+        for index, part in enumerate(parts):
+            if part.origin == Origin.INPUT:
+                self.on_tensor(input_site(call, index), part.tensor)
 
     def on_tensor(self, site: Site, tensor: torch.Tensor) -> None:
         """Records one tensor of the run (called from its hook: kept lean)."""

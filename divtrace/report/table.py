@@ -26,8 +26,8 @@ from divtrace.report.meta import Meta
 __all__ = ["COLUMNS", "SAMPLE_COLUMNS", "SITE_COLUMNS", "build", "columns"]
 
 #: What a site is: the columns before the figures.
-SITE_COLUMNS = ("site", "module", "module_type", "call", "path", "leaf", "status", "shape",
-                "dtype")
+SITE_COLUMNS = ("site", "module", "module_type", "call", "path", "op", "scope", "leaf",
+                "status", "shape", "dtype")
 #: Figures that count elements: integer columns.
 _COUNTS = ("numel", "nonfinite")
 #: The per-sample table's columns.
@@ -49,7 +49,8 @@ def _site_row(site: Measured, figures: tuple[Figure, ...]) -> dict[str, Any]:
     info = site.site
     return {
         "site": info.key, "module": info.module, "module_type": info.module_type,
-        "call": info.call, "path": info.path, "leaf": info.leaf, "status": site.status.value,
+        "call": info.call, "path": info.path, "op": info.op, "scope": info.scope,
+        "leaf": info.leaf, "status": site.status.value,
         "shape": str(site.shape), "dtype": str(site.dtype).removeprefix("torch."),
     } | dict.fromkeys((f.name for f in figures), math.nan)
 
@@ -82,14 +83,15 @@ def _measured_rows(plan: Plan, sites: list[Measured]
 
 
 def _growth(table: pd.DataFrame) -> pd.Series:
-    """rel_l2 over that of the nearest preceding divergent leaf site (NaN if none)."""
+    """rel_l2 over that of the nearest preceding divergent leaf site (NaN if none); module
+    sites and op sites each among their own kind."""
     growth = []
-    previous = math.nan
-    for rel, leaf, mismatch in zip(table["rel_l2"], table["leaf"], table["mismatch"],
-                                   strict=True):
-        growth.append(rel / previous if previous > 0 else math.nan)
+    previous = {False: math.nan, True: math.nan}
+    for rel, leaf, mismatch, op in zip(table["rel_l2"], table["leaf"], table["mismatch"],
+                                       table["op"] != "", strict=True):
+        growth.append(rel / previous[op] if previous[op] > 0 else math.nan)
         if leaf and mismatch > 0 and rel > 0:
-            previous = rel
+            previous[op] = rel
     return pd.Series(growth, index=table.index, dtype=float)
 
 
@@ -115,7 +117,8 @@ def build(plan: Plan, probes: tuple[Probe, ...], meter: Meter, meta: Meta, host:
     """Assembles the :class:`Comparison` of a finished run (fetches the figures first)."""
     host.fetch()
     rows, sample_rows, fields, flips = _measured_rows(plan, meter.sites)
-    view = TableView(fields, meter.calls, plan.batch.batch_size, len(plan.samples))
+    call_keys = {s.site.key: s.site.call_key for s in meter.sites if s.site.op}
+    view = TableView(fields, meter.calls, plan.batch.batch_size, len(plan.samples), call_keys)
     for probe in probes:
         probe.fill(rows, view)
     rows = _in_order(rows, meter.store, probes, plan.figures)

@@ -89,7 +89,7 @@ def _entries(table: pd.DataFrame, first: pd.Series) -> list[tuple[pd.Series, flo
         found += [(row, row["local_rel_l2"], "own") for _, row in
                   table[table["local_rel_l2"] > 0].iterrows()]
     found.append((first, first["rel_l2"], "first"))
-    jumps = table[table["leaf"] & (table["growth"] > JUMP)]
+    jumps = table[table["leaf"] & (table["op"] == "") & (table["growth"] > JUMP)]
     found += [(row, row["rel_l2"], "jump") for _, row in jumps.iterrows()]
     return found
 
@@ -116,7 +116,8 @@ def _by_design(table: pd.DataFrame, meta: Meta) -> str | None:
     if meta.random_draws:
         return ("the model drew random numbers during its passes (allow_train=True): the "
                 "runs differ by design.")
-    apart = table[table["status"].isin(["missing_in_split", "missing_in_batched"])]
+    apart = table[table["status"].isin(["missing_in_split", "missing_in_batched"])
+                  & (table["op"] == "")]  # an op in one run only is another kernel path
     if not apart.empty:
         row = apart.iloc[0]
         return (f"the runs did not run the same modules: '{row['site']}' ran in one of "

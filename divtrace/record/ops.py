@@ -1,0 +1,338 @@
+"""The op recorder: besides module outputs, every tensor-producing ATen op call is a site.
+
+A ``TorchDispatchMode`` sees each ATen op as it runs; PyTorch's own module tracker
+(``torch.utils.module_tracker``) says which module calls are running, and the innermost
+of them is the op's *scope*. An op site is named by its scope, the op and its index
+among the same ops in that scope call: ``layers.0.self_attn:aten.bmm#1``.
+
+What is not a site: views and ops that only move values (``view``, ``transpose``,
+``clone``, ``_unsafe_view``, a copy that keeps the dtype), ops that make a tensor from
+nothing (``arange``, ``ones``), and ops that read only *constants* — parameters,
+buffers, tensors without the batch dimension, and what is made from them alone. Each
+kind still carries the lineage: a whole view of a site's output is that site's output.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.profiler import record_function
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from divtrace.align.sites import CONSTANT, INPUT, ROOT, Site, input_site, op_key, site_key
+from divtrace.compat import impl, modes_off, module_tracker, pytree, version
+from divtrace.record.hooks import ModuleHooks
+from divtrace.record.lineage import InputPart, Origin
+from divtrace.record.recorder import OP_RANGE, Recorder, Sink, Tracker
+
+__all__ = ["OpRecorder", "OpTracker", "per_sample"]
+
+#: Ops that return their input's values in a new tensor.
+_MOVES = frozenset({"aten::clone", "aten::_unsafe_view", "aten::alias", "aten::detach",
+                    "aten::lift_fresh", "aten::lift_fresh_copy"})
+#: Ops that copy values, maybe into another dtype: a site only when they cast.
+_CASTS = frozenset({"aten::_to_copy", "aten::copy_"})
+#: What made a tensor that holds per-sample data but is no site's whole output (a part
+#: of one, a view when views are not followed, what an op outside the scopes made): an
+#: op reading it gets it recorded under a pseudo-site of its own.
+_PART = "(part)"
+
+
+class _Kind(Enum):
+    VIEW = 1  # a view or a move: no site, the lineage passes through
+    CAST = 2  # a copy: a view when the dtype stays, else an op
+    OP = 3  # a site, when it reads per-sample data
+
+
+def _kind_of(func: Any) -> _Kind:
+    if func.is_view or func.name() in _MOVES:
+        return _Kind.VIEW
+    return _Kind.CAST if func.name() in _CASTS else _Kind.OP
+
+
+def _keeps_dtype(func: Any, tensors: list[torch.Tensor], kwargs: dict[str, Any]) -> bool:
+    """Whether a copy keeps the dtype (``_to_copy(x, dtype=...)``, ``copy_(dst, src)``)."""
+    if func.name() == "aten::copy_":
+        return len(tensors) > 1 and tensors[0].dtype == tensors[1].dtype
+    return kwargs.get("dtype") in (None, tensors[0].dtype)
+
+
+def per_sample(tensor: torch.Tensor, batch_dim: int, rows: int) -> torch.Tensor:
+    """``tensor`` with the batch in a dimension of its own: inside ops the batch is often
+    merged with the next dimension (``[B * heads, S, D]`` for a ``bmm``); a size that is
+    ``k`` times the rows is read as ``[rows, k]`` (batch-major, as ``view`` makes it)."""
+    if tensor.dim() == 0 or rows <= 0:
+        return tensor
+    dim = batch_dim % tensor.dim()
+    size = tensor.shape[dim]
+    if size == rows or size % rows:
+        return tensor
+    return tensor.unflatten(dim, (rows, size // rows))
+
+
+@dataclass
+class OpTracker(Tracker):
+    """A pass's state with ops: which call of each module is running, and which op site
+    made which tensor (apart from the module sites' lineage, which stays as it is)."""
+
+    entered: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+    running: dict[str, int] = field(default_factory=dict)
+    #: per tensor (by its C++ object): what made it, and its version then
+    made_by_op: dict[int, tuple[str | None, int]] = field(default_factory=dict)
+    #: the last op's outputs, handed on once the op has returned (see :class:`_OpMode`)
+    pending: list[tuple[str | None, torch.Tensor, Site | None]] = field(default_factory=list)
+
+    def reset(self, rows: int = 0) -> None:
+        super().reset(rows)
+        self.entered.clear()
+        self.running.clear()
+        self.made_by_op.clear()
+        self.pending.clear()
+
+    def produced(self, key: str, tensor: torch.Tensor) -> None:
+        super().produced(key, tensor)
+        if key == INPUT:  # the model's input: per-sample when cut, else a constant
+            cut = tensor.dim() > 0 and self.rows in tensor.shape
+            self.note(INPUT if cut else CONSTANT, tensor)
+
+    def note(self, key: str | None, tensor: torch.Tensor) -> None:
+        """The op site ``key`` (or INPUT, CONSTANT; None: an op that is no site) made
+        ``tensor``. Every tensor an op of the pass makes is noted, so an entry left by a
+        freed tensor is overwritten before its address can mean another one."""
+        self.made_by_op[impl(tensor)] = (key, version(tensor))
+
+    def maker(self, tensor: torch.Tensor) -> str | None:
+        """What made this very tensor, unchanged since (None: nothing seen in this pass)."""
+        entry = self.made_by_op.get(impl(tensor))
+        if entry is None or version(tensor) != entry[1]:
+            return None
+        return entry[0]
+
+
+class _QuietSink(Sink):
+    """Hands the module hooks' tensors on to ``sink`` with no dispatch mode active: the
+    sink's own work (copies, statistics, replays) is not the model's."""
+
+    def __init__(self, sink: Sink, flush: Callable[[], None]) -> None:
+        self.sink, self.flush = sink, flush
+
+    def on_call(self, call: Site, module: nn.Module, args: tuple[Any, ...],
+                kwargs: dict[str, Any], output: Any, tracker: Tracker) -> None:
+        with modes_off():
+            self.flush()
+            self.sink.on_call(call, module, args, kwargs, output, tracker)
+
+    def on_tensor(self, site: Site, tensor: torch.Tensor) -> None:
+        with modes_off():
+            self.flush()
+            self.sink.on_tensor(site, tensor)
+
+
+class OpRecorder(Recorder):
+    """Module outputs through :class:`ModuleHooks` (the selected modules, or with
+    ``module_sites=False`` the model's output only: no hook inside the model) and every
+    op run in one of the ``scopes`` (qualified names) as a site.
+
+    ``through_views``: an op reading a whole view of a site's output reads that site;
+    else such an input is recorded under a pseudo-site of its own (replays need it).
+    """
+
+    def __init__(self, model: nn.Module, modules: dict[str, nn.Module], scopes: set[str],
+                 batch_dim: int, module_sites: bool = True, through_views: bool = True
+                 ) -> None:
+        self.hooks = ModuleHooks(modules if module_sites else {ROOT: modules[ROOT]})
+        self.model = model
+        named = list(model.named_modules())
+        self.names = {module: name or ROOT for name, module in reversed(named)}
+        self.depth = {name or ROOT: name.count(".") + bool(name) for name, _ in named}
+        self.types = {name or ROOT: type(module).__name__ for name, module in named}
+        self.scopes = scopes
+        self.batch_dim = batch_dim
+        self.through_views = through_views
+
+    def observe(self, sink: Sink) -> AbstractContextManager[Tracker]:
+        return self._observing(sink, "", 0)
+
+    def ranges(self, prefix: str, rows: int) -> AbstractContextManager[None]:
+        return self._observing(Sink(), prefix, rows)
+
+    @contextmanager
+    def _observing(self, sink: Sink, label: str, rows: int) -> Iterator[Any]:
+        """Records into ``sink``; with ``label``, names a profiler range per op instead."""
+        tracker = OpTracker()
+        names = self.names
+
+        def entered(module: nn.Module, _args: Any) -> None:
+            name = names.get(module)
+            if name is not None and not tracker.replaying:
+                tracker.running[name] = tracker.entered[name]
+                tracker.entered[name] += 1
+
+        constants = {id(t) for t in (*self.model.parameters(), *self.model.buffers())}
+        scopes = module_tracker(names)
+        mode = _OpMode(self, sink, tracker, scopes.parents, constants, label)
+        hooks = self.hooks.ranges(label, rows) if label else self.hooks.attach(
+            _QuietSink(sink, mode.flush), tracker)
+        handle = register_module_forward_pre_hook(entered)
+        try:
+            with scopes, hooks, mode:
+                tracker.reset(rows)
+                yield tracker if not label else None
+        finally:
+            handle.remove()
+
+
+class _OpMode(TorchDispatchMode):
+    """Records each op run in a selected scope (or, with ``label``, names its range).
+
+    An op's outputs are handed on when the next op begins (or a module hook runs), not
+    at once: the version counter of an in-place op's output (and a view's) is set only
+    after the op has returned to the dispatcher, and the lineage reads it.
+    """
+
+    def __init__(self, recorder: OpRecorder, sink: Sink, tracker: OpTracker,
+                 parents: set[str], constants: set[int], label: str) -> None:
+        super().__init__()
+        self.recorder, self.sink, self.tracker = recorder, sink, tracker
+        self.parents, self.constants, self.label = parents, constants, label
+        self.depth = recorder.depth
+        self.kinds: dict[Any, _Kind] = {}
+        self.sites: dict[tuple[str, str], Site] = {}
+
+    def scope(self) -> str | None:
+        """The innermost module call running (the module tracker's deepest name)."""
+        best, deepest = None, -1
+        for name in self.parents:
+            d = self.depth.get(name, -1)
+            if d > deepest:
+                best, deepest = name, d
+        return best
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        tracker = self.tracker
+        if tracker.pending:
+            self.flush()
+        name = None if tracker.replaying else self.scope()
+        if name is None:  # outside the model, or divtrace's own replay
+            return func(*args, **kwargs)
+        plain = not kwargs and not any(isinstance(a, list | tuple) for a in args)
+        leaves = args if plain else pytree.tree_leaves((args, kwargs))
+        tensors = [a for a in leaves if isinstance(a, torch.Tensor)]
+        makers = [tracker.maker(t) for t in tensors]
+        if all(m == CONSTANT or (m is None and self._constant(t))
+               for m, t in zip(makers, tensors, strict=True)):
+            out = func(*args, **kwargs)  # made from nothing, or from constants only
+            self._note(CONSTANT, out)
+            return out
+        kind = self.kinds.get(func)
+        if kind is None:
+            kind = self.kinds[func] = _kind_of(func)
+        if kind is _Kind.VIEW or (kind is _Kind.CAST and _keeps_dtype(func, tensors, kwargs)):
+            out = func(*args, **kwargs)
+            source = 1 if func.name() == "aten::copy_" else 0
+            self._view(makers[source], tensors[source], out)
+            return out
+        if name not in self.recorder.scopes:
+            out = func(*args, **kwargs)
+            self._note(_PART, out)
+            return out
+        call = self._call(name, func)
+        tracker.last_site = call.key
+        if self.label:
+            with record_function(self.label + OP_RANGE + call.key):
+                out = func(*args, **kwargs)
+            self._note(call.key, out)
+            return out
+        self.sink.on_op(call, func, args, kwargs, self._parts(call, tensors, makers),
+                        tracker)
+        out = func(*args, **kwargs)
+        self._outputs(call, out)
+        return out
+
+    def _call(self, name: str, func: Any) -> Site:
+        tracker = self.tracker
+        call = tracker.running.get(name, 0)
+        op = str(func)
+        counter = f"{site_key(name, call, '')}:{op}"
+        index = tracker.calls[counter]
+        tracker.calls[counter] = index + 1
+        return self._site(name, call, op, index, "")
+
+    def _site(self, name: str, call: int, op: str, index: int, path: str) -> Site:
+        key = op_key(site_key(name, call, ""), op, index) + (f"/{path}" if path else "")
+        found = self.sites.get((key, path))
+        if found is None:
+            found = self.sites[key, path] = Site(
+                key, name, self.recorder.types.get(name, ""), call, path, True, op=op,
+                index=index)
+        return found
+
+    def _constant(self, tensor: torch.Tensor) -> bool:
+        """An input made before the pass: a parameter or buffer, or one without the batch."""
+        if id(tensor) in self.constants:
+            return True
+        rows = self.tracker.rows
+        if tensor.dim() == 0 or rows <= 0:
+            return True
+        size = tensor.shape[self.recorder.batch_dim % tensor.dim()]
+        return size == 0 or size % rows != 0
+
+    def _parts(self, call: Site, tensors: list[torch.Tensor], makers: list[str | None]
+               ) -> list[InputPart]:
+        parts = []
+        for index, (tensor, maker) in enumerate(zip(tensors, makers, strict=True)):
+            if maker is not None and maker != _PART:
+                parts.append(InputPart(Origin.SITE, maker, tensor))
+            elif maker is None and self._constant(tensor):
+                parts.append(InputPart(Origin.SITE, CONSTANT, tensor))
+            else:  # made unseen (a part of a site's output, an op outside the scopes)
+                rows = per_sample(tensor, self.recorder.batch_dim, self.tracker.rows)
+                parts.append(InputPart(Origin.INPUT, input_site(call, index).key, rows))
+        return parts
+
+    def _view(self, maker: str | None, source: torch.Tensor, out: Any) -> None:
+        """A view or copy of ``source``: made by the same site when it holds all of it,
+        or when ``source`` holds no per-sample data; else a part."""
+        if maker is None:
+            return
+        whole = maker in (INPUT, CONSTANT) or (
+            self.recorder.through_views and isinstance(out, torch.Tensor)
+            and out.numel() == source.numel())
+        self._note(maker if whole else _PART, out)
+
+    def _note(self, key: str | None, out: Any) -> None:
+        pending = self.tracker.pending
+        for item in ([out] if isinstance(out, torch.Tensor) else pytree.tree_leaves(out)):
+            if isinstance(item, torch.Tensor):
+                pending.append((key, item, None))
+
+    def _outputs(self, call: Site, out: Any) -> None:
+        pending = self.tracker.pending
+        if isinstance(out, torch.Tensor):
+            pending.append((call.key, out, call))
+            return
+        for i, tensor in enumerate(pytree.tree_leaves(out)):
+            if isinstance(tensor, torch.Tensor):
+                site = self._site(call.module, call.call, call.op, call.index, str(i))
+                pending.append((site.key, tensor, site if tensor.dim() > 0 else None))
+
+    def flush(self) -> None:
+        """Hands the last op's outputs on, now that their version counters are set."""
+        tracker = self.tracker
+        pending, tracker.pending = tracker.pending, []
+        rows, dim = tracker.rows, self.recorder.batch_dim
+        for key, tensor, site in pending:
+            if site is not None:
+                tracker.last_site = site.key
+                self.sink.on_tensor(site, per_sample(tensor, dim, rows))
+            tracker.note(key, tensor)
