@@ -11,10 +11,10 @@ import torch
 from torch import nn
 from torch.testing._comparison import default_tolerances
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.module_tracker import ModuleTracker
 
-__all__ = ["BATCH_NORM", "DROPOUT", "cuda_driver", "default_tolerances", "foreach_copy",
+__all__ = ["BATCH_NORM", "DROPOUT", "TorchDispatchMode", "cuda_driver", "default_tolerances", "foreach_copy",
            "impl", "modes_off", "module_tracker", "pytree", "version"]
 
 #: The base classes of BatchNorm and of Dropout layers (they mix samples, or draw random

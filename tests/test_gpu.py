@@ -212,3 +212,25 @@ def test_an_input_on_another_device_is_named_before_the_model_runs() -> None:
     model = nn.Linear(4, 4).cuda().eval()
     with pytest.raises(divtrace.DivtraceValueError, match=r"x is on cpu .* x\.to\('cuda:0'\)"):
         divtrace.compare(model, torch.randn(4, 4), progress=False)
+
+
+def test_op_sites_on_cuda_match_the_ops_run_by_hand() -> None:
+    torch.manual_seed(0)
+    model, x = models.Attention().eval().cuda(), torch.randn(8, 16, 32, device="cuda")
+    result = divtrace.compare(model, x, ops=True, keep=True, local=True, kernels=True,
+                              progress=False)
+    table = result.table.set_index("site")
+    ops = table[table["op"] != ""]
+    assert ops["status"].eq("ok").all()
+    sdpa = next(s for s in ops.index if "scaled_dot_product" in s and s.endswith("/0"))
+    with torch.no_grad():
+        q, k, v = model.qkv(x).view(8, 16, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        expected = nn.functional.scaled_dot_product_attention(q, k, v)
+        alone = torch.cat([nn.functional.scaled_dot_product_attention(
+            q[i:i + 1], k[i:i + 1], v[i:i + 1]) for i in range(8)])
+    batched, _split = result.pair(sdpa)
+    torch.testing.assert_close(batched, expected, rtol=0, atol=0)
+    assert ops.loc[sdpa, "kernels_batched"]  # a CUDA kernel named for the op itself
+    assert ops["local_status"].eq("ok").all()
+    if torch.equal(model.qkv(x)[:1], model.qkv(x[:1])):  # identical inputs: the op's own
+        assert ops.loc[sdpa, "mismatch"] == (expected != alone).double().mean().item()

@@ -22,7 +22,7 @@ from divtrace.measure.host import Deferred
 from divtrace.measure.meter import CallRecord, LeafCall
 from divtrace.plan.checks import patterns
 from divtrace.record.lineage import Origin
-from divtrace.record.ops import per_sample
+from divtrace.record.oplineage import per_sample
 from divtrace.record.rows import StoredRows
 
 if TYPE_CHECKING:

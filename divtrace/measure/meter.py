@@ -164,7 +164,8 @@ class Meter(Sink):
         measured.stats = self.host.add(self.stats(tensor, rows))
         for watcher in self.site_watchers:
             watcher(measured, tensor, rows)
-        if site.module == ROOT and tensor.dim() == 2 and tensor.is_floating_point():
+        if site.module == ROOT and not site.op and tensor.dim() == 2 and (
+                tensor.is_floating_point()):
             flips = _argmax(self.store.pick(tensor)) != _argmax(rows)
             measured.flips = self.host.add(flips.double())
         if self.keep:

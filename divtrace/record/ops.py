@@ -14,108 +14,31 @@ kind still carries the lineage: a whole view of a site's output is that site's o
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 from torch.nn.modules.module import register_module_forward_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from divtrace.align.sites import CONSTANT, INPUT, ROOT, Site, input_site, op_key, site_key
-from divtrace.compat import impl, modes_off, module_tracker, pytree, version
+from divtrace.compat import TorchDispatchMode, modes_off, module_tracker, pytree
 from divtrace.record.hooks import ModuleHooks
 from divtrace.record.lineage import InputPart, Origin
+from divtrace.record.oplineage import (
+    PART,
+    Kind,
+    OpTracker,
+    keeps_dtype,
+    kind_of,
+    per_sample,
+    written_args,
+)
 from divtrace.record.recorder import OP_RANGE, Recorder, Sink, Tracker
 
-__all__ = ["OpRecorder", "OpTracker", "per_sample"]
-
-#: Ops that return their input's values in a new tensor.
-_MOVES = frozenset({"aten::clone", "aten::_unsafe_view", "aten::alias", "aten::detach",
-                    "aten::lift_fresh", "aten::lift_fresh_copy"})
-#: Ops that copy values, maybe into another dtype: a site only when they cast.
-_CASTS = frozenset({"aten::_to_copy", "aten::copy_"})
-#: What made a tensor that holds per-sample data but is no site's whole output (a part
-#: of one, a view when views are not followed, what an op outside the scopes made): an
-#: op reading it gets it recorded under a pseudo-site of its own.
-_PART = "(part)"
-
-
-class _Kind(Enum):
-    VIEW = 1  # a view or a move: no site, the lineage passes through
-    CAST = 2  # a copy: a view when the dtype stays, else an op
-    OP = 3  # a site, when it reads per-sample data
-
-
-def _kind_of(func: Any) -> _Kind:
-    if func.is_view or func.name() in _MOVES:
-        return _Kind.VIEW
-    return _Kind.CAST if func.name() in _CASTS else _Kind.OP
-
-
-def _keeps_dtype(func: Any, tensors: list[torch.Tensor], kwargs: dict[str, Any]) -> bool:
-    """Whether a copy keeps the dtype (``_to_copy(x, dtype=...)``, ``copy_(dst, src)``)."""
-    if func.name() == "aten::copy_":
-        return len(tensors) > 1 and tensors[0].dtype == tensors[1].dtype
-    return kwargs.get("dtype") in (None, tensors[0].dtype)
-
-
-def per_sample(tensor: torch.Tensor, batch_dim: int, rows: int) -> torch.Tensor:
-    """``tensor`` with the batch in a dimension of its own: inside ops the batch is often
-    merged with the next dimension (``[B * heads, S, D]`` for a ``bmm``); a size that is
-    ``k`` times the rows is read as ``[rows, k]`` (batch-major, as ``view`` makes it)."""
-    if tensor.dim() == 0 or rows <= 0:
-        return tensor
-    dim = batch_dim % tensor.dim()
-    size = tensor.shape[dim]
-    if size == rows or size % rows:
-        return tensor
-    return tensor.unflatten(dim, (rows, size // rows))
-
-
-@dataclass
-class OpTracker(Tracker):
-    """A pass's state with ops: which call of each module is running, and which op site
-    made which tensor (apart from the module sites' lineage, which stays as it is)."""
-
-    entered: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
-    running: dict[str, int] = field(default_factory=dict)
-    #: per tensor (by its C++ object): what made it, and its version then
-    made_by_op: dict[int, tuple[str | None, int]] = field(default_factory=dict)
-    #: the last op's outputs, handed on once the op has returned (see :class:`_OpMode`)
-    pending: list[tuple[str | None, torch.Tensor, Site | None]] = field(default_factory=list)
-
-    def reset(self, rows: int = 0) -> None:
-        super().reset(rows)
-        self.entered.clear()
-        self.running.clear()
-        self.made_by_op.clear()
-        self.pending.clear()
-
-    def produced(self, key: str, tensor: torch.Tensor) -> None:
-        super().produced(key, tensor)
-        if key == INPUT:  # the model's input: per-sample when cut, else a constant
-            cut = tensor.dim() > 0 and self.rows in tensor.shape
-            self.note(INPUT if cut else CONSTANT, tensor)
-
-    def note(self, key: str | None, tensor: torch.Tensor) -> None:
-        """The op site ``key`` (or INPUT, CONSTANT; None: an op that is no site) made
-        ``tensor``. Every tensor an op of the pass makes is noted, so an entry left by a
-        freed tensor is overwritten before its address can mean another one."""
-        self.made_by_op[impl(tensor)] = (key, version(tensor))
-
-    def maker(self, tensor: torch.Tensor) -> str | None:
-        """What made this very tensor, unchanged since (None: nothing seen in this pass)."""
-        entry = self.made_by_op.get(impl(tensor))
-        if entry is None or version(tensor) != entry[1]:
-            return None
-        return entry[0]
-
+__all__ = ["OpRecorder"]
 
 class _QuietSink(Sink):
     """Hands the module hooks' tensors on to ``sink`` with no dispatch mode active: the
@@ -204,7 +127,8 @@ class _OpMode(TorchDispatchMode):
         self.recorder, self.sink, self.tracker = recorder, sink, tracker
         self.parents, self.constants, self.label = parents, constants, label
         self.depth = recorder.depth
-        self.kinds: dict[Any, _Kind] = {}
+        self.kinds: dict[Any, Kind] = {}
+        self.written: dict[Any, tuple[int, ...]] = {}
         self.sites: dict[tuple[str, str], Site] = {}
 
     def scope(self) -> str | None:
@@ -236,15 +160,15 @@ class _OpMode(TorchDispatchMode):
             return out
         kind = self.kinds.get(func)
         if kind is None:
-            kind = self.kinds[func] = _kind_of(func)
-        if kind is _Kind.VIEW or (kind is _Kind.CAST and _keeps_dtype(func, tensors, kwargs)):
+            kind = self.kinds[func] = kind_of(func)
+        if kind is Kind.VIEW or (kind is Kind.CAST and keeps_dtype(func, tensors, kwargs)):
             out = func(*args, **kwargs)
             source = 1 if func.name() == "aten::copy_" else 0
             self._view(makers[source], tensors[source], out)
             return out
         if name not in self.recorder.scopes:
             out = func(*args, **kwargs)
-            self._note(_PART, out)
+            self._note(PART, out)
             return out
         call = self._call(name, func)
         tracker.last_site = call.key
@@ -256,8 +180,19 @@ class _OpMode(TorchDispatchMode):
         self.sink.on_op(call, func, args, kwargs, self._parts(call, tensors, makers),
                         tracker)
         out = func(*args, **kwargs)
+        self._wrote(func, args, kwargs)
         self._outputs(call, out)
         return out
+
+    def _wrote(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        written = self.written.get(func)
+        if written is None:
+            written = self.written[func] = written_args(func)
+        if written:
+            schema = func._schema.arguments
+            values = [args[i] if i < len(args) else kwargs.get(schema[i].name)
+                      for i in written]
+            self.tracker.wrote([v for v in values if isinstance(v, torch.Tensor)])
 
     def _call(self, name: str, func: Any) -> Site:
         tracker = self.tracker
@@ -281,6 +216,8 @@ class _OpMode(TorchDispatchMode):
         """An input made before the pass: a parameter or buffer, or one without the batch."""
         if id(tensor) in self.constants:
             return True
+        if tensor.is_nested:  # the batch, one sample per entry
+            return False
         rows = self.tracker.rows
         if tensor.dim() == 0 or rows <= 0:
             return True
@@ -291,7 +228,7 @@ class _OpMode(TorchDispatchMode):
                ) -> list[InputPart]:
         parts = []
         for index, (tensor, maker) in enumerate(zip(tensors, makers, strict=True)):
-            if maker is not None and maker != _PART:
+            if maker is not None and maker != PART:
                 parts.append(InputPart(Origin.SITE, maker, tensor))
             elif maker is None and self._constant(tensor):
                 parts.append(InputPart(Origin.SITE, CONSTANT, tensor))
@@ -307,8 +244,8 @@ class _OpMode(TorchDispatchMode):
             return
         whole = maker in (INPUT, CONSTANT) or (
             self.recorder.through_views and isinstance(out, torch.Tensor)
-            and out.numel() == source.numel())
-        self._note(maker if whole else _PART, out)
+            and not (out.is_nested or source.is_nested) and out.numel() == source.numel())
+        self._note(maker if whole else PART, out)
 
     def _note(self, key: str | None, out: Any) -> None:
         pending = self.tracker.pending

@@ -193,7 +193,9 @@ class RowStore(Sink):
         if self._whole is not None and dim == 0:
             target = (stored.pieces[self._piece] if self._piece is not None
                       else rows.narrow(0, self._whole[0], self._whole[1]))
-            if self.offload or site.key in self._eager:
+            if self.offload or site.key in self._eager or site.op:
+                # an op's output may be written through an alias with a version counter
+                # of its own: copied at once, not at the end of the pass
                 target.copy_(tensor, self.offload)
             else:
                 self._pending.append((target, tensor, version(tensor), site.key))

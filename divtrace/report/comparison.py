@@ -105,7 +105,8 @@ class Comparison:
     @property
     def output(self) -> pd.Series | None:
         """The row of the model's final output (its first tensor, if it returns several)."""
-        rows = self._table[(self._table["module"] == ROOT) & (self._table["call"] == 0)]
+        table = self._table
+        rows = table[(table["module"] == ROOT) & (table["call"] == 0) & (table["op"] == "")]
         return None if rows.empty else rows.iloc[0]
 
     def first_exceeding(self, rtol: float | None = None,
