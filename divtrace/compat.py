@@ -14,8 +14,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.module_tracker import ModuleTracker
 
-__all__ = ["BATCH_NORM", "DROPOUT", "TorchDispatchMode", "cuda_driver", "default_tolerances", "foreach_copy",
-           "impl", "modes_off", "module_tracker", "pytree", "version"]
+__all__ = ["BATCH_NORM", "DROPOUT", "TorchDispatchMode", "cuda_driver", "default_tolerances",
+           "foreach_copy", "impl", "modes_off", "module_tracker", "pytree", "version"]
 
 #: The base classes of BatchNorm and of Dropout layers (they mix samples, or draw random
 #: numbers, in train mode).
