@@ -67,9 +67,15 @@ class Roles(Probe):
         noun = "Sources" if len(sources) > 1 else "Source"
         lines = [f"{noun} of divergence (input bit-identical in both runs, output not): "
                  f"{listed(sources)}. {after}"]
+        ops = sources[sources["op"] != ""]
+        if not ops.empty:
+            where = ", ".join(f"{r.op.rsplit('.', 1)[0]} in '{r.scope}' ({r.module_type})"
+                              for r in ops.head(4).itertuples())
+            more = "" if len(ops) <= 4 else f" and {len(ops) - 4} more"
+            lines.append(f"At op level the divergence enters at {where}{more}.")
         unknown = table[table["role"] == Role.UNKNOWN]
         if not unknown.empty:
-            lines.append(f"For {listed(unknown, 3)} the input could not be traced (made "
-                         f"outside any module and then changed in place), so the role is "
-                         f"unknown.")
+            lines.append(f"For {listed(unknown, 3)} an input could not be traced or compared "
+                         f"(made outside any module and changed in place, or not comparable "
+                         f"at its own site), so the role is unknown.")
         return lines
