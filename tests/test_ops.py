@@ -184,3 +184,15 @@ def test_an_error_inside_leaves_no_mode_behind() -> None:
     assert any("(model):aten.mul" in note for note in info.value.__notes__)
     assert _get_current_dispatch_mode() is None
     assert not torch.nn.modules.module._global_forward_pre_hooks
+
+
+def test_overloads_of_one_op_count_together() -> None:
+    class TwoMuls(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.ops.aten.mul.Scalar(x * x, 2.0)
+
+    result = divtrace.compare(TwoMuls(), torch.randn(4, 3), ops=True, progress=False)
+    ops = ops_of(result)
+    assert list(ops.index) == ["(model):aten.mul", "(model):aten.mul#1"]
+    assert list(ops["op"]) == ["aten.mul.Tensor", "aten.mul.Scalar"]
+    assert ops["status"].eq("ok").all()

@@ -198,7 +198,7 @@ class _OpMode(TorchDispatchMode):
         tracker = self.tracker
         call = tracker.running.get(name, 0)
         op = str(func)
-        counter = f"{site_key(name, call, '')}:{op}"
+        counter = op_key(site_key(name, call, ""), op, 0)  # overloads share a name
         index = tracker.calls[counter]
         tracker.calls[counter] = index + 1
         return self._site(name, call, op, index, "")
