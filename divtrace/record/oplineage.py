@@ -84,6 +84,9 @@ class OpTracker(Tracker):
     made which tensor (apart from the module sites' lineage, which stays as it is)."""
 
     entered: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+    #: per (scope, its call, op): how many such op calls ran
+    op_calls: defaultdict[tuple[str, int, Any], int] = field(
+        default_factory=lambda: defaultdict(int))
     running: dict[str, int] = field(default_factory=dict)
     #: per tensor (by its C++ object): what made it, and its version then
     made_by_op: dict[int, tuple[str | None, int, int]] = field(default_factory=dict)
@@ -96,6 +99,7 @@ class OpTracker(Tracker):
     def reset(self, rows: int = 0) -> None:
         super().reset(rows)
         self.entered.clear()
+        self.op_calls.clear()
         self.running.clear()
         self.made_by_op.clear()
         self.writes.clear()

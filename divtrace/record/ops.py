@@ -40,6 +40,18 @@ from divtrace.record.recorder import OP_RANGE, Recorder, Sink, Tracker
 
 __all__ = ["OpRecorder"]
 
+def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors among an ATen op's arguments, in order: arguments are tensors, lists of
+    tensors (``cat``) or plain values, so one level is enough."""
+    found = []
+    for value in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, list | tuple):
+            found.extend(v for v in value if isinstance(v, torch.Tensor))
+    return found
+
+
 class _QuietSink(Sink):
     """Hands the module hooks' tensors on to ``sink`` with no dispatch mode active: the
     sink's own work (copies, statistics, replays) is not the model's."""
@@ -129,7 +141,7 @@ class _OpMode(TorchDispatchMode):
         self.depth = recorder.depth
         self.kinds: dict[Any, Kind] = {}
         self.written: dict[Any, tuple[int, ...]] = {}
-        self.sites: dict[tuple[str, str], Site] = {}
+        self.sites: dict[tuple[str, int, Any, int, str], Site] = {}
 
     def scope(self) -> str | None:
         """The innermost module call running (the module tracker's deepest name)."""
@@ -149,9 +161,7 @@ class _OpMode(TorchDispatchMode):
         name = None if tracker.replaying else self.scope()
         if name is None:  # outside the model, or divtrace's own replay
             return func(*args, **kwargs)
-        plain = not kwargs and not any(isinstance(a, list | tuple) for a in args)
-        leaves = args if plain else pytree.tree_leaves((args, kwargs))
-        tensors = [a for a in leaves if isinstance(a, torch.Tensor)]
+        tensors = _tensors(args, kwargs)
         makers = [tracker.maker(t) for t in tensors]
         if all(m == CONSTANT or (m is None and self._constant(t))
                for m, t in zip(makers, tensors, strict=True)):
@@ -181,7 +191,7 @@ class _OpMode(TorchDispatchMode):
                         tracker)
         out = func(*args, **kwargs)
         self._wrote(func, args, kwargs)
-        self._outputs(call, out)
+        self._outputs(call, func, out)
         return out
 
     def _wrote(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -197,17 +207,17 @@ class _OpMode(TorchDispatchMode):
     def _call(self, name: str, func: Any) -> Site:
         tracker = self.tracker
         call = tracker.running.get(name, 0)
-        op = str(func)
-        counter = op_key(site_key(name, call, ""), op, 0)  # overloads share a name
-        index = tracker.calls[counter]
-        tracker.calls[counter] = index + 1
-        return self._site(name, call, op, index, "")
+        counter = (name, call, func.overloadpacket)  # overloads share a name and a count
+        index = tracker.op_calls[counter]
+        tracker.op_calls[counter] = index + 1
+        return self._site(name, call, func, index, "")
 
-    def _site(self, name: str, call: int, op: str, index: int, path: str) -> Site:
-        key = op_key(site_key(name, call, ""), op, index) + (f"/{path}" if path else "")
-        found = self.sites.get((key, path))
-        if found is None:
-            found = self.sites[key, path] = Site(
+    def _site(self, name: str, call: int, func: Any, index: int, path: str) -> Site:
+        found = self.sites.get((name, call, func, index, path))
+        if found is None:  # made once per op call of the model, then looked up
+            op = str(func)
+            key = op_key(site_key(name, call, ""), op, index) + (f"/{path}" if path else "")
+            found = self.sites[name, call, func, index, path] = Site(
                 key, name, self.recorder.types.get(name, ""), call, path, True, op=op,
                 index=index)
         return found
@@ -253,14 +263,14 @@ class _OpMode(TorchDispatchMode):
             if isinstance(item, torch.Tensor):
                 pending.append((key, item, None))
 
-    def _outputs(self, call: Site, out: Any) -> None:
+    def _outputs(self, call: Site, func: Any, out: Any) -> None:
         pending = self.tracker.pending
         if isinstance(out, torch.Tensor):
             pending.append((call.key, out, call))
             return
         for i, tensor in enumerate(pytree.tree_leaves(out)):
             if isinstance(tensor, torch.Tensor):
-                site = self._site(call.module, call.call, call.op, call.index, str(i))
+                site = self._site(call.module, call.call, func, call.index, str(i))
                 pending.append((site.key, tensor, site if tensor.dim() > 0 else None))
 
     def flush(self) -> None:
