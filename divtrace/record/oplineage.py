@@ -115,13 +115,17 @@ class OpTracker(Tracker):
         """The op site ``key`` (or INPUT, CONSTANT; None: an op that is no site) made
         ``tensor``. Every tensor an op of the pass makes is noted, so an entry left by a
         freed tensor is overwritten before its address can mean another one."""
-        self.made_by_op[impl(tensor)] = (key, version(tensor), self.writes[storage(tensor)])
+        writes = self.writes
+        count = writes.get(storage(tensor), 0) if writes else 0  # no write yet: no lookup
+        self.made_by_op[impl(tensor)] = (key, version(tensor), count)
 
     def maker(self, tensor: torch.Tensor) -> str | None:
         """What made this very tensor, unchanged since (None: nothing seen in this pass)."""
         entry = self.made_by_op.get(impl(tensor))
-        if entry is None or version(tensor) != entry[1] or (
-                entry[2] != self.writes.get(storage(tensor), 0)):
+        if entry is None or version(tensor) != entry[1]:
+            return None
+        writes = self.writes
+        if writes and entry[2] != writes.get(storage(tensor), 0):
             return None
         return entry[0]
 

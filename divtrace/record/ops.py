@@ -173,7 +173,7 @@ class _OpMode(TorchDispatchMode):
             kind = self.kinds[func] = kind_of(func)
         if kind is Kind.VIEW or (kind is Kind.CAST and keeps_dtype(func, tensors, kwargs)):
             out = func(*args, **kwargs)
-            source = 1 if func.name() == "aten::copy_" else 0
+            source = 1 if kind is Kind.CAST and len(tensors) > 1 else 0  # copy_(dst, src)
             self._view(makers[source], tensors[source], out)
             return out
         if name not in self.recorder.scopes:

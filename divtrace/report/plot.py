@@ -76,14 +76,15 @@ def _site_ticks(axis: Axes, names: list[str]) -> None:
     axis.set_xticks(ticks, [names[i] for i in ticks], rotation=90, fontsize=7)
 
 
-def _log_axis(ax: Axes, values: np.ndarray) -> None:
-    """A log y axis spanning at least two decades around the positive values."""
+def _log_axis(ax: Axes, values: np.ndarray, axis: str = "y") -> None:
+    """A log axis spanning at least two decades around the positive values."""
     positive = values[np.isfinite(values) & (values > 0)]
-    ax.set_yscale("log")
+    (ax.set_yscale if axis == "y" else ax.set_xscale)("log")
     if positive.size:
         low, high = np.log10(positive.min()), np.log10(positive.max())
         middle = (low + high) / 2
-        ax.set_ylim(10 ** min(low - 0.3, middle - 1), 10 ** max(high + 0.3, middle + 1))
+        limits = (10 ** min(low - 0.3, middle - 1), 10 ** max(high + 0.3, middle + 1))
+        (ax.set_ylim if axis == "y" else ax.set_xlim)(*limits)
 
 
 def _empty(ax: Axes, text: str) -> None:
@@ -94,9 +95,10 @@ def _empty(ax: Axes, text: str) -> None:
 def plot_snowball(result: Comparison, ax: Axes | None = None, metric: str = "rel_l2") -> Axes:
     """``metric`` against depth (leaf sites in execution order) on a log axis.
 
-    Bit-identical sites sit in the lane below; each module type has its own marker; a
-    dashed line marks the first divergence; rings mark the layers that add error of their
-    own (with ``local=True``, whose own error is drawn as small dots).
+    Bit-identical sites sit in the lane below; each module type has its own marker, and
+    op sites (``ops=True``) one of their own; a dashed line marks the first divergence;
+    rings mark the layers that add error of their own (with ``local=True``, whose own
+    error is drawn as small dots).
     """
     _check_metric(metric)
     ax = _axes(ax)
@@ -104,7 +106,8 @@ def plot_snowball(result: Comparison, ax: Axes | None = None, metric: str = "rel
     values = rows[metric].to_numpy(dtype=float)
     depth, positive = np.arange(len(rows)), values > 0
     lane = _lane(ax)
-    for i, (kind, group) in enumerate(rows.groupby("module_type", sort=False)):
+    kinds = rows["module_type"].where(rows["op"] == "", "op sites (ATen)")
+    for i, (kind, group) in enumerate(rows.groupby(kinds, sort=False)):
         marker = _MARKERS[i % len(_MARKERS)]
         at = group.index.to_numpy()
         shown = at[positive[at]]
@@ -192,7 +195,7 @@ def plot_sources(result: Comparison, ax: Axes | None = None) -> Axes:
                    edgecolors="black", s=36, zorder=3, label="divergence at its output")
     ax.set_yticks(position, labels, fontsize=7)
     ax.set_ylim(len(rows) - 0.5, -0.5)
-    ax.set_xscale("log")
+    _log_axis(ax, np.concatenate([own, rows["rel_l2"].to_numpy(dtype=float)]), axis="x")
     ax.grid(axis="x", color="0.9", linewidth=0.8)
     ax.set_xlabel("rel_l2")
     ax.set_title("divtrace: where error enters")
