@@ -3,7 +3,7 @@ prompt alone.
 
 Random-init models built from configs (nothing downloaded), fp32, TF32 off, cuDNN
 deterministic: a Llama-like model and a BERT, each with eager and SDPA attention, 16
-sequences of 128 tokens, batched vs each alone, ``ops=True``; and ``nn.TransformerEncoder``
+sequences of 128 tokens, batched vs each alone and vs chunks of 8, ``ops=True``; and ``nn.TransformerEncoder``
 in eval with a padding mask (the fused fast path), recorded with ``ops="only"`` (no hook
 inside the model: does the fast path stay on?) and with ``ops=True`` (module hooks: it
 goes off). Writes one table per case and a summary into --out.
@@ -102,12 +102,17 @@ def main() -> int:
             model = model.eval().cuda()
             torch.manual_seed(1)
             ids = torch.randint(0, info["vocab"], (16, 128), device="cuda")
-            start = time.perf_counter()
-            result = divtrace.compare(model, {"input_ids": ids}, ops=True, progress=False)
-            seconds = time.perf_counter() - start
-            result.table[COLUMNS].to_csv(args.out / f"ops_{name}.csv", index=False)
-            found[name] = describe(result) | {"seconds": seconds}
-            lines += [f"## {name} ({seconds:.1f} s)", result.summary(), ""]
+            for split, options in (("per sample", {}),
+                                   ("chunks of 8", {"chunk": 8, "samples": range(8)})):
+                start = time.perf_counter()
+                result = divtrace.compare(model, {"input_ids": ids}, ops=True,
+                                          progress=False, **options)
+                seconds = time.perf_counter() - start
+                case = name + ("" if not options else "_chunk8")
+                result.table[COLUMNS].to_csv(args.out / f"ops_{case}.csv", index=False)
+                found[case] = describe(result) | {"seconds": seconds, "split": split}
+                lines += [f"## {case}: batch of 16 vs {split} ({seconds:.1f} s)",
+                          result.summary(), ""]
             del model
             torch.cuda.empty_cache()
         encoder_case(args.out, lines, found)
