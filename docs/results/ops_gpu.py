@@ -3,10 +3,10 @@ prompt alone.
 
 Random-init models built from configs (nothing downloaded), fp32, TF32 off, cuDNN
 deterministic: a Llama-like model and a BERT, each with eager and SDPA attention, 16
-sequences of 128 tokens, batched vs each alone and vs chunks of 8, ``ops=True``; and ``nn.TransformerEncoder``
-in eval with a padding mask (the fused fast path), recorded with ``ops="only"`` (no hook
-inside the model: does the fast path stay on?) and with ``ops=True`` (module hooks: it
-goes off). Writes one table per case and a summary into --out.
+sequences of 128 tokens, batched vs each alone and vs chunks of 8, ``ops=True``; and
+``nn.TransformerEncoder`` in eval with a padding mask (the fused fast path), recorded
+with ``ops="only"`` (no hook inside the model: does the fast path stay on?) and with
+``ops=True`` (module hooks: it goes off). Writes one table per case and a summary into --out.
 
     python docs/results/ops_gpu.py --out docs/results/h200
 """
