@@ -1,5 +1,6 @@
-"""Where the time of ``compare(..., ops=True)`` goes: cProfile of one comparison of a
-pre-norm encoder (4 x 256, batch 32 x 128 tokens, per sample) on CUDA.
+"""Where the time of ``compare(..., ops=True)`` goes: cProfile of one comparison of the
+small transformer of ``benchmarks/ops.py`` (4 blocks of width 256, batch 32 x 128 tokens,
+per sample) on CUDA.
 
     python benchmarks/ops_profile.py
 """
@@ -14,14 +15,16 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ops import Block
 
 import divtrace
 
 
 def main() -> None:
     torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(256, 8, 1024, batch_first=True, norm_first=True)
-    model = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False).eval().cuda()
+    model = nn.Sequential(*[Block() for _ in range(4)]).eval().cuda()
     x = torch.randn(32, 128, 256, device="cuda")
 
     def run(ops: bool | str) -> None:
