@@ -196,3 +196,19 @@ def test_overloads_of_one_op_count_together() -> None:
     assert list(ops.index) == ["(model):aten.mul", "(model):aten.mul#1"]
     assert list(ops["op"]) == ["aten.mul.Tensor", "aten.mul.Scalar"]
     assert ops["status"].eq("ok").all()
+
+
+def test_a_write_through_an_alias_does_not_change_what_was_recorded() -> None:
+    class WritesThroughAlias(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = x * 2.0
+            h.detach().add_(1.0)  # an alias with a version counter of its own
+            return h * 1.0
+
+    x = torch.randn(6, 5)
+    result = divtrace.compare(WritesThroughAlias(), x, ops=True, keep=True, progress=False)
+    ops = ops_of(result)
+    assert ops.loc["(model):aten.mul", "mismatch"] == 0
+    batched, split = result.pair("(model):aten.mul")
+    torch.testing.assert_close(split, x * 2.0, rtol=0, atol=0)
+    torch.testing.assert_close(batched, x * 2.0, rtol=0, atol=0)

@@ -129,6 +129,10 @@ class OpTracker(Tracker):
             return None
         return entry[0]
 
+    def writes_to(self, tensor: torch.Tensor) -> int:
+        writes = self.writes
+        return writes.get(storage(tensor), 0) if writes else 0
+
     def wrote(self, tensors: list[torch.Tensor]) -> None:
         """An in-place op wrote to these tensors' memory."""
         for tensor in tensors:

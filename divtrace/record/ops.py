@@ -166,6 +166,7 @@ class _OpMode(TorchDispatchMode):
         if all(m == CONSTANT or (m is None and self._constant(t))
                for m, t in zip(makers, tensors, strict=True)):
             out = func(*args, **kwargs)  # made from nothing, or from constants only
+            self._wrote(func, args, kwargs)
             self._note(CONSTANT, out)
             return out
         kind = self.kinds.get(func)
@@ -173,11 +174,13 @@ class _OpMode(TorchDispatchMode):
             kind = self.kinds[func] = kind_of(func)
         if kind is Kind.VIEW or (kind is Kind.CAST and keeps_dtype(func, tensors, kwargs)):
             out = func(*args, **kwargs)
+            self._wrote(func, args, kwargs)
             source = 1 if kind is Kind.CAST and len(tensors) > 1 else 0  # copy_(dst, src)
             self._view(makers[source], tensors[source], out)
             return out
         if name not in self.recorder.scopes:
             out = func(*args, **kwargs)
+            self._wrote(func, args, kwargs)
             self._note(PART, out)
             return out
         call = self._call(name, func)
@@ -195,6 +198,8 @@ class _OpMode(TorchDispatchMode):
         return out
 
     def _wrote(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Counts an in-place op's writes to its arguments' memory (any op, site or not:
+        the lineage and the row store's deferred copies read the counts)."""
         written = self.written.get(func)
         if written is None:
             written = self.written[func] = written_args(func)

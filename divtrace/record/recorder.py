@@ -56,6 +56,11 @@ class Tracker:
         if self.lineage:
             self._made[id(tensor)] = (weakref.ref(tensor), key, version(tensor))
 
+    def writes_to(self, tensor: torch.Tensor) -> int:
+        """How many in-place writes to ``tensor``'s memory the recorder saw in this pass
+        (those its version counter may miss, made through an alias); 0 when not counted."""
+        return 0
+
     def producer(self, tensor: torch.Tensor, in_place: bool = False) -> str | None:
         """The site that output this very tensor, unchanged since, in this pass (or None).
 

@@ -85,7 +85,10 @@ class RowStore(Sink):
     # one per site, except for sites whose output a later op changes in place: those are
     # copied in their hook. Such sites are found by the tensors' version counters.
     _eager: set[str] = field(default_factory=set)
-    _pending: list[tuple[torch.Tensor, torch.Tensor, int, str]] = field(default_factory=list)
+    # (target, source, its version, its memory's write count, site key)
+    _pending: list[tuple[torch.Tensor, torch.Tensor, int, int, str]] = field(
+        default_factory=list)
+    _tracker: Tracker | None = None
     _touched: list[StoredRows] = field(default_factory=list)
     _holds: Counter[str] = field(default_factory=Counter)
     _index: dict[torch.device, torch.Tensor] = field(default_factory=dict)
@@ -95,6 +98,7 @@ class RowStore(Sink):
     def begin_chunk(self, start: int, stop: int, tracker: Tracker) -> None:
         """Starts a chunk of rows ``start:stop`` of the batch."""
         tracker.lineage = self.learn_lineage and not self.lineage  # learnt from the first
+        self._tracker = tracker
         self._chunk_len = stop - start
         inside = [s for s in self.samples if start <= s < stop]
         first_slot = self.samples.index(inside[0])
@@ -111,7 +115,9 @@ class RowStore(Sink):
         """Finishes the chunk. False if it must run again: an op changed a tensor in place
         after its hook, before its copy was made; that site is copied at once from now on.
         """
-        changed = [key for _, src, seen, key in self._pending if version(src) != seen]
+        writes = self._tracker.writes_to if self._tracker is not None else (lambda _t: 0)
+        changed = [key for _, src, seen, wrote, key in self._pending
+                   if version(src) != seen or writes(src) != wrote]
         if changed:
             self._eager.update(changed)
             self._pending.clear()
@@ -193,12 +199,11 @@ class RowStore(Sink):
         if self._whole is not None and dim == 0:
             target = (stored.pieces[self._piece] if self._piece is not None
                       else rows.narrow(0, self._whole[0], self._whole[1]))
-            if self.offload or site.key in self._eager or site.op:
-                # an op's output may be written through an alias with a version counter
-                # of its own: copied at once, not at the end of the pass
+            if self.offload or site.key in self._eager:
                 target.copy_(tensor, self.offload)
             else:
-                self._pending.append((target, tensor, version(tensor), site.key))
+                wrote = self._tracker.writes_to(tensor) if self._tracker is not None else 0
+                self._pending.append((target, tensor, version(tensor), wrote, site.key))
             return
         for slot, row, n in self._runs:
             rows.narrow(0, slot, n).copy_(tensor.narrow(dim, row, n).movedim(dim, 0),
