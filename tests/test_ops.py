@@ -202,7 +202,7 @@ def test_a_write_through_an_alias_does_not_change_what_was_recorded() -> None:
     class WritesThroughAlias(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             h = x * 2.0
-            h.detach().add_(1.0)  # an alias with a version counter of its own
+            h.data.add_(1.0)  # an alias with a version counter of its own
             return h * 1.0
 
     x = torch.randn(6, 5)
