@@ -17,6 +17,7 @@ from divtrace.errors import (
     DivtraceWarning,
 )
 from divtrace.explain.registry import EXPLAIN_COLUMNS
+from divtrace.plan.prompts import Prompts
 from divtrace.plan.runs import Run
 from divtrace.report.comparison import Comparison
 from divtrace.report.plot import overlay
@@ -34,6 +35,7 @@ __all__ = [
     "DivtraceTypeError",
     "DivtraceValueError",
     "DivtraceWarning",
+    "Prompts",
     "Run",
     "Sweep",
     "__version__",

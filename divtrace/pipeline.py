@@ -20,10 +20,13 @@ from divtrace.explain.probe import Context, Probe
 from divtrace.explain.registry import PROBES
 from divtrace.measure.host import Host
 from divtrace.measure.meter import Meter
+from divtrace.measure.ragged import RaggedMeter
 from divtrace.plan.make import Plan
+from divtrace.plan.prompts import RaggedInput
 from divtrace.progress import Progress
 from divtrace.record.guard import RandomDraws, cuda_devices, untouched
 from divtrace.record.loop import InputCopies
+from divtrace.record.ragged import RaggedStore
 from divtrace.record.rows import RowStore
 from divtrace.record.runner import Runner
 from divtrace.report.comparison import Comparison
@@ -38,8 +41,13 @@ def record(ctx: Context, runner: Runner, chunks: tuple[tuple[int, int], ...]) ->
     """Runs ``chunks`` of the batch with ``runner``, keeping the compared samples' rows
     (notes in ``ctx`` what the output was when it held no tensor)."""
     plan = ctx.plan
-    store = RowStore(list(plan.samples), plan.batch.batch_dim, plan.offload,
-                     runner.run.chunk or plan.batch.batch_size, pinned=plan.keep)
+    chunk = runner.run.chunk or plan.batch.batch_size
+    if isinstance(plan.batch, RaggedInput):  # prompts of different lengths
+        store: RowStore = RaggedStore(list(plan.samples), 0, plan.offload, chunk,
+                                      ragged=plan.batch)
+    else:
+        store = RowStore(list(plan.samples), plan.batch.batch_dim, plan.offload, chunk,
+                         pinned=plan.keep)
 
     def label(start: int, stop: int) -> str:
         inside = [s for s in plan.samples if start <= s < stop]
@@ -106,6 +114,19 @@ def _meta(plan: Plan, ctx: Context, stored_bytes: int, draws: RandomDraws,
                if (note := p.note()) is not None})
 
 
+def _meter(plan: Plan, ctx: Context, host: Host, probes: tuple[Probe, ...]) -> Meter:
+    """The measured run's meter (for prompts of different lengths, one that cuts each
+    prompt's real tokens out of the batched run's tensors)."""
+    sites = [partial(p.on_site, ctx) for p in probes if p.watches_sites]
+    calls = [partial(p.on_call, ctx) for p in probes if p.watches_calls]
+    size = plan.batch.batch_size
+    if isinstance(plan.batch, RaggedInput):
+        return RaggedMeter(ctx.store, size, host, plan.rtol, plan.atol, site_watchers=sites,
+                           call_watchers=calls, layout=plan.batch.layout(0, size))
+    return Meter(ctx.store, size, host, plan.rtol, plan.atol, keep=plan.keeps_batched,
+                 site_watchers=sites, call_watchers=calls)
+
+
 def execute(plan: Plan, model: nn.Module) -> Comparison:
     """Carries out ``plan`` on ``model``; the model comes back untouched."""
     reference = Runner.of(plan.reference, model, plan.modules, plan.output_only, plan.name("a"),
@@ -123,11 +144,7 @@ def execute(plan: Plan, model: nn.Module) -> Comparison:
             probe.before(ctx)
         ctx.store = record(ctx, reference, plan.reference_chunks)
         stored_bytes = ctx.store.stored_bytes
-        meter = ctx.meter = Meter(
-            ctx.store, plan.batch.batch_size, host, plan.rtol, plan.atol,
-            keep=plan.keeps_batched,
-            site_watchers=[partial(p.on_site, ctx) for p in probes if p.watches_sites],
-            call_watchers=[partial(p.on_call, ctx) for p in probes if p.watches_calls])
+        meter = ctx.meter = _meter(plan, ctx, host, probes)
         for probe in probes:
             probe.start(ctx)
         _measure(ctx, meter)

@@ -202,8 +202,8 @@ class TableView:
             if origin == Origin.SITE and key in self.fields:
                 parts.append(self.fields[key])
             elif origin == Origin.INPUT and measured is not None and measured.stats is not None:
-                per_sample = int(np.prod(measured.shape)) // self.batch
-                parts.append((measured.stats.get(), per_sample * self.n_samples))
+                count = np.broadcast_to(measured.per_sample(self.batch), self.n_samples).sum()
+                parts.append((measured.stats.get(), int(count)))
             else:
                 return None
         return sums(parts)

@@ -22,10 +22,10 @@ __all__ = ["FIGURES", "Figure", "SiteFields", "cosine", "rel_l2", "sample_figure
 class SiteFields:
     """The per-sample fields of one site, ``[samples, fields]`` on the host."""
 
-    def __init__(self, stats: np.ndarray, elements_per_sample: int) -> None:
+    def __init__(self, stats: np.ndarray, elements_per_sample: int | np.ndarray) -> None:
         self.stats = stats
-        self.per_sample = elements_per_sample
-        self.numel = elements_per_sample * stats.shape[0]
+        self.per_sample = elements_per_sample  # one count, or one per sample
+        self.numel = int(np.broadcast_to(elements_per_sample, (stats.shape[0],)).sum())
 
     def column(self, name: str) -> np.ndarray:
         return self.stats[:, INDEX[name]]
@@ -98,19 +98,20 @@ FIGURES: tuple[Figure, ...] = (
 )
 
 
-def site_figures(stats: np.ndarray, elements_per_sample: int,
+def site_figures(stats: np.ndarray, elements_per_sample: int | np.ndarray,
                  figures: tuple[Figure, ...] = FIGURES) -> dict[str, float]:
     """The site-level figures of one site from its per-sample ``[S, fields]`` stats."""
     fields = SiteFields(stats, elements_per_sample)
     return {figure.name: figure.compute(fields) for figure in figures}
 
 
-def sample_figures(stats: np.ndarray, elements_per_sample: int
+def sample_figures(stats: np.ndarray, elements_per_sample: int | np.ndarray
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per sample: ``mismatch`` (a fraction), ``rel_l2`` and ``max_abs``."""
     fields = SiteFields(stats, elements_per_sample)
-    mismatch = fields.column("mismatch") / elements_per_sample if elements_per_sample else (
-        np.zeros(len(stats)))
+    counts = np.broadcast_to(np.asarray(elements_per_sample, dtype=float), (len(stats),))
+    mismatch = np.divide(fields.column("mismatch"), counts, out=np.zeros(len(stats)),
+                         where=counts > 0)
     rel = np.atleast_1d(rel_l2(np.sqrt(fields.column("sq_diff")),
                                np.sqrt(fields.column("sq_ref"))))
     return mismatch, rel, fields.column("max_abs")

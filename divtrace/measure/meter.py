@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -53,6 +54,15 @@ class Measured:
     stats: Deferred | None = None  # [samples, len(FIELDS)]
     flips: Deferred | None = None  # [samples] argmax flips, for 2-D model outputs
     kept: torch.Tensor | None = None  # the measured run's rows, when kept
+    #: compared elements per sample, where they differ from sample to sample (prompts of
+    #: different lengths); None: the shape's elements over the batch
+    elements: tuple[int, ...] | None = None
+
+    def per_sample(self, batch: int) -> int | np.ndarray:
+        """The compared elements of each sample (one number when all are equal)."""
+        if self.elements is not None:
+            return np.asarray(self.elements)
+        return int(np.prod(self.shape)) // batch
 
 
 @dataclass
@@ -181,23 +191,26 @@ class Meter(Sink):
     def stats(self, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Per-sample statistics of the compared rows of ``tensor`` against ``rows``."""
         dim = self.store.batch_dim % tensor.dim()
-        mixed = tensor.dtype != rows.dtype
-        rtol, atol = self._tolerances(lower_precision(tensor.dtype, rows.dtype) if mixed
-                                      else tensor.dtype)
-        fast = fused.supports(tensor) and not mixed
-        stats = mixed_stats if mixed else block_stats  # mixed: two configurations of a run
-        width = _CPU_BLOCK if tensor.device.type == "cpu" else self._budget
         per_run = []
         for slot, row, n in self._runs:
             b = tensor if n == self.batch else tensor.narrow(dim, row, n)
             b = (b.movedim(dim, 0) if dim else b).reshape(n, -1)
             r = (rows if n == len(rows) else rows.narrow(0, slot, n)).reshape(n, -1)
-            if fast:  # one pass, no temporaries beyond a partial row per program
-                per_run.append(fused.fused_stats(b, r, rtol, atol))
-                continue
-            per_run.append(combine([stats(b[:, lo:hi], r[:, lo:hi], rtol, atol)
-                                    for lo, hi in blocks(n, b.shape[1], width)]))
+            per_run.append(self.pair_stats(b, r))
         return per_run[0] if len(per_run) == 1 else torch.cat(per_run)
+
+    def pair_stats(self, b: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """Per-row statistics of two ``[rows, elements]`` blocks (the measured run's, the
+        reference run's)."""
+        mixed = b.dtype != r.dtype
+        rtol, atol = self._tolerances(lower_precision(b.dtype, r.dtype) if mixed
+                                      else b.dtype)
+        if fused.supports(b) and not mixed:  # one pass, no temporaries beyond a partial row
+            return fused.fused_stats(b, r, rtol, atol)
+        stats = mixed_stats if mixed else block_stats  # mixed: two configurations of a run
+        width = _CPU_BLOCK if b.device.type == "cpu" else self._budget
+        return combine([stats(b[:, lo:hi], r[:, lo:hi], rtol, atol)
+                        for lo, hi in blocks(len(b), b.shape[1], width)])
 
     def compare_stores(self, second: RowStore, batch: int) -> None:
         """Measures ``second``'s rows against this meter's store (both runs chunked)."""

@@ -48,10 +48,13 @@ class StoredRows:
     filled: int = 0
     status: Status = Status.OK
     pieces: tuple[torch.Tensor, ...] = ()  # rows split by chunk, when every row is compared
+    #: one tensor per compared sample, for rows of different shapes (prompts of different
+    #: lengths: each prompt's real tokens); then ``rows`` is None
+    parts: list[torch.Tensor | None] | None = None
 
     def drop(self, status: Status | None = None) -> None:
         """Releases the rows (and the views into them); optionally marks the site."""
-        self.rows, self.pieces = None, ()
+        self.rows, self.pieces, self.parts = None, (), None
         if status is not None:
             self.status = status
 

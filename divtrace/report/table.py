@@ -68,8 +68,8 @@ def _measured_rows(plan: Plan, sites: list[Measured]
         row = _site_row(site, plan.figures)
         if site.stats is not None:
             array = site.stats.get()
-            per_sample = int(np.prod(site.shape)) // batch
-            fields[site.site.key] = (array, per_sample * len(samples))
+            per_sample = site.per_sample(batch)
+            fields[site.site.key] = (array, int(np.broadcast_to(per_sample, len(samples)).sum()))
             row |= site_figures(array, per_sample, plan.figures)
             mismatch, rel, max_abs = sample_figures(array, per_sample)
             for j, sample in enumerate(samples):

@@ -1,0 +1,22 @@
+"""Prompts of different lengths: a row's real tokens inside a padded pass."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["real_tokens"]
+
+
+def real_tokens(tensor: torch.Tensor, row: int, length: int, offset: int, valid: int
+                ) -> torch.Tensor:
+    """Row ``row`` of a pass's tensor (batch first), without the batch dimension and cut,
+    along every axis as long as the pass's padded ``length``, to the row's ``valid`` real
+    tokens from ``offset``. Axes of another length (hidden size, heads, a pooled output)
+    are kept whole; so is every axis when the row has no padding."""
+    part = tensor[row]
+    if valid == length:
+        return part
+    for dim, size in enumerate(part.shape):
+        if size == length:
+            part = part.narrow(dim, offset, valid)
+    return part

@@ -1,0 +1,151 @@
+"""Prompts of different lengths: padded into one batch for the batched run, each alone (or
+padded among its chunk) for the split run, as a language model serves them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from divtrace.compat import pytree
+from divtrace.errors import DivtraceTypeError, DivtraceValueError
+from divtrace.plan.inputs import BatchedInput
+
+__all__ = ["Layout", "Prompts", "RaggedInput", "pad"]
+
+
+class Prompts:
+    """Token-id prompts of different lengths, for ``compare(model, Prompts(...))``.
+
+    The batched run gets them padded into one batch (``input_ids``, ``attention_mask``
+    and, with ``position_ids=True``, the position ids a Hugging Face ``generate()`` makes:
+    the count of real tokens before each one); the split run gets each prompt alone,
+    unpadded (with ``chunk > 1``, padded among its chunk). Every site is compared on each
+    prompt's real token positions only: padding is never compared.
+
+    Args:
+        prompts: 1-D integer tensors, one per prompt, on the model's device.
+        padding_side: ``"left"`` (as for generation) or ``"right"``.
+        pad_token_id: The id written at padded positions.
+        position_ids: Also pass ``position_ids`` (for models that would otherwise number
+            padded positions too).
+
+    Example:
+        >>> import torch, divtrace
+        >>> prompts = divtrace.Prompts([torch.tensor([5, 6, 7]), torch.tensor([8])])
+        >>> prompts.lengths
+        (3, 1)
+    """
+
+    __slots__ = ("pad_token_id", "padding_side", "position_ids", "prompts")
+
+    def __init__(self, prompts: Sequence[torch.Tensor], *, padding_side: str = "left",
+                 pad_token_id: int = 0, position_ids: bool = True) -> None:
+        if isinstance(prompts, torch.Tensor) or not isinstance(prompts, Sequence):
+            raise DivtraceTypeError(
+                f"prompts must be a list of 1-D token-id tensors; got "
+                f"{type(prompts).__name__} (for one padded batch, pass input_ids and "
+                f"attention_mask to compare() as a dict)")
+        if not prompts:
+            raise DivtraceValueError("prompts is empty; give at least one prompt")
+        for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1 or (
+                    prompt.is_floating_point() or prompt.is_complex()):
+                got = (f"a {prompt.dim()}-D {prompt.dtype} tensor"
+                       if isinstance(prompt, torch.Tensor) else type(prompt).__name__)
+                raise DivtraceValueError(
+                    f"prompts[{i}] must be a 1-D tensor of token ids; got {got}")
+            if prompt.numel() == 0:
+                raise DivtraceValueError(f"prompts[{i}] is empty; every prompt needs a token")
+        devices = {p.device for p in prompts}
+        if len(devices) > 1:
+            raise DivtraceValueError(
+                f"the prompts lie on several devices ({', '.join(map(str, devices))}); "
+                f"move them to the model's device")
+        if padding_side not in ("left", "right"):
+            raise DivtraceValueError(
+                f"padding_side must be 'left' or 'right'; got {padding_side!r}")
+        self.prompts = tuple(prompts)
+        self.padding_side = padding_side
+        self.pad_token_id = int(pad_token_id)
+        self.position_ids = bool(position_ids)
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return tuple(int(p.numel()) for p in self.prompts)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __repr__(self) -> str:
+        return (f"Prompts({len(self)} prompts, lengths {min(self.lengths)}..."
+                f"{max(self.lengths)}, padding_side={self.padding_side!r})")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each row's real tokens lie in a pass: the padded length, and per row the
+    offset and the count of its real tokens."""
+
+    length: int
+    offsets: tuple[int, ...]
+    valid: tuple[int, ...]
+
+
+def pad(prompts: Prompts, start: int, stop: int) -> tuple[dict[str, torch.Tensor], Layout]:
+    """The model's keyword inputs for prompts ``start:stop`` padded into one batch, and
+    where their real tokens lie."""
+    chosen = prompts.prompts[start:stop]
+    lengths = [int(p.numel()) for p in chosen]
+    length = max(lengths)
+    first = chosen[0]
+    ids = torch.full((len(chosen), length), prompts.pad_token_id, dtype=first.dtype,
+                     device=first.device)
+    mask = torch.zeros((len(chosen), length), dtype=torch.long, device=first.device)
+    left = prompts.padding_side == "left"
+    offsets = [length - n if left else 0 for n in lengths]
+    for row, (prompt, offset, n) in enumerate(zip(chosen, offsets, lengths, strict=True)):
+        ids[row, offset:offset + n] = prompt
+        mask[row, offset:offset + n] = 1
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    if prompts.position_ids:  # as generate() makes them: real tokens counted from 0
+        inputs["position_ids"] = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1)
+    return inputs, Layout(length, tuple(offsets), tuple(lengths))
+
+
+@dataclass(frozen=True)
+class RaggedInput(BatchedInput):
+    """A :class:`BatchedInput` whose rows are prompts of different lengths: each pass pads
+    its own rows (:func:`pad`); :meth:`layout` says where the real tokens lie."""
+
+    prompts: Prompts | None = None
+
+    def layout(self, start: int, stop: int) -> Layout:
+        """Where the real tokens of rows ``start:stop`` lie when they run as one pass."""
+        return pad(self.source, start, stop)[1]
+
+    @property
+    def source(self) -> Prompts:
+        assert self.prompts is not None
+        return self.prompts
+
+    def row_leaves(self, start: int, stop: int, copy: bool = False) -> list[Any]:
+        inputs, _ = pad(self.source, start, stop)  # fresh tensors: copies already
+        return list(inputs.values())
+
+    def select(self, rows: list[int]) -> BatchedInput:
+        return ragged_input(Prompts([self.source.prompts[i] for i in rows],
+                                    padding_side=self.source.padding_side,
+                                    pad_token_id=self.source.pad_token_id,
+                                    position_ids=self.source.position_ids))
+
+
+def ragged_input(prompts: Prompts) -> RaggedInput:
+    """The input of a comparison of ``prompts``."""
+    inputs, _ = pad(prompts, 0, len(prompts))
+    leaves, spec = pytree.tree_flatten(((), inputs))
+    return RaggedInput(tuple(leaves), spec, (0,) * len(leaves),
+                       tuple(f"x[{name!r}]" for name in inputs), len(prompts), 0,
+                       prompts=prompts)

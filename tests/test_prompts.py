@@ -1,0 +1,165 @@
+"""Prompts of different lengths (``divtrace.Prompts``): padded in the batch, alone in the
+split run, compared on each prompt's real tokens only."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import divtrace
+from divtrace.plan.prompts import pad
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_llama() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100, attn_implementation="eager")
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def tiny_gpt2() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100,
+                                     n_positions=64, attn_implementation="eager")
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def some_prompts(*lengths: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(sum(lengths))
+    return [torch.randint(1, 100, (n,), generator=generator) for n in lengths]
+
+
+def expected_logits(model: nn.Module, prompts: divtrace.Prompts
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per prompt: its real tokens' logits in the padded batch, and alone."""
+    inputs, layout = pad(prompts, 0, len(prompts))
+    with torch.no_grad():
+        batched = model(**inputs).logits
+        alone = [model(**pad(prompts, i, i + 1)[0]).logits[0] for i in range(len(prompts))]
+    cut = [batched[i, off:off + n] for i, (off, n) in
+           enumerate(zip(layout.offsets, layout.valid, strict=True))]
+    return cut, alone
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
+def test_the_output_is_compared_on_real_tokens(side: str, build: object) -> None:
+    model = build()  # type: ignore[operator]
+    prompts = divtrace.Prompts(some_prompts(5, 9, 1, 7), padding_side=side)
+    result = divtrace.compare(model, prompts, progress=False)
+    out = result.output
+    assert out is not None
+    assert out["status"] == "ok"
+    batched, alone = expected_logits(model, prompts)
+    b, a = torch.cat([t.flatten() for t in batched]), torch.cat([t.flatten() for t in alone])
+    assert out["numel"] == (5 + 9 + 1 + 7) * 100
+    assert out["mismatch"] == (b != a).double().mean().item()
+    diff = (b.double() - a.double()).norm() / a.double().norm()
+    assert out["rel_l2"] == pytest.approx(diff.item(), rel=1e-9, abs=1e-30)
+    samples = result.samples
+    last = samples[samples["site"] == out["site"]].set_index("sample")
+    for i in range(4):
+        expected = (batched[i] != alone[i]).double().mean().item()
+        assert last.loc[i, "mismatch"] == expected
+
+
+class Masked(nn.Module):
+    """Embeds, then writes a huge value at every padded position: if padding were compared,
+    every site would differ."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(100, 16)
+        self.scale = nn.Linear(16, 16, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids) * 2.0
+        x = torch.where(attention_mask[..., None] > 0, x, torch.full_like(x, 1e6))
+        return torch.tanh(x) + position_ids[..., None]
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padding_is_never_compared(side: str) -> None:
+    prompts = divtrace.Prompts(some_prompts(3, 8, 1), padding_side=side)
+    result = divtrace.compare(Masked().eval(), prompts, ops=True, progress=False)
+    table = result.table
+    compared = table[table["status"] == "ok"]
+    assert len(compared) >= 5
+    assert (compared["mismatch"] == 0).all()
+    assert result.verdict == "identical"
+    assert table.set_index("site").loc["(model)", "numel"] == (3 + 8 + 1) * 16
+
+
+def test_chunks_of_prompts_are_padded_among_themselves() -> None:
+    model = tiny_llama()
+    prompts = divtrace.Prompts(some_prompts(4, 6, 2, 5))
+    result = divtrace.compare(model, prompts, chunk=2, samples=[1, 2], progress=False)
+    out = result.output
+    assert out is not None
+    assert out["numel"] == (6 + 2) * 100
+    inputs, layout = pad(prompts, 0, 4)
+    first, first_layout = pad(prompts, 0, 2)
+    second, second_layout = pad(prompts, 2, 4)
+    with torch.no_grad():
+        batched = model(**inputs).logits
+        split_first = model(**first).logits
+        split_second = model(**second).logits
+    b = torch.cat([batched[1, layout.offsets[1]:], batched[2, layout.offsets[2]:]])
+    s = torch.cat([split_first[1, first_layout.offsets[1]:],  # prompt 1: row 1 of 0:2
+                   split_second[0, second_layout.offsets[0]:]])  # prompt 2: row 0 of 2:4
+    assert out["mismatch"] == (b != s).double().mean().item()
+
+
+def test_op_sites_with_prompts() -> None:
+    result = divtrace.compare(tiny_llama(), divtrace.Prompts(some_prompts(3, 6)), ops=True,
+                              progress=False)
+    table = result.table
+    ops = table[table["op"] != ""]
+    bmm = ops[ops["site"].str.contains("self_attn:aten.bmm")]
+    assert not bmm.empty
+    assert (bmm["status"] == "ok").all()
+    # attention scores: heads x real queries x real keys per prompt
+    assert bmm.iloc[0]["numel"] == 4 * (3 * 3 + 6 * 6)
+
+
+def test_prompts_are_validated() -> None:
+    model = tiny_llama()
+    prompts = divtrace.Prompts(some_prompts(3, 4))
+    with pytest.raises(divtrace.DivtraceValueError, match="local="):
+        divtrace.compare(model, prompts, local=True, progress=False)
+    with pytest.raises(divtrace.DivtraceValueError, match="keep=True"):
+        divtrace.compare(model, prompts, keep=True, progress=False)
+    with pytest.raises(divtrace.DivtraceValueError, match="run b must take the whole"):
+        divtrace.compare(model, prompts, a=divtrace.Run(chunk=1), b=divtrace.Run(chunk=1),
+                         progress=False)
+    with pytest.raises(divtrace.DivtraceValueError, match="batch_dim"):
+        divtrace.compare(model, prompts, batch_dim=1, progress=False)
+    with pytest.raises(divtrace.DivtraceValueError, match=r"prompts\[1\] must be a 1-D"):
+        divtrace.Prompts([torch.tensor([1, 2]), torch.ones(2, 2, dtype=torch.long)])
+    with pytest.raises(divtrace.DivtraceValueError, match=r"prompts\[0\] is empty"):
+        divtrace.Prompts([torch.tensor([], dtype=torch.long)])
+    with pytest.raises(divtrace.DivtraceTypeError, match="list of 1-D token-id tensors"):
+        divtrace.Prompts(torch.ones(2, 3, dtype=torch.long))
+    with pytest.raises(divtrace.DivtraceValueError, match="padding_side"):
+        divtrace.Prompts(some_prompts(2), padding_side="middle")
+
+
+def test_a_pooled_output_is_compared_whole() -> None:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=64,
+                                     vocab_size=100, attn_implementation="eager")
+    bert = transformers.BertModel(config).eval()
+    prompts = divtrace.Prompts(some_prompts(4, 7, 2), padding_side="right",
+                               position_ids=False)
+    table = divtrace.compare(bert, prompts, progress=False).table.set_index("site")
+    assert table.loc["pooler", "status"] == "ok"
+    assert table.loc["pooler", "numel"] == 3 * 32
+    assert not math.isnan(table.loc["pooler", "rel_l2"])
