@@ -17,6 +17,8 @@ from divtrace.errors import (
     DivtraceWarning,
 )
 from divtrace.explain.registry import EXPLAIN_COLUMNS
+from divtrace.generate.result import Generation
+from divtrace.generation import compare_generate
 from divtrace.plan.prompts import Prompts
 from divtrace.plan.runs import Run
 from divtrace.report.comparison import Comparison
@@ -35,11 +37,13 @@ __all__ = [
     "DivtraceTypeError",
     "DivtraceValueError",
     "DivtraceWarning",
+    "Generation",
     "Prompts",
     "Run",
     "Sweep",
     "__version__",
     "compare",
+    "compare_generate",
     "overlay",
     "sweep",
     "sweep_batch",

@@ -16,7 +16,7 @@ from divtrace.explain.registry import probes_for
 from divtrace.measure.figures import FIGURES, Figure
 from divtrace.plan.checks import tolerance
 from divtrace.plan.inputs import BatchDim, BatchedInput, prepare_input
-from divtrace.plan.prompts import Prompts, ragged_input
+from divtrace.plan.prompts import Prompts, RaggedInput, ragged_input
 from divtrace.plan.runs import Run
 from divtrace.plan.samples import check_chunk, chunks_for, prepare_samples
 from divtrace.plan.selection import ModuleSpec, check_modules, mixing_modules
@@ -134,8 +134,8 @@ _NOT_WITH_PROMPTS = {"local": "replays a layer on rows of one shape",
                      "repeat": "measures the batched run against itself"}
 
 
-def _prompts_input(x: Prompts, batch_dim: Any, options: Mapping[str, Any], keep: bool
-                   ) -> BatchedInput:
+def _prompts_input(x: Prompts | RaggedInput, batch_dim: Any, options: Mapping[str, Any],
+                   keep: bool) -> BatchedInput:
     if batch_dim != 0:
         raise DivtraceValueError(
             f"with Prompts the batch is the first dimension; leave batch_dim out (got "
@@ -146,7 +146,7 @@ def _prompts_input(x: Prompts, batch_dim: Any, options: Mapping[str, Any], keep:
         raise DivtraceValueError(
             f"with Prompts of different lengths, {'; '.join(refused)} is not supported "
             f"yet; leave it out, or compare prompts of one length as a tensor")
-    return ragged_input(x)
+    return x if isinstance(x, RaggedInput) else ragged_input(x)
 
 
 def _check_ops(ops: Any, runs: tuple[Run, Run]) -> bool | str:
@@ -239,15 +239,16 @@ def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
         raise DivtraceTypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
     probes = probes_for(options, model)
     rtol, atol = tolerance(rtol, "rtol"), tolerance(atol, "atol")
-    batch = (_prompts_input(x, batch_dim, options, keep) if isinstance(x, Prompts)
-             else prepare_input(x, batch_dim, stacklevel=4))
+    batch = (_prompts_input(x, batch_dim, options, keep)
+             if isinstance(x, Prompts | RaggedInput) else prepare_input(x, batch_dim,
+                                                                          stacklevel=4))
     _check_materialised(model, batch)
     rows = prepare_samples(samples, batch.batch_size)
     size = batch.batch_size
     ref, test = _runs(a, b, chunk, size)
     _check_input(model, x, batch, (ref, test))
     needing = [probe.option for probe in probes if probe.whole_batch]
-    if isinstance(x, Prompts) and test.chunk is not None:
+    if isinstance(batch, RaggedInput) and test.chunk is not None:
         raise DivtraceValueError(
             "with Prompts, run b must take the whole batch in one pass (its padding is "
             "the layout the prompts are measured in); give a chunk to run a only")

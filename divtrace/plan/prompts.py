@@ -12,6 +12,7 @@ import torch
 from divtrace.compat import pytree
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
 from divtrace.plan.inputs import BatchedInput
+from divtrace.record.loop import Driver
 
 __all__ = ["Layout", "Prompts", "RaggedInput", "pad"]
 
@@ -121,10 +122,20 @@ class RaggedInput(BatchedInput):
     its own rows (:func:`pad`); :meth:`layout` says where the real tokens lie."""
 
     prompts: Prompts | None = None
+    #: how a pass runs the model (e.g. ``generate()`` up to a step); None: one forward call
+    driver: Driver | None = None
+    #: the generation step whose forward call is observed (0: the prefill); None: no
+    #: generation
+    step: int | None = None
 
     def layout(self, start: int, stop: int) -> Layout:
-        """Where the real tokens of rows ``start:stop`` lie when they run as one pass."""
-        return pad(self.source, start, stop)[1]
+        """Where the real tokens of rows ``start:stop`` lie in the observed call of their
+        pass (at generation step ``t``, ``t`` tokens more in every row)."""
+        layout = pad(self.source, start, stop)[1]
+        if not self.step:
+            return layout
+        return Layout(layout.length + self.step, layout.offsets,
+                      tuple(n + self.step for n in layout.valid))
 
     @property
     def source(self) -> Prompts:
@@ -142,10 +153,11 @@ class RaggedInput(BatchedInput):
                                     position_ids=self.source.position_ids))
 
 
-def ragged_input(prompts: Prompts) -> RaggedInput:
-    """The input of a comparison of ``prompts``."""
+def ragged_input(prompts: Prompts, driver: Driver | None = None,
+                 step: int | None = None) -> RaggedInput:
+    """The input of a comparison of ``prompts`` (run by ``driver``, observed at ``step``)."""
     inputs, _ = pad(prompts, 0, len(prompts))
     leaves, spec = pytree.tree_flatten(((), inputs))
     return RaggedInput(tuple(leaves), spec, (0,) * len(leaves),
                        tuple(f"x[{name!r}]" for name in inputs), len(prompts), 0,
-                       prompts=prompts)
+                       prompts=prompts, driver=driver, step=step)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -14,7 +14,19 @@ from divtrace.compat import version
 from divtrace.plan.inputs import BatchedInput
 from divtrace.record.recorder import Recorder, Sink, Tracker
 
-__all__ = ["InputCopies", "drive", "forward"]
+__all__ = ["Driver", "InputCopies", "drive", "forward"]
+
+
+class Driver(Protocol):
+    """How a pass runs the model when it is not one forward call (e.g. ``generate()`` up
+    to a step): an input may carry one as its ``driver``."""
+
+    def observed(self, sink: Sink) -> Sink:
+        """The sink the recorder hands tensors to (only those of the observed call)."""
+
+    def run(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+            tracker: Tracker) -> Any:
+        """Runs the pass; returns its output."""
 
 
 class InputCopies:
@@ -49,7 +61,7 @@ class InputCopies:
 
 def forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             tracker: Tracker, label: Callable[[], str], inputs: list[torch.Tensor],
-            rows: int = 0) -> Any:
+            rows: int = 0, driver: Driver | None = None) -> Any:
     """One forward pass over ``rows`` rows of the batch; an exception keeps its type and
     gains a note naming the pass (``label()``, made only then) and the last site it
     reached. ``inputs``: the tensors among the arguments (the model's own input, for the
@@ -58,6 +70,8 @@ def forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     for tensor in inputs:
         tracker.produced(INPUT, tensor)
     try:
+        if driver is not None:
+            return driver.run(model, args, kwargs, tracker)
         return model(*args, **kwargs)
     except Exception as exc:
         where = tracker.last_site or "none (no module had returned yet)"
@@ -93,6 +107,9 @@ def drive(model: nn.Module, recorder: Recorder, sink: Sink, batch: BatchedInput,
     """
     copies = copies or InputCopies(batch)
     kind = None
+    driver: Driver | None = getattr(batch, "driver", None)
+    if driver is not None:
+        sink = driver.observed(sink)
     with recorder.observe(sink) as tracker:
         for start, stop in chunks:
             done = False
@@ -104,7 +121,7 @@ def drive(model: nn.Module, recorder: Recorder, sink: Sink, batch: BatchedInput,
                 seen = copies.seen(tensors)
                 sink.begin_chunk(start, stop, tracker)
                 output = forward(model, *batch.build(leaves), tracker,
-                                 partial(label, start, stop), tensors, stop - start)
+                                 partial(label, start, stop), tensors, stop - start, driver)
                 copies.after(tensors, seen)
                 done = sink.end_chunk()
             kind = _kind(output)

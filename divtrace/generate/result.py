@@ -1,0 +1,161 @@
+"""The result of ``compare_generate()``: the token table, where each prompt's runs part,
+and the layer-wise comparison of any step."""
+
+from __future__ import annotations
+
+import html
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+from torch import nn
+
+from divtrace.errors import DivtraceValueError, DivtraceWarning
+from divtrace.generate.step import GenerationStep
+from divtrace.plan.prompts import Prompts, ragged_input
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+    from divtrace.report.comparison import Comparison
+
+__all__ = ["Generation"]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """How greedy decoding of prompts in a batch and alone compares, step by step.
+
+    Attributes:
+        table: One row per (prompt, step) both runs took: ``prompt``, ``step``,
+            ``token_batched``, ``token_split``, ``same_token``, ``same_prefix`` (every
+            earlier token agreed: both runs saw the same input), ``logits_mismatch``,
+            ``logits_rel_l2``, ``logits_max_abs``, ``margin`` (the split run's top-1 minus
+            top-2 logit) and ``margin_batched``.
+        prompts: The prompts, as padded for the batched run.
+        settings: What ``generate()`` got besides the prompts (pad and end tokens).
+    """
+
+    table: pd.DataFrame
+    prompts: Prompts
+    settings: dict[str, Any]
+    chunk: int
+    samples: tuple[int, ...]
+    new_tokens: int
+    _model: nn.Module = field(repr=False)
+    _options: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def first_divergence(self) -> pd.DataFrame:
+        """Per compared prompt: its length, the steps compared, the first step whose tokens
+        differ (``<NA>``: none) with the margin there, and the first whose logits differ."""
+        rows = []
+        for prompt in self.samples:
+            mine = self.table[self.table["prompt"] == prompt]
+            flips = mine[~mine["same_token"]]
+            moved = mine[mine["logits_mismatch"] > 0]
+            rows.append({
+                "prompt": prompt, "length": self.prompts.lengths[prompt], "steps": len(mine),
+                "first_token_split": flips["step"].iloc[0] if len(flips) else pd.NA,
+                "margin_at_split": flips["margin"].iloc[0] if len(flips) else math.nan,
+                "logits_max_abs_at_split": (flips["logits_max_abs"].iloc[0] if len(flips)
+                                            else math.nan),
+                "first_logits_split": moved["step"].iloc[0] if len(moved) else pd.NA})
+        frame = pd.DataFrame(rows)
+        for column in ("first_token_split", "first_logits_split"):
+            frame[column] = frame[column].astype("Int64")
+        return frame
+
+    def at(self, step: int) -> Comparison:
+        """The layer-wise :class:`~divtrace.Comparison` of generation step ``step`` (0: the
+        prefill of the padded prompts against each prompt alone), observed inside the
+        model's own ``generate()``. Only prompts whose runs generated the same tokens
+        before ``step`` are compared (the others see different inputs: a warning names
+        them)."""
+        from divtrace.pipeline import execute
+        from divtrace.plan.make import make_plan
+
+        if not isinstance(step, int) or isinstance(step, bool) or not (
+                0 <= step < self.new_tokens):
+            raise DivtraceValueError(
+                f"step must be an integer in 0..{self.new_tokens - 1}; got {step!r}")
+        here = self.table[self.table["step"] == step]
+        same = [int(p) for p in here[here["same_prefix"]]["prompt"]]
+        other = sorted(set(self.samples) - set(same))
+        if not same:
+            raise DivtraceValueError(
+                f"at step {step} no compared prompt has the same input in both runs (their "
+                f"tokens parted earlier, or they had ended); pick an earlier step: "
+                f"first_divergence says where each prompt parts")
+        if other:
+            warnings.warn(
+                f"at step {step}, prompts {other} are left out: their runs generated "
+                f"other tokens before it (or had ended), so they see different inputs",
+                DivtraceWarning, stacklevel=2)
+        driven = ragged_input(self.prompts, GenerationStep(step, self.settings), step)
+        plan = make_plan(self._model, driven, chunk=self.chunk, samples=same, observer=False,
+                         **self._options)
+        return execute(plan, self._model)
+
+    def summary(self) -> str:
+        """A few plain sentences: which prompts generate other tokens in the batch than
+        alone, from which step, and how close those calls were."""
+        first = self.first_divergence
+        count = len(first)
+        split = first.dropna(subset=["first_token_split"])
+        moved = first.dropna(subset=["first_logits_split"])
+        chunking = "alone" if self.chunk == 1 else f"in chunks of {self.chunk}"
+        lines = [f"Greedy decoding of {count} prompt(s) (lengths {min(first['length'])}.."
+                 f"{max(first['length'])}) for up to {self.new_tokens} new tokens: the "
+                 f"padded batch of {len(self.prompts)} vs each prompt {chunking}."]
+        if split.empty:
+            lines.append(f"Every compared prompt generated the same tokens in both runs "
+                         f"({len(self.table)} steps compared).")
+        else:
+            earliest = split.sort_values("first_token_split").iloc[0]
+            near = int((split["margin_at_split"] <= 2 * split["logits_max_abs_at_split"])
+                       .sum())
+            lines.append(
+                f"{len(split)} of {count} prompts generated other tokens in the batch than "
+                f"alone; the earliest at step {int(earliest['first_token_split'])} (prompt "
+                f"{int(earliest['prompt'])}, where the split run's top two logits were "
+                f"{earliest['margin_at_split']:.3g} apart and the runs' logits differed by up "
+                f"to {earliest['logits_max_abs_at_split']:.3g}). {near} of the {len(split)} "
+                f"flips were near ties: a top-two margin within twice the runs' largest "
+                f"logit difference, which rounding alone can tip.")
+        if moved.empty:
+            lines.append("The logits were bit-identical at every compared step.")
+        else:
+            at_zero = int((moved["first_logits_split"] == 0).sum())
+            lines.append(
+                f"The logits differ for {len(moved)} prompt(s), from step 0 (the prefill) "
+                f"for {at_zero}. Generation.at(step) shows, layer by layer, where a step "
+                f"parts.")
+        return "\n".join(lines)
+
+    def grid(self, column: str = "logits_rel_l2") -> np.ndarray:
+        """``column`` as a prompts × steps array (NaN where a prompt had ended)."""
+        frame = self.table.pivot(index="prompt", columns="step", values=column)
+        frame = frame.reindex(index=list(self.samples), columns=range(self.new_tokens))
+        return frame.to_numpy(dtype=float)
+
+    def plot(self, ax: Axes | None = None) -> Axes:
+        """Prompts × steps: the logits' rel_l2 (log colour), token flips marked ×, steps
+        after a prompt ended blank."""
+        from divtrace.generate.plot import plot_generation
+
+        return plot_generation(self, ax=ax)
+
+    def __repr__(self) -> str:
+        first = self.first_divergence
+        flips = int(first["first_token_split"].notna().sum())
+        return (f"<divtrace.Generation: {len(first)} prompts, {self.new_tokens} new tokens, "
+                f"{flips} with a token flip>")
+
+    def _repr_html_(self) -> str:
+        words = "".join(f"<p>{html.escape(line)}</p>" for line in self.summary().splitlines())
+        return (f"<div><h4>divtrace generation</h4>{words}"
+                f"{self.first_divergence.to_html(index=False, na_rep='')}</div>")

@@ -1,0 +1,88 @@
+"""One step of ``generate()`` as a pass: the model generates up to the step, and only that
+step's forward call is observed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from divtrace.align.sites import Site
+from divtrace.record.lineage import InputPart
+from divtrace.record.recorder import Sink, Tracker
+
+__all__ = ["GenerationStep", "generate"]
+
+
+def generate(model: nn.Module, inputs: dict[str, torch.Tensor], new_tokens: int,
+             settings: dict[str, Any]) -> Any:
+    """The model's own greedy ``generate()``, with the raw logits of every step."""
+    run = model.generate
+    return run(**inputs, max_new_tokens=new_tokens, do_sample=False,  # type: ignore[operator]
+               return_dict_in_generate=True, output_logits=True, **settings)
+
+
+@dataclass
+class _Gate(Sink):
+    """Hands on only what the recorder observes while ``active``."""
+
+    sink: Sink
+    active: bool = False
+
+    def begin_chunk(self, start: int, stop: int, tracker: Tracker) -> None:
+        self.sink.begin_chunk(start, stop, tracker)
+
+    def end_chunk(self) -> bool:
+        return self.sink.end_chunk()
+
+    def on_call(self, call: Site, module: nn.Module, args: tuple[Any, ...],
+                kwargs: dict[str, Any], output: Any, tracker: Tracker) -> None:
+        if self.active:
+            self.sink.on_call(call, module, args, kwargs, output, tracker)
+
+    def on_op(self, call: Site, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+              parts: list[InputPart], tracker: Tracker) -> None:
+        if self.active:
+            self.sink.on_op(call, op, args, kwargs, parts, tracker)
+
+    def on_tensor(self, site: Site, tensor: torch.Tensor) -> None:
+        if self.active:
+            self.sink.on_tensor(site, tensor)
+
+
+@dataclass
+class GenerationStep:
+    """Runs ``generate()`` for ``step + 1`` tokens and observes the forward call of step
+    ``step`` (0: the prefill) only; ``settings`` go to ``generate()``."""
+
+    step: int
+    settings: dict[str, Any] = field(default_factory=dict)
+    _gates: list[_Gate] = field(default_factory=list)
+
+    def observed(self, sink: Sink) -> Sink:
+        gate = _Gate(sink)
+        self._gates.append(gate)
+        return gate
+
+    def run(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+            tracker: Tracker) -> Any:
+        gate = self._gates[-1]
+        calls = 0
+        rows = tracker.rows
+
+        def begin(_module: nn.Module, _args: Any, _kwargs: Any) -> None:
+            nonlocal calls
+            gate.active = calls == self.step
+            if gate.active:  # the step's sites are named as those of a forward call
+                tracker.reset(rows)
+            calls += 1
+
+        handle = model.register_forward_pre_hook(begin, with_kwargs=True, prepend=True)
+        try:
+            out = generate(model, kwargs, self.step + 1, self.settings)
+        finally:
+            handle.remove()
+            gate.active = False
+        return out.logits[self.step] if len(out.logits) > self.step else None
