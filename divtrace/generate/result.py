@@ -6,6 +6,7 @@ from __future__ import annotations
 import html
 import math
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -69,12 +70,12 @@ class Generation:
             frame[column] = frame[column].astype("Int64")
         return frame
 
-    def at(self, step: int) -> Comparison:
+    def at(self, step: int, samples: Iterable[int] | None = None) -> Comparison:
         """The layer-wise :class:`~divtrace.Comparison` of generation step ``step`` (0: the
         prefill of the padded prompts against each prompt alone), observed inside the
-        model's own ``generate()``. Only prompts whose runs generated the same tokens
-        before ``step`` are compared (the others see different inputs: a warning names
-        them)."""
+        model's own ``generate()``, for the compared prompts (or ``samples`` of them).
+        Only prompts whose runs generated the same tokens before ``step`` are compared
+        (the others see different inputs: a warning names them)."""
         from divtrace.pipeline import execute
         from divtrace.plan.make import make_plan
 
@@ -82,9 +83,15 @@ class Generation:
                 0 <= step < self.new_tokens):
             raise DivtraceValueError(
                 f"step must be an integer in 0..{self.new_tokens - 1}; got {step!r}")
-        here = self.table[self.table["step"] == step]
+        wanted = list(self.samples) if samples is None else [int(p) for p in samples]
+        unknown = sorted(set(wanted) - set(self.samples))
+        if unknown:
+            raise DivtraceValueError(
+                f"samples {unknown} were not compared; the compared prompts are "
+                f"{list(self.samples)}")
+        here = self.table[(self.table["step"] == step) & self.table["prompt"].isin(wanted)]
         same = [int(p) for p in here[here["same_prefix"]]["prompt"]]
-        other = sorted(set(self.samples) - set(same))
+        other = sorted(set(wanted) - set(same))
         if not same:
             raise DivtraceValueError(
                 f"at step {step} no compared prompt has the same input in both runs (their "
