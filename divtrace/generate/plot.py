@@ -17,20 +17,28 @@ __all__ = ["plot_generation"]
 
 
 def plot_generation(found: Generation, ax: Axes | None = None) -> Axes:
-    """Prompts × steps: the logits' rel_l2 on a log colour scale (grey: bit-identical),
-    token flips marked ×, the first flip of each prompt ringed, steps after a prompt ended
-    (or never taken) white."""
+    """Prompts × steps: the logits' rel_l2 on a log colour scale (grey: bit-identical)
+    while both runs still see the same tokens; after a prompt's first flip (ringed) its
+    runs see different inputs: those cells are beige, flips marked ×; steps after a
+    prompt ended (or never taken) white."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
     if ax is None:
         _, ax = plt.subplots(figsize=(min(14.0, 3 + 0.18 * found.new_tokens),
                                       min(10.0, 1.5 + 0.28 * len(found.samples))))
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
     values = found.grid("logits_rel_l2")
     taken = ~np.isnan(values)
-    log_heatmap(ax, np.where(taken, values, 0.0), "logits rel_l2")
-    blank = np.where(taken, np.nan, 1.0)
-    ax.imshow(blank, aspect="auto", cmap="Greys", vmin=0, vmax=100, interpolation="nearest")
+    same = found.grid("same_prefix") == 1
+    log_heatmap(ax, np.where(taken & same, values, 0.0), "logits rel_l2 (same inputs)")
+    apart = np.where(taken & ~same, 1.0, np.nan)
+    ax.imshow(apart, aspect="auto", cmap=ListedColormap(["#f3e3c3"]), vmin=0, vmax=1,
+              interpolation="nearest")
+    ax.imshow(np.where(taken, np.nan, 1.0), aspect="auto", cmap=ListedColormap(["white"]),
+              vmin=0, vmax=1, interpolation="nearest")
     flips = found.grid("same_token") == 0
     first = found.first_divergence
     rows, steps = np.nonzero(flips)
@@ -41,7 +49,10 @@ def plot_generation(found: Generation, ax: Axes | None = None) -> Axes:
         ax.scatter(at["first_token_split"].astype(int),
                    [found.samples.index(int(p)) for p in at["prompt"]], facecolors="none",
                    edgecolors="crimson", s=90, linewidths=1.2, label="first flip")
-        ax.legend(loc="upper left", bbox_to_anchor=(1.25, 1.0), fontsize=7, frameon=False)
+        handles, _ = ax.get_legend_handles_labels()
+        handles.append(Patch(color="#f3e3c3", label="after a flip: inputs differ"))
+        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12),
+                  ncol=3, fontsize=7, frameon=False)
     ax.set_yticks(range(len(found.samples)), [str(p) for p in found.samples], fontsize=7)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("generation step (0: prefill)")
