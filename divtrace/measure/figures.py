@@ -68,6 +68,8 @@ def cosine(dot: float, out_norm: float, ref_norm: float) -> float:
         return 1.0
     if out_norm == 0 or ref_norm == 0:
         return 0.0
+    if not (math.isfinite(dot) and math.isfinite(out_norm) and math.isfinite(ref_norm)):
+        return math.nan  # norms beyond float64 (e.g. masks of the dtype's lowest value)
     return float(min(1.0, max(-1.0, dot / (out_norm * ref_norm))))
 
 
