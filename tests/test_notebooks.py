@@ -14,7 +14,7 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.i
 
 def test_there_are_notebooks() -> None:
     assert [p.name for p in NOTEBOOKS] == ["01_quickstart.ipynb", "02_explain.ipynb",
-                                         "03_sweeps.ipynb"]
+                                         "03_sweeps.ipynb", "04_generation.ipynb"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

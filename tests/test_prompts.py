@@ -163,3 +163,25 @@ def test_a_pooled_output_is_compared_whole() -> None:
     assert table.loc["pooler", "status"] == "ok"
     assert table.loc["pooler", "numel"] == 3 * 32
     assert not math.isnan(table.loc["pooler", "rel_l2"])
+
+
+def test_an_axis_as_long_as_the_padded_batch_by_chance_stays_whole() -> None:
+    class HeadSized(nn.Module):
+        """A [batch, tokens, 8] output, and a [batch, 8] one whose 8 is no token axis."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(100, 8)
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            x = self.embed(input_ids)
+            return x, x.sum(1)
+
+    prompts = divtrace.Prompts(some_prompts(8, 3))  # padded length 8 == the hidden size
+    table = divtrace.compare(HeadSized().eval(), prompts, progress=False).table
+    table = table.set_index("site")
+    assert table.loc["(model)/0", "status"] == "ok"
+    assert table.loc["(model)/0", "numel"] == (8 + 3) * 8
+    assert table.loc["(model)/1", "status"] == "ok"
+    assert table.loc["(model)/1", "numel"] == 2 * 8

@@ -7,16 +7,21 @@ import torch
 __all__ = ["real_tokens"]
 
 
-def real_tokens(tensor: torch.Tensor, row: int, length: int, offset: int, valid: int
-                ) -> torch.Tensor:
+def real_tokens(tensor: torch.Tensor, row: int, length: int, offset: int, valid: int,
+                like: tuple[int, ...] | None = None) -> torch.Tensor:
     """Row ``row`` of a pass's tensor (batch first), without the batch dimension and cut,
     along every axis as long as the pass's padded ``length``, to the row's ``valid`` real
     tokens from ``offset``. Axes of another length (hidden size, heads, a pooled output)
-    are kept whole; so is every axis when the row has no padding."""
+    are kept whole; so is every axis when the row has no padding.
+
+    ``like``: the shape the other run recorded for this row; then only axes that are
+    ``valid`` long there are cut (a head size that happens to equal the padded length
+    stays whole)."""
     part = tensor[row]
     if valid == length:
         return part
     for dim, size in enumerate(part.shape):
-        if size == length:
+        if size == length and (like is None or (len(like) == part.dim()
+                                                and like[dim] == valid)):
             part = part.narrow(dim, offset, valid)
     return part

@@ -39,10 +39,10 @@ class RaggedMeter(Meter):
         assert layout is not None
         found, elements = [], []
         for slot, sample in enumerate(self.store.samples):
-            b = real_tokens(usable, sample, layout.length, layout.offsets[sample],
-                            layout.valid[sample])
             r = stored.parts[slot]
             assert r is not None
+            b = real_tokens(usable, sample, layout.length, layout.offsets[sample],
+                            layout.valid[sample], tuple(r.shape))
             if b.shape != r.shape:
                 measured.status = Status.SHAPE_MISMATCH
                 return measured
