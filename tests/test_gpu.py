@@ -234,3 +234,27 @@ def test_op_sites_on_cuda_match_the_ops_run_by_hand() -> None:
     assert ops["local_status"].eq("ok").all()
     if torch.equal(model.qkv(x)[:1], model.qkv(x[:1])):  # identical inputs: the op's own
         assert ops.loc[sdpa, "mismatch"] == (expected != alone).double().mean().item()
+
+
+def test_generation_on_cuda_gives_generate_tokens_and_aligned_steps() -> None:
+    transformers = pytest.importorskip("transformers")
+    from divtrace.plan.prompts import pad
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=500)
+    model = transformers.LlamaForCausalLM(config).eval().cuda()
+    prompts = [torch.randint(3, 500, (n,), device="cuda") for n in (7, 2, 11)]
+    found = divtrace.compare_generate(model, prompts, max_new_tokens=6, eos_token_id=None,
+                                      progress=False)
+    inputs, layout = pad(found.prompts, 0, 3)
+    with torch.no_grad():
+        tokens = model.generate(**inputs, max_new_tokens=6, do_sample=False,
+                                **found.settings)[:, layout.length:]
+    for prompt in range(3):
+        mine = found.table[found.table["prompt"] == prompt].sort_values("step")
+        assert list(mine["token_batched"]) == tokens[prompt].tolist()
+    table = found.at(3).table
+    assert (table["status"] == "ok").all()
+    assert table.set_index("site").loc["model.embed_tokens", "numel"] == 3 * 128
