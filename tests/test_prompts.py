@@ -132,8 +132,8 @@ def test_op_sites_with_prompts() -> None:
 def test_prompts_are_validated() -> None:
     model = tiny_llama()
     prompts = divtrace.Prompts(some_prompts(3, 4))
-    with pytest.raises(divtrace.DivtraceValueError, match="local="):
-        divtrace.compare(model, prompts, local=True, progress=False)
+    with pytest.raises(divtrace.DivtraceValueError, match="truth="):
+        divtrace.compare(model, prompts, truth="fp64", progress=False)
     with pytest.raises(divtrace.DivtraceValueError, match="keep=True"):
         divtrace.compare(model, prompts, keep=True, progress=False)
     with pytest.raises(divtrace.DivtraceValueError, match="run b must take the whole"):
@@ -185,3 +185,19 @@ def test_an_axis_as_long_as_the_padded_batch_by_chance_stays_whole() -> None:
     assert table.loc["(model)/0", "numel"] == (8 + 3) * 8
     assert table.loc["(model)/1", "status"] == "ok"
     assert table.loc["(model)/1", "numel"] == 2 * 8
+
+
+@pytest.mark.parametrize("ops", [False, True])
+def test_local_replays_on_each_prompts_real_tokens(ops: bool) -> None:
+    result = divtrace.compare(tiny_llama(), divtrace.Prompts(some_prompts(5, 9, 2)),
+                              local=True, ops=ops, progress=False)
+    table = result.table
+    leaves = table[table["leaf"] & (table["status"] == "ok")]
+    assert (leaves["local_status"] == "ok").all()
+    sources = leaves[leaves["role"] == "source"]
+    assert not sources.empty
+    # a source's input is the same in both runs: replayed, it gives its own divergence
+    for row in sources.itertuples():
+        assert row.local_rel_l2 == pytest.approx(row.rel_l2, rel=1e-12, abs=0)
+    carriers = leaves[leaves["role"] == "carrier"]
+    assert (carriers["local_rel_l2"] < carriers["rel_l2"] * 10).all()

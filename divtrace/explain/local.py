@@ -41,10 +41,10 @@ class ReplayStatus(StrEnum):
 
 
 def _with_reference_rows(ctx: Context, call: LeafCall, sources: list[StoredRows | None]
-                         ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+                         ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """Copies of the call's arguments, the compared rows replaced by the reference run's
-    (copies: a module that works in place must not change the measured run's tensors)."""
-    store, batch = ctx.store, ctx.plan.batch.batch_size
+    (copies: a module that works in place must not change the measured run's tensors);
+    None when some rows do not fit."""
     leaves, spec = pytree.tree_flatten((call.args, call.kwargs))
     stored_rows = iter(sources)
     replaced = []
@@ -53,15 +53,11 @@ def _with_reference_rows(ctx: Context, call: LeafCall, sources: list[StoredRows 
             replaced.append(leaf)
             continue
         stored = next(stored_rows)
-        copy = leaf.clone()
+        copy = leaf.clone() if stored is None else ctx.meter.with_reference(
+            leaf, stored, bool(call.site.op))
+        if copy is None:
+            return None
         replaced.append(copy)
-        dim = store.batch_dim % max(leaf.dim(), 1)
-        size = leaf.shape[dim] if leaf.dim() else 0
-        if stored is None or not size or (size % batch if call.site.op else size != batch):
-            continue
-        target = per_sample(copy, dim, batch)  # a view: the batch merged in an op's input
-        rows = store.rows_on(stored, leaf.device).movedim(0, dim).to(leaf.dtype)
-        target.index_copy_(dim, store.samples_on(leaf.device), rows)
     args, kwargs = pytree.tree_unflatten(replaced, spec)
     return args, kwargs
 
@@ -117,10 +113,13 @@ class LocalReplay(Probe):
         if any(is_input and part.tensor is call.output
                for is_input, part in zip(same, call.parts, strict=True)):
             return ReplayStatus.NO_INPUT
-        if any((stored is None or stored.rows is None) and not as_is
+        if any((stored is None or not stored.held) and not as_is
                for stored, as_is in zip(sources, same, strict=True)):
             return ReplayStatus.NO_INPUT
-        args, kwargs = _with_reference_rows(ctx, call, sources)
+        inputs = _with_reference_rows(ctx, call, sources)
+        if inputs is None:
+            return ReplayStatus.NO_INPUT
+        args, kwargs = inputs
         call.tracker.replaying = True
         try:
             output = call.run(*args, **kwargs)
@@ -147,10 +146,8 @@ class LocalReplay(Probe):
                 continue
             key = (f"{site.key}/{path}" if path else site.key) if site.op else site_key(
                 site.module, site.call, path)
-            stored = store.rows.get(key)
-            if stored is not None and stored.rows is not None and (
-                    meter.status(key, tensor) == Status.OK):
-                stats = meter.stats(tensor, store.rows_on(stored, tensor.device))
+            stats = meter.stats_at(key, tensor)
+            if stats is not None:
                 self.local[call.site.key, key] = ctx.host.add(stats)
 
     def fill(self, rows: list[dict[str, Any]], view: TableView) -> None:

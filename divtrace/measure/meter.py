@@ -23,8 +23,9 @@ from divtrace.measure.stats import (
     tolerances,
 )
 from divtrace.record.lineage import InputPart, Origin, input_parts
+from divtrace.record.oplineage import per_sample
 from divtrace.record.recorder import Sink, Tracker
-from divtrace.record.rows import RowStore, runs_of
+from divtrace.record.rows import RowStore, StoredRows, runs_of
 
 __all__ = ["CallRecord", "CallWatcher", "LeafCall", "Measured", "Meter", "SiteWatcher"]
 
@@ -182,6 +183,32 @@ class Meter(Sink):
             measured.kept = self.store.pick(tensor).to(stored.rows.device).contiguous()
         self.store.measured(site.key)  # stream: released unless still needed
         return measured
+
+    def stats_at(self, key: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        """Per-sample statistics of ``tensor`` (of the whole batch) against the stored rows
+        of the site ``key``, or None when they do not line up (nothing is recorded)."""
+        stored = self.store.rows.get(key)
+        if stored is None or stored.rows is None or self.status(key, tensor) != Status.OK:
+            return None
+        return self.stats(tensor, self.store.rows_on(stored, tensor.device))
+
+    def with_reference(self, leaf: torch.Tensor, stored: StoredRows, op: bool
+                       ) -> torch.Tensor | None:
+        """A copy of ``leaf`` (a tensor of this run) whose compared rows are ``stored``'s
+        (the reference run's); ``op``: the batch may be merged with the next dimension."""
+        copy = leaf.clone()
+        dim = self.store.batch_dim % max(leaf.dim(), 1)
+        size = leaf.shape[dim] if leaf.dim() else 0
+        if stored.rows is None or not size or (
+                size % self.batch if op else size != self.batch):
+            return copy
+        target = per_sample(copy, dim, self.batch)  # a view: the batch merged in an op's
+        rows = self.store.rows_on(stored, leaf.device).movedim(0, dim).to(leaf.dtype)
+        if target.shape[:dim] + target.shape[dim + 1:] != rows.shape[:dim] + rows.shape[
+                dim + 1:]:
+            return None
+        target.index_copy_(dim, self.store.samples_on(leaf.device), rows)
+        return copy
 
     def _tolerances(self, dtype: torch.dtype) -> tuple[float, float]:
         if dtype not in self._tol:

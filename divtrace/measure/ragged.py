@@ -10,8 +10,11 @@ import torch
 from divtrace.align.ragged import real_tokens
 from divtrace.align.sites import Site
 from divtrace.align.status import Status, comparable
+from divtrace.measure.fields import FIELDS
 from divtrace.measure.meter import Measured, Meter
 from divtrace.plan.prompts import Layout
+from divtrace.record.oplineage import per_sample
+from divtrace.record.rows import StoredRows
 
 __all__ = ["RaggedMeter"]
 
@@ -35,25 +38,66 @@ class RaggedMeter(Meter):
         measured = Measured(site, status, tuple(usable.shape), usable.dtype)
         if status != Status.OK:
             return measured
-        layout = self.layout
-        assert layout is not None
-        found, elements = [], []
-        for slot, sample in enumerate(self.store.samples):
-            r = stored.parts[slot]
-            assert r is not None
-            b = real_tokens(usable, sample, layout.length, layout.offsets[sample],
-                            layout.valid[sample], tuple(r.shape))
-            if b.shape != r.shape:
-                measured.status = Status.SHAPE_MISMATCH
-                return measured
-            found.append(self.pair_stats(b.reshape(1, -1), r.to(b.device).reshape(1, -1)))
-            elements.append(b.numel())
-        measured.stats = self.host.add(torch.cat(found))
-        measured.elements = tuple(elements)
+        found = self._parts_stats(usable, stored.parts)
+        if found is None:
+            measured.status = Status.SHAPE_MISMATCH
+            return measured
+        measured.stats = self.host.add(found[0])
+        measured.elements = found[1]
         for watcher in self.site_watchers:  # no stored rows of one shape to hand on
             watcher(measured, usable, usable.new_empty(0))
         self.store.measured(site.key)
         return measured
+
+    def _parts_stats(self, tensor: torch.Tensor, parts: list[torch.Tensor | None]
+                     ) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+        """Per compared prompt: the statistics of its real tokens in ``tensor`` against its
+        recorded part, and their element counts; None if a shape does not line up."""
+        layout = self.layout
+        assert layout is not None
+        found, elements = [], []
+        for slot, sample in enumerate(self.store.samples):
+            r = parts[slot]
+            assert r is not None
+            b = real_tokens(tensor, sample, layout.length, layout.offsets[sample],
+                            layout.valid[sample], tuple(r.shape))
+            if b.shape != r.shape:
+                return None
+            if b.numel() == 0:  # no real token there yet (an empty cache): nothing compared
+                found.append(torch.zeros(1, len(FIELDS), dtype=torch.float64, device=b.device))
+            else:
+                found.append(self.pair_stats(b.reshape(1, -1),
+                                             r.to(b.device).reshape(1, -1)))
+            elements.append(b.numel())
+        return torch.cat(found), tuple(elements)
+
+    def stats_at(self, key: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        stored = self.store.rows.get(key)
+        if stored is None or stored.parts is None or (
+                self._status(tensor, stored.dtype) != Status.OK):
+            return None
+        found = self._parts_stats(tensor, stored.parts)
+        return None if found is None else found[0]
+
+    def with_reference(self, leaf: torch.Tensor, stored: StoredRows, op: bool
+                       ) -> torch.Tensor | None:
+        if stored.parts is None:
+            return super().with_reference(leaf, stored, op)
+        copy = leaf.clone()
+        if leaf.dim() == 0 or leaf.shape[0] % self.batch:
+            return copy
+        rows = per_sample(copy, 0, self.batch) if op else copy
+        layout = self.layout
+        assert layout is not None
+        for slot, sample in enumerate(self.store.samples):
+            part = stored.parts[slot]
+            assert part is not None
+            target = real_tokens(rows, sample, layout.length, layout.offsets[sample],
+                                 layout.valid[sample], tuple(part.shape))
+            if target.shape != part.shape:
+                return None
+            target.copy_(part)
+        return copy
 
     def _status(self, tensor: torch.Tensor, dtype: torch.dtype) -> Status:
         if tensor.dim() == 0 or tensor.shape[0] != self.batch:

@@ -129,8 +129,7 @@ def _check_train_mode(model: nn.Module, allow_train: bool) -> tuple[str, ...]:
 
 #: What ``compare()`` cannot do yet with prompts of different lengths (their rows have
 #: different shapes): the options, and why.
-_NOT_WITH_PROMPTS = {"local": "replays a layer on rows of one shape",
-                     "truth": "records a float64 run of its own",
+_NOT_WITH_PROMPTS = {"truth": "records a float64 run of its own",
                      "repeat": "measures the batched run against itself"}
 
 

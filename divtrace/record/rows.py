@@ -52,6 +52,11 @@ class StoredRows:
     #: lengths: each prompt's real tokens); then ``rows`` is None
     parts: list[torch.Tensor | None] | None = None
 
+    @property
+    def held(self) -> bool:
+        """Whether the rows are still there (not released, not dropped)."""
+        return self.rows is not None or self.parts is not None
+
     def drop(self, status: Status | None = None) -> None:
         """Releases the rows (and the views into them); optionally marks the site."""
         self.rows, self.pieces, self.parts = None, (), None
