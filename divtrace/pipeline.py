@@ -44,7 +44,7 @@ def record(ctx: Context, runner: Runner, chunks: tuple[tuple[int, int], ...]) ->
     chunk = runner.run.chunk or plan.batch.batch_size
     if isinstance(plan.batch, RaggedInput):  # prompts of different lengths
         store: RowStore = RaggedStore(list(plan.samples), 0, plan.offload, chunk,
-                                      ragged=plan.batch)
+                                      pinned=plan.keep, ragged=plan.batch)
     else:
         store = RowStore(list(plan.samples), plan.batch.batch_dim, plan.offload, chunk,
                          pinned=plan.keep)
@@ -121,8 +121,9 @@ def _meter(plan: Plan, ctx: Context, host: Host, probes: tuple[Probe, ...]) -> M
     calls = [partial(p.on_call, ctx) for p in probes if p.watches_calls]
     size = plan.batch.batch_size
     if isinstance(plan.batch, RaggedInput):
-        return RaggedMeter(ctx.store, size, host, plan.rtol, plan.atol, site_watchers=sites,
-                           call_watchers=calls, layout=plan.batch.layout(0, size))
+        return RaggedMeter(ctx.store, size, host, plan.rtol, plan.atol,
+                           keep=plan.keeps_batched, site_watchers=sites, call_watchers=calls,
+                           layout=plan.batch.layout(0, size))
     return Meter(ctx.store, size, host, plan.rtol, plan.atol, keep=plan.keeps_batched,
                  site_watchers=sites, call_watchers=calls)
 
@@ -152,7 +153,7 @@ def execute(plan: Plan, model: nn.Module) -> Comparison:
             probe.after(ctx)
         if not plan.keep:
             for site in meter.sites:
-                site.kept = None
+                site.kept, site.kept_parts = None, None
     if ctx.copies is not None and ctx.copies.changed_given:
         warnings.warn(
             "the model changed its input in place in a pass that ran on x itself (the "

@@ -3,6 +3,7 @@ split run, compared on each prompt's real tokens only."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -132,10 +133,6 @@ def test_op_sites_with_prompts() -> None:
 def test_prompts_are_validated() -> None:
     model = tiny_llama()
     prompts = divtrace.Prompts(some_prompts(3, 4))
-    with pytest.raises(divtrace.DivtraceValueError, match="truth="):
-        divtrace.compare(model, prompts, truth="fp64", progress=False)
-    with pytest.raises(divtrace.DivtraceValueError, match="keep=True"):
-        divtrace.compare(model, prompts, keep=True, progress=False)
     with pytest.raises(divtrace.DivtraceValueError, match="run b must take the whole"):
         divtrace.compare(model, prompts, a=divtrace.Run(chunk=1), b=divtrace.Run(chunk=1),
                          progress=False)
@@ -201,3 +198,39 @@ def test_local_replays_on_each_prompts_real_tokens(ops: bool) -> None:
         assert row.local_rel_l2 == pytest.approx(row.rel_l2, rel=1e-12, abs=0)
     carriers = leaves[leaves["role"] == "carrier"]
     assert (carriers["local_rel_l2"] < carriers["rel_l2"] * 10).all()
+
+
+def test_kept_rows_and_repeats_with_prompts() -> None:
+    model = tiny_llama()
+    prompts = divtrace.Prompts(some_prompts(4, 7, 2))
+    result = divtrace.compare(model, prompts, keep=True, repeat=1, progress=False)
+    batched, alone = expected_logits(model, prompts)
+    kept_b, kept_s = result.pair("(model)/logits")
+    torch.testing.assert_close(kept_b, torch.cat([t.flatten() for t in batched]), rtol=0,
+                               atol=0)
+    torch.testing.assert_close(kept_s, torch.cat([t.flatten() for t in alone]), rtol=0,
+                               atol=0)
+    table = result.table
+    ok = table[table["status"] == "ok"]
+    assert (ok["noise_mismatch"] == 0).all()  # the CPU repeats itself exactly
+    assert "Repeating the batched run" in result.summary()
+
+
+def test_float64_truth_with_prompts() -> None:
+    model = tiny_llama()
+    prompts = divtrace.Prompts(some_prompts(6, 3, 8))
+    result = divtrace.compare(model, prompts, truth="fp64", samples=[0, 2], progress=False)
+    out = result.output
+    assert out is not None
+    exact_model = copy.deepcopy(model).double()
+    with torch.no_grad():  # each prompt alone, as the truth run does
+        truth = torch.cat([exact_model(**pad(prompts, i, i + 1)[0]).logits.flatten()
+                           for i in (0, 2)])
+    batched, alone = expected_logits(model, prompts)
+    b = torch.cat([batched[0].flatten(), batched[2].flatten()]).double()
+    a = torch.cat([alone[0].flatten(), alone[2].flatten()]).double()
+    norm = truth.norm()
+    assert out["batched_err_fp64"] == pytest.approx(((b - truth).norm() / norm).item(),
+                                                    rel=1e-9)
+    assert out["split_err_fp64"] == pytest.approx(((a - truth).norm() / norm).item(),
+                                                  rel=1e-9)

@@ -12,9 +12,8 @@ from divtrace.errors import DivtraceValueError
 from divtrace.explain.probe import Context, Probe, TableView
 from divtrace.measure.figures import site_figures
 from divtrace.measure.host import Deferred
-from divtrace.measure.meter import Meter
 from divtrace.plan.checks import whole_number
-from divtrace.record.rows import RowStore
+from divtrace.record.rows import RowStore, StoredRows
 
 if TYPE_CHECKING:
     from divtrace.report.comparison import Comparison
@@ -50,11 +49,14 @@ class RepeatNoise(Probe):
         for measured in ctx.meter.sites:
             if measured.kept is not None:
                 first.put(measured.site, measured.shape, measured.kept)
+            elif measured.kept_parts is not None:  # prompts of different lengths
+                first.rows[measured.site.key] = StoredRows(
+                    measured.site, measured.shape, None, (), measured.dtype,
+                    filled=len(first.samples), parts=list(measured.kept_parts))
         batch = ctx.plan.batch
         for _ in range(self.passes):
             ctx.progress.stage(_LABEL)
-            again = Meter(first, batch.batch_size, ctx.host, ctx.plan.rtol, ctx.plan.atol,
-                          lineage=False)
+            again = ctx.meter.over(first)
             ctx.compared.execute(again, batch, [(0, batch.batch_size)], lambda _s, _e: _LABEL,
                                  check=ctx.check, copies=ctx.copies)
             self.noise.append({m.site.key: m.stats for m in again.sites if m.stats is not None})

@@ -13,7 +13,9 @@ from divtrace.errors import DivtraceValueError
 from divtrace.explain.probe import Context, Probe, TableView
 from divtrace.measure.host import Deferred
 from divtrace.measure.meter import Measured
+from divtrace.plan.prompts import RaggedInput
 from divtrace.plan.runs import Run
+from divtrace.record.ragged import RaggedStore
 from divtrace.record.rows import RowStore
 from divtrace.record.runner import Runner
 
@@ -21,6 +23,23 @@ if TYPE_CHECKING:
     from divtrace.report.comparison import Comparison
 
 __all__ = ["Fp64Truth"]
+
+
+def _joined_parts(ctx: Context, key: str, tensor: torch.Tensor,
+                  truth: list[torch.Tensor | None]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The float64 run's, the measured run's and the reference run's real tokens of each
+    compared prompt at one site, end to end (None when they do not line up)."""
+    split = ctx.store.rows[key].parts if key in ctx.store.rows else None
+    batched = ctx.meter.real_parts(tensor, [t.shape for t in truth if t is not None])
+    if split is None or batched is None or any(p is None for p in (*split, *truth)):
+        return None
+    if [t.shape for t in truth if t is not None] != [p.shape for p in split if p is not None]:
+        return None
+    device = tensor.device
+    return (torch.cat([t.to(device).flatten() for t in truth if t is not None]).double(),
+            torch.cat([b.flatten() for b in batched]).double(),
+            torch.cat([p.to(device).flatten() for p in split if p is not None]).double())
 
 
 class Fp64Truth(Probe):
@@ -54,24 +73,37 @@ class Fp64Truth(Probe):
                            plan.recorder)
         picked = plan.batch.select(list(plan.samples))
         count = len(plan.samples)
-        self._truth = RowStore(list(range(count)), picked.batch_dim, False, count,
-                               learn_lineage=False)
-        runner.execute(self._truth, picked, [(0, count)], lambda _s, _e: "float64 truth run",
+        passes = [(0, count)]
+        if isinstance(picked, RaggedInput):  # prompts of different lengths: each alone,
+            # unpadded (a float64 model may turn fully masked padding into NaN)
+            self._truth = RaggedStore(list(range(count)), 0, False, 1, learn_lineage=False,
+                                      ragged=picked)
+            passes = [(i, i + 1) for i in range(count)]
+        else:
+            self._truth = RowStore(list(range(count)), picked.batch_dim, False, count,
+                                   learn_lineage=False)
+        runner.execute(self._truth, picked, passes, lambda _s, _e: "float64 truth run",
                        check=ctx.check)
         ctx.progress.advance()
 
     def on_site(self, ctx: Context, measured: Measured, tensor: torch.Tensor,
                 rows: torch.Tensor) -> None:
         stored = self._truth.rows.get(measured.site.key) if self._truth is not None else None
-        if stored is None or stored.rows is None or not tensor.is_floating_point():
+        if stored is None or not stored.held or not tensor.is_floating_point():
             return
-        exact = RowStore.rows_on(stored, tensor.device).double()
-        if exact.shape != rows.shape:
-            return
+        if stored.parts is not None:  # prompts of different lengths: their real tokens
+            found = _joined_parts(ctx, measured.site.key, tensor, stored.parts)
+            if found is None:
+                return
+            exact, batched, split = found
+        else:
+            exact = RowStore.rows_on(stored, tensor.device).double()
+            if exact.shape != rows.shape:
+                return
+            batched, split = ctx.store.pick(tensor).double(), rows.double()
         norm = torch.linalg.vector_norm(exact)
-        batched = ctx.store.pick(tensor).double()
         errors = torch.stack([torch.linalg.vector_norm(batched - exact),
-                              torch.linalg.vector_norm(rows.double() - exact)])
+                              torch.linalg.vector_norm(split - exact)])
         stored.drop()
         self.found[measured.site.key] = ctx.host.add(
             torch.where(norm > 0, errors / norm, errors))

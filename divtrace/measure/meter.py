@@ -55,6 +55,8 @@ class Measured:
     stats: Deferred | None = None  # [samples, len(FIELDS)]
     flips: Deferred | None = None  # [samples] argmax flips, for 2-D model outputs
     kept: torch.Tensor | None = None  # the measured run's rows, when kept
+    #: for prompts of different lengths, the kept rows as one tensor per compared prompt
+    kept_parts: list[torch.Tensor] | None = None
     #: compared elements per sample, where they differ from sample to sample (prompts of
     #: different lengths); None: the shape's elements over the batch
     elements: tuple[int, ...] | None = None
@@ -183,6 +185,16 @@ class Meter(Sink):
             measured.kept = self.store.pick(tensor).to(stored.rows.device).contiguous()
         self.store.measured(site.key)  # stream: released unless still needed
         return measured
+
+    def real_parts(self, tensor: torch.Tensor, shapes: list[torch.Size]
+                   ) -> list[torch.Tensor] | None:
+        """Per compared prompt, its real tokens in ``tensor`` (prompts of different lengths
+        only; None here)."""
+        return None
+
+    def over(self, store: RowStore) -> Meter:
+        """A meter of the same kind over another store (no lineage, no watchers)."""
+        return Meter(store, self.batch, self.host, self.rtol, self.atol, lineage=False)
 
     def stats_at(self, key: str, tensor: torch.Tensor) -> torch.Tensor | None:
         """Per-sample statistics of ``tensor`` (of the whole batch) against the stored rows

@@ -14,7 +14,7 @@ from divtrace.measure.fields import FIELDS
 from divtrace.measure.meter import Measured, Meter
 from divtrace.plan.prompts import Layout
 from divtrace.record.oplineage import per_sample
-from divtrace.record.rows import StoredRows
+from divtrace.record.rows import RowStore, StoredRows
 
 __all__ = ["RaggedMeter"]
 
@@ -38,10 +38,12 @@ class RaggedMeter(Meter):
         measured = Measured(site, status, tuple(usable.shape), usable.dtype)
         if status != Status.OK:
             return measured
-        found = self._parts_stats(usable, stored.parts)
+        kept: list[torch.Tensor] | None = [] if self.keep else None
+        found = self._parts_stats(usable, stored.parts, kept)
         if found is None:
             measured.status = Status.SHAPE_MISMATCH
             return measured
+        measured.kept_parts = kept
         measured.stats = self.host.add(found[0])
         measured.elements = found[1]
         for watcher in self.site_watchers:  # no stored rows of one shape to hand on
@@ -49,10 +51,25 @@ class RaggedMeter(Meter):
         self.store.measured(site.key)
         return measured
 
-    def _parts_stats(self, tensor: torch.Tensor, parts: list[torch.Tensor | None]
+    def real_parts(self, tensor: torch.Tensor, shapes: list[torch.Size]
+                   ) -> list[torch.Tensor] | None:
+        layout = self.layout
+        assert layout is not None
+        parts = [real_tokens(tensor, sample, layout.length, layout.offsets[sample],
+                             layout.valid[sample], tuple(shape))
+                 for sample, shape in zip(self.store.samples, shapes, strict=True)]
+        return parts if [p.shape for p in parts] == list(shapes) else None
+
+    def over(self, store: RowStore) -> Meter:
+        return RaggedMeter(store, self.batch, self.host, self.rtol, self.atol, lineage=False,
+                           layout=self.layout)
+
+    def _parts_stats(self, tensor: torch.Tensor, parts: list[torch.Tensor | None],
+                     kept: list[torch.Tensor] | None = None
                      ) -> tuple[torch.Tensor, tuple[int, ...]] | None:
         """Per compared prompt: the statistics of its real tokens in ``tensor`` against its
-        recorded part, and their element counts; None if a shape does not line up."""
+        recorded part, and their element counts; None if a shape does not line up.
+        ``kept``: also collects copies of the real tokens."""
         layout = self.layout
         assert layout is not None
         found, elements = [], []
@@ -63,6 +80,8 @@ class RaggedMeter(Meter):
                             layout.valid[sample], tuple(r.shape))
             if b.shape != r.shape:
                 return None
+            if kept is not None:
+                kept.append(b.to(r.device, copy=True))
             if b.numel() == 0:  # no real token there yet (an empty cache): nothing compared
                 found.append(torch.zeros(1, len(FIELDS), dtype=torch.float64, device=b.device))
             else:

@@ -127,24 +127,11 @@ def _check_train_mode(model: nn.Module, allow_train: bool) -> tuple[str, ...]:
     return tuple(mixing)
 
 
-#: What ``compare()`` cannot do yet with prompts of different lengths (their rows have
-#: different shapes): the options, and why.
-_NOT_WITH_PROMPTS = {"truth": "records a float64 run of its own",
-                     "repeat": "measures the batched run against itself"}
-
-
-def _prompts_input(x: Prompts | RaggedInput, batch_dim: Any, options: Mapping[str, Any],
-                   keep: bool) -> BatchedInput:
+def _prompts_input(x: Prompts | RaggedInput, batch_dim: Any) -> BatchedInput:
     if batch_dim != 0:
         raise DivtraceValueError(
             f"with Prompts the batch is the first dimension; leave batch_dim out (got "
             f"{batch_dim!r})")
-    refused = [f"{name}= ({why})" for name, why in _NOT_WITH_PROMPTS.items()
-               if options.get(name)] + (["keep=True (rows of different lengths)"] * keep)
-    if refused:
-        raise DivtraceValueError(
-            f"with Prompts of different lengths, {'; '.join(refused)} is not supported "
-            f"yet; leave it out, or compare prompts of one length as a tensor")
     return x if isinstance(x, RaggedInput) else ragged_input(x)
 
 
@@ -238,7 +225,7 @@ def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
         raise DivtraceTypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
     probes = probes_for(options, model)
     rtol, atol = tolerance(rtol, "rtol"), tolerance(atol, "atol")
-    batch = (_prompts_input(x, batch_dim, options, keep)
+    batch = (_prompts_input(x, batch_dim)
              if isinstance(x, Prompts | RaggedInput) else prepare_input(x, batch_dim,
                                                                           stacklevel=4))
     _check_materialised(model, batch)

@@ -112,6 +112,10 @@ def _in_order(rows: list[dict[str, Any]], store: RowStore, probes: tuple[Probe, 
     return ordered
 
 
+def _joined(parts: list[torch.Tensor] | list[torch.Tensor | None]) -> torch.Tensor:
+    return torch.cat([p.flatten() for p in parts if p is not None])
+
+
 def build(plan: Plan, probes: tuple[Probe, ...], meter: Meter, meta: Meta, host: Host
           ) -> Comparison:
     """Assembles the :class:`Comparison` of a finished run (fetches the figures first)."""
@@ -132,5 +136,9 @@ def build(plan: Plan, probes: tuple[Probe, ...], meter: Meter, meta: Meta, host:
     pairs: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {
         s.site.key: (s.kept, meter.store.rows[s.site.key].rows)
         for s in meter.sites if s.kept is not None}
+    for s in meter.sites:  # prompts of different lengths: their real tokens, end to end
+        parts = meter.store.rows[s.site.key].parts if s.kept_parts is not None else None
+        if s.kept_parts is not None and parts is not None:
+            pairs[s.site.key] = (_joined(s.kept_parts), _joined(parts))
     return Comparison(table, samples, replace(meta, flips=flips), pairs,
                       tuple(type(p) for p in probes))
