@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,13 @@ transformers = pytest.importorskip("transformers")
 
 def tiny(kind: str = "llama") -> nn.Module:
     torch.manual_seed(0)
+    if kind in ("qwen2", "mistral"):
+        names = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                 "mistral": ("MistralConfig", "MistralForCausalLM")}[kind]
+        config = getattr(transformers, names[0])(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=100, attn_implementation="eager")
+        return getattr(transformers, names[1])(config).eval()
     if kind == "gpt2":
         config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100,
                                          n_positions=128, attn_implementation="eager")
@@ -40,7 +48,7 @@ def generated(model: nn.Module, found: divtrace.Generation, start: int, stop: in
     return out[:, layout.length:]
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen2", "mistral"])
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_tokens_are_those_of_generate(kind: str, side: str) -> None:
     model = tiny(kind)
@@ -121,7 +129,7 @@ def test_generation_arguments_are_checked() -> None:
         divtrace.compare_generate(model, some_prompts(2, 3), progress=False)
 
 
-def test_the_generation_plot_and_words() -> None:
+def test_the_generation_plot_and_words(tmp_path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -133,3 +141,6 @@ def test_the_generation_plot_and_words() -> None:
     assert "Greedy decoding of 3 prompt(s)" in found.summary()
     assert "divtrace generation" in found._repr_html_()
     assert "3 prompts" in repr(found)
+    page = found.to_html(tmp_path / "generation.html").read_text()
+    assert "data:image/png;base64," in page
+    assert page.count("<tr") > len(found.table)

@@ -8,6 +8,7 @@ import math
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -161,6 +162,27 @@ class Generation:
         flips = int(first["first_token_split"].notna().sum())
         return (f"<divtrace.Generation: {len(first)} prompts, {self.new_tokens} new tokens, "
                 f"{flips} with a token flip>")
+
+    def to_html(self, path: str | Path, title: str = "divtrace generation") -> Path:
+        """Writes a self-contained HTML report: the summary, the first divergence per
+        prompt, the plot and the token table."""
+        import matplotlib.pyplot as plt
+
+        from divtrace.report.html import png
+
+        figure, ax = plt.subplots(figsize=(min(14.0, 3 + 0.18 * self.new_tokens),
+                                           min(10.0, 1.5 + 0.28 * len(self.samples))))
+        self.plot(ax)
+        image = png(figure)
+        plt.close(figure)
+        page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>"
+                f"{html.escape(title)}</title></head><body style='font-family:sans-serif'>"
+                f"<h1>{html.escape(title)}</h1>{self._repr_html_()}"
+                f"<img style='max-width:100%' src='data:image/png;base64,{image}'>"
+                f"<h3>Every step</h3>{self.table.to_html(index=False)}</body></html>")
+        path = Path(path)
+        path.write_text(page)
+        return path
 
     def _repr_html_(self) -> str:
         words = "".join(f"<p>{html.escape(line)}</p>" for line in self.summary().splitlines())

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from divtrace.explain.probe import Probe
     from divtrace.report.comparison import Comparison
 
-__all__ = ["compact", "escape", "fragment", "page", "styled"]
+__all__ = ["compact", "escape", "fragment", "page", "png", "styled"]
 
 escape = html.escape
 
@@ -130,7 +130,8 @@ def fragment(result: Comparison, probes: Sequence[type[Probe]] = ()) -> str:
             f"{_tables(result, probes)}</div>")
 
 
-def _png(figure: object) -> str:
+def png(figure: object) -> str:
+    """A matplotlib figure as base64 PNG, for an <img> of a self-contained page."""
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight")  # type: ignore[attr-defined]
     return base64.b64encode(buffer.getvalue()).decode("ascii")
@@ -156,7 +157,7 @@ def _figures(result: Comparison) -> str:
         figure = Figure(figsize=(width, min(height, 10.0)))
         draw(ax=figure.subplots())
         images.append(f'<figure><img alt="{escape(caption)}" '
-                      f'src="data:image/png;base64,{_png(figure)}">'
+                      f'src="data:image/png;base64,{png(figure)}">'
                       f"<figcaption>{escape(caption)}</figcaption></figure>")
     return "".join(images)
 
