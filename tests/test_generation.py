@@ -144,3 +144,14 @@ def test_the_generation_plot_and_words(tmp_path: Path) -> None:
     page = found.to_html(tmp_path / "generation.html").read_text()
     assert "data:image/png;base64," in page
     assert page.count("<tr") > len(found.table)
+
+
+def test_a_rerun_that_does_not_repeat_itself_is_said() -> None:
+    found = divtrace.compare_generate(tiny(), some_prompts(3, 6), max_new_tokens=4,
+                                      eos_token_id=None, progress=False)
+    table = found.table.copy()
+    table.loc[(table["prompt"] == 1) & (table["step"] == 0), ["token_batched",
+                                                                "token_split"]] = -1
+    other = replace(found, table=table)  # as if the first run had made other tokens
+    with pytest.warns(divtrace.DivtraceWarning, match=r"did not repeat itself.*\[1\]"):
+        other.at(2)

@@ -103,10 +103,37 @@ class Generation:
                 f"at step {step}, prompts {other} are left out: their runs generated "
                 f"other tokens before it (or had ended), so they see different inputs",
                 DivtraceWarning, stacklevel=2)
-        driven = ragged_input(self.prompts, GenerationStep(step, self.settings), step)
+        driver = GenerationStep(step, self.settings)
+        driven = ragged_input(self.prompts, driver, step)
         plan = make_plan(self._model, driven, chunk=self.chunk, samples=same, observer=False,
                          **self._options)
-        return execute(plan, self._model)
+        result = execute(plan, self._model)
+        self._check_repeated(driver, plan.reference_chunks, same, step)
+        return result
+
+    def _check_repeated(self, driver: GenerationStep, chunks: Any, prompts: list[int],
+                        step: int) -> None:
+        """Warns when generate(), run again to reach ``step``, made other tokens before it
+        than the first time (kernels that are not deterministic from run to run)."""
+        if len(driver.generated) != len(chunks) + 1:
+            return
+        split = {start + row: tokens for (start, _stop), rows in
+                 zip(chunks, driver.generated[:-1], strict=True)
+                 for row, tokens in enumerate(rows)}
+        batched = driver.generated[-1]
+        moved = []
+        for prompt in prompts:
+            mine = self.table[(self.table["prompt"] == prompt) & (self.table["step"] < step)]
+            mine = mine.sort_values("step")
+            if (list(mine["token_split"]) != split[prompt].tolist()
+                    or list(mine["token_batched"]) != batched[prompt].tolist()):
+                moved.append(prompt)
+        if moved:
+            warnings.warn(
+                f"generate() did not repeat itself: run again to reach step {step}, it made "
+                f"other tokens before it for prompts {moved} (the model's kernels are not "
+                f"deterministic from run to run); the comparison describes the new run",
+                DivtraceWarning, stacklevel=3)
 
     def summary(self) -> str:
         """A few plain sentences: which prompts generate other tokens in the batch than

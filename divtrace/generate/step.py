@@ -59,6 +59,8 @@ class GenerationStep:
 
     step: int
     settings: dict[str, Any] = field(default_factory=dict)
+    #: per pass, in order: the tokens each row generated before the observed step
+    generated: list[torch.Tensor] = field(default_factory=list)
     _gates: list[_Gate] = field(default_factory=list)
 
     def observed(self, sink: Sink) -> Sink:
@@ -85,4 +87,6 @@ class GenerationStep:
         finally:
             handle.remove()
             gate.active = False
+        length = kwargs["input_ids"].shape[1]
+        self.generated.append(out.sequences[:, length:length + self.step].cpu())
         return out.logits[self.step] if len(out.logits) > self.step else None
