@@ -78,11 +78,14 @@ def compare_generate(
         A :class:`~divtrace.generate.result.Generation`.
 
     Example:
-        >>> import torch, divtrace, transformers  # doctest: +SKIP
-        >>> config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2)  # doctest: +SKIP
-        >>> lm = transformers.GPT2LMHeadModel(config).eval()  # doctest: +SKIP
-        >>> found = divtrace.compare_generate(lm, [torch.tensor([1, 2, 3]),
-        ...                                        torch.tensor([4])])  # doctest: +SKIP
+        >>> import torch, divtrace, transformers
+        >>> config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50)
+        >>> lm = transformers.GPT2LMHeadModel(config).eval()
+        >>> found = divtrace.compare_generate(lm, [torch.tensor([1, 2, 3]), torch.tensor([4])],
+        ...                                   max_new_tokens=3, eos_token_id=None,
+        ...                                   progress=False)
+        >>> len(found.table), list(found.first_divergence["steps"])
+        (6, [3, 3])
     """
     if not isinstance(model, nn.Module) or not callable(getattr(model, "generate", None)):
         raise DivtraceTypeError(
