@@ -19,9 +19,11 @@ from divtrace.errors import (
 from divtrace.explain.registry import EXPLAIN_COLUMNS
 from divtrace.generate.result import Generation
 from divtrace.generation import compare_generate
+from divtrace.io import load
 from divtrace.plan.prompts import Prompts
 from divtrace.plan.runs import Run
 from divtrace.report.comparison import Comparison
+from divtrace.report.diff import Diff, diff
 from divtrace.report.plot import overlay
 from divtrace.report.table import COLUMNS
 from divtrace.sweep import BatchSweep, Sweep, sweep, sweep_batch
@@ -33,6 +35,7 @@ __all__ = [
     "BatchMixingError",
     "BatchSweep",
     "Comparison",
+    "Diff",
     "DivtraceError",
     "DivtraceTypeError",
     "DivtraceValueError",
@@ -44,6 +47,8 @@ __all__ = [
     "__version__",
     "compare",
     "compare_generate",
+    "diff",
+    "load",
     "overlay",
     "sweep",
     "sweep_batch",

@@ -6,6 +6,7 @@ import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
@@ -17,6 +18,7 @@ from divtrace.compare import compare
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
 from divtrace.plan.inputs import prepare_input
 from divtrace.plan.runs import Run
+from divtrace.report import saved
 from divtrace.report.comparison import Comparison
 
 if TYPE_CHECKING:
@@ -61,6 +63,14 @@ class Sweep:
 
     table: pd.DataFrame
     comparisons: dict[str, Comparison]
+
+    def save(self, path: str | Path) -> Path:
+        """Writes the sweep and each comparison as versioned JSON (see
+        :func:`divtrace.load`)."""
+        return saved.write(path, "sweep", {
+            "table": saved.frame_to_json(self.table),
+            "comparisons": [[name, saved.comparison_fields(c)]
+                            for name, c in self.comparisons.items()]})
 
     def plot(self, ax: Axes | None = None, metric: str = "output_rel_l2") -> Axes:
         """One bar per setting; bit-identical settings are drawn on a grey floor."""
@@ -145,6 +155,14 @@ class BatchSweep:
     table: pd.DataFrame
     onset: pd.DataFrame
     comparisons: dict[int, Comparison]
+
+    def save(self, path: str | Path) -> Path:
+        """Writes the batch sweep and each comparison as versioned JSON (see
+        :func:`divtrace.load`)."""
+        return saved.write(path, "batch_sweep", {
+            "table": saved.frame_to_json(self.table), "onset": saved.frame_to_json(self.onset),
+            "comparisons": [[size, saved.comparison_fields(c)]
+                            for size, c in self.comparisons.items()]})
 
     def plot(self, ax: Axes | None = None, metric: str = "rel_l2") -> Axes:
         """A site × batch-size heatmap of log10(``metric``); grey where bit-identical."""

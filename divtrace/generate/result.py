@@ -47,8 +47,34 @@ class Generation:
     chunk: int
     samples: tuple[int, ...]
     new_tokens: int
-    _model: nn.Module = field(repr=False)
+    _model: nn.Module | None = field(repr=False)
     _options: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def save(self, path: str | Path) -> Path:
+        """Writes the token table, the prompts and the settings as versioned JSON (see
+        :func:`divtrace.load`); the model is not saved, so ``at()`` needs a fresh run."""
+        from divtrace.report import saved
+
+        prompts = self.prompts
+        return saved.write(path, "generation", {
+            "table": saved.frame_to_json(self.table),
+            "prompts": [p.tolist() for p in prompts.prompts],
+            "padding_side": prompts.padding_side, "pad_token_id": prompts.pad_token_id,
+            "settings": self.settings, "chunk": self.chunk, "samples": list(self.samples),
+            "new_tokens": self.new_tokens})
+
+    @classmethod
+    def from_saved(cls, doc: dict[str, Any]) -> Generation:
+        """The generation of a saved document (without its model)."""
+        import torch
+
+        from divtrace.report import saved
+
+        prompts = Prompts([torch.tensor(p) for p in doc["prompts"]],
+                          padding_side=doc["padding_side"], pad_token_id=doc["pad_token_id"],
+                          position_ids=False)
+        return cls(saved.frame_from_json(doc["table"]), prompts, dict(doc["settings"]),
+                   int(doc["chunk"]), tuple(doc["samples"]), int(doc["new_tokens"]), None)
 
     @property
     def first_divergence(self) -> pd.DataFrame:
@@ -80,6 +106,10 @@ class Generation:
         from divtrace.pipeline import execute
         from divtrace.plan.make import make_plan
 
+        if self._model is None:
+            raise DivtraceValueError(
+                "this Generation was loaded from a file, without its model; run "
+                "compare_generate again to look inside a step")
         if not isinstance(step, int) or isinstance(step, bool) or not (
                 0 <= step < self.new_tokens):
             raise DivtraceValueError(

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
     from divtrace.explain.probe import Probe
+    from divtrace.report.diff import Diff
 
 __all__ = ["Comparison"]
 
@@ -63,6 +64,11 @@ class Comparison:
     @property
     def info(self) -> Meta:
         return self._meta
+
+    @property
+    def probes(self) -> tuple[type[Probe], ...]:
+        """The explain probes whose columns and sentences this comparison carries."""
+        return self._probes
 
     def select(self, *, leaf: bool | None = None, status: str | None = None) -> Comparison:
         """A new comparison holding only the rows that match (growth is kept as measured)."""
@@ -202,6 +208,21 @@ class Comparison:
     def to_json(self, path: str | Path) -> Path:
         """Writes the settings, summary, table and per-sample figures as JSON."""
         return files.write_json(self, path)
+
+    def save(self, path: str | Path) -> Path:
+        """Writes the comparison losslessly (table with dtypes, per-sample figures, meta,
+        environment) as versioned JSON; :func:`divtrace.load` reads it back. The kept
+        tensors of ``keep=True`` are not saved."""
+        from divtrace.report import saved
+
+        return saved.write(path, "comparison", saved.comparison_fields(self))
+
+    def diff(self, other: Comparison) -> Diff:
+        """How ``other`` differs from this comparison, site by site (see
+        :func:`divtrace.diff`)."""
+        from divtrace.report.diff import diff
+
+        return diff(self, other)
 
     def to_html(self, path: str | Path, title: str = "divtrace report") -> Path:
         """Writes a self-contained HTML report (plots embedded) and returns the path."""

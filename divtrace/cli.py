@@ -1,0 +1,222 @@
+"""The ``divtrace`` command: compare a model from the shell, show or diff saved results,
+print the environment.
+
+Exit codes: 0 done (and no ``--fail-on`` condition met), 1 a ``--fail-on`` condition met
+(or ``diff --fail-on-change`` found a change), 2 a usage error (bad arguments, a target
+that cannot be loaded, a file that is not divtrace's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from divtrace.compat import pytree
+from divtrace.errors import DivtraceError
+from divtrace.version import __version__
+
+__all__ = ["main"]
+
+_COMPACT = ["site", "module_type", "status", "mismatch", "rel_l2", "role"]
+
+
+class UsageError(Exception):
+    """Something the user gave cannot be used: exit code 2, with the message."""
+
+
+def _target(spec: str) -> tuple[torch.nn.Module, Any]:
+    """Calls ``path/to/file.py:function`` or ``package.module:function`` for ``(model, x)``."""
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise UsageError(f"TARGET must be path/to/file.py:function or package.module:function;"
+                         f" got {spec!r}")
+    try:
+        if where.endswith(".py") or "/" in where:
+            path = Path(where)
+            if not path.is_file():
+                raise UsageError(f"no such file: {path}")
+            loader = importlib.util.spec_from_file_location(path.stem, path)
+            if loader is None or loader.loader is None:
+                raise UsageError(f"cannot load {path} as Python")
+            module = importlib.util.module_from_spec(loader)
+            sys.path.insert(0, str(path.resolve().parent))
+            loader.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except ImportError as exc:
+        raise UsageError(f"cannot import {where}: {exc}") from exc
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise UsageError(f"{where} has no function {name!r}")
+    made = function()
+    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
+        raise UsageError(f"{spec} must return (model, x); got {type(made).__name__}")
+    return made[0], made[1]
+
+
+def _placed(model: torch.nn.Module, x: Any, device: str | None, dtype: str | None
+            ) -> tuple[torch.nn.Module, Any]:
+    """The model and input moved to ``device`` and floating tensors cast to ``dtype``."""
+    if device is None and dtype is None:
+        return model, x
+    cast = getattr(torch, dtype) if dtype else None
+    if dtype and not isinstance(cast, torch.dtype):
+        raise UsageError(f"--dtype must name a torch dtype (float32, bfloat16, ...); "
+                         f"got {dtype!r}")
+
+    def move(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        value = value.to(device) if device else value
+        return value.to(cast) if cast is not None and value.is_floating_point() else value
+
+    model = model.to(device) if device else model
+    model = model.to(cast) if cast is not None else model
+    return model, pytree.tree_map(move, x)
+
+
+def _compact(table: pd.DataFrame, limit: int = 15) -> str:
+    diverged = table[(table["status"] == "ok") & (table["mismatch"] > 0)]
+    if diverged.empty:
+        return "(no divergent site)"
+    shown = diverged[[c for c in _COMPACT if c in diverged]].head(limit)
+    more = "" if len(diverged) <= limit else f"\n... and {len(diverged) - limit} more"
+    return shown.to_string(index=False) + more
+
+
+def _compare(args: argparse.Namespace) -> int:
+    import divtrace
+
+    model, x = _placed(*_target(args.target), args.device, args.dtype)
+    samples = [int(s) for s in args.samples.split(",")] if args.samples else None
+    ops: bool | str = "only" if args.ops == "only" else args.ops == "true"
+    result = divtrace.compare(model, x, chunk=args.chunk, samples=samples,
+                              local=args.local, truth=args.truth, repeat=args.repeat,
+                              kernels=args.kernels, ops=ops, progress=not args.no_progress)
+    for suffix, write in (("json", result.to_json), ("html", result.to_html),
+                          ("csv", result.to_csv), ("save", result.save)):
+        if getattr(args, suffix):
+            write(getattr(args, suffix))
+    print(result.summary())
+    print()
+    print(_compact(result.table))
+    failed = (args.fail_on == "divergence" and result.verdict != "identical") or (
+        args.fail_on == "not-rounding" and result.verdict == "not rounding")
+    return 1 if failed else 0
+
+
+def _load(path: str) -> Any:
+    import divtrace
+
+    return divtrace.load(path)
+
+
+def _show(args: argparse.Namespace) -> int:
+    found = _load(args.file)
+    print(found.summary() if hasattr(found, "summary") else found.table.to_string(index=False))
+    if hasattr(found, "table") and "mismatch" in found.table and "site" in found.table:
+        print()
+        print(_compact(found.table))
+    return 0
+
+
+def _diff(args: argparse.Namespace) -> int:
+    import divtrace
+
+    a, b = _load(args.a), _load(args.b)
+    if not isinstance(a, divtrace.Comparison) or not isinstance(b, divtrace.Comparison):
+        raise UsageError("diff takes two saved comparisons (Comparison.save)")
+    found = divtrace.diff(a, b)
+    print(found.summary())
+    changed = found.changed
+    if not changed.empty:
+        print()
+        print(changed[["site", "status_a", "status_b", "rel_l2_a", "rel_l2_b", "change"]]
+              .head(20).to_string(index=False))
+    return 1 if args.fail_on_change and not changed.empty else 0
+
+
+def _env(args: argparse.Namespace) -> int:
+    from divtrace.report.environment import environment
+
+    print(json.dumps(environment(), indent=1))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser."""
+    top = argparse.ArgumentParser(
+        prog="divtrace",
+        description="Trace, layer by layer, where a batched and a split run of a model part.",
+        epilog="Exit codes: 0 done; 1 a --fail-on condition met; 2 a usage error.")
+    top.add_argument("--version", action="version", version=f"divtrace {__version__}")
+    commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = commands.add_parser(
+        "compare", help="compare a model batched and split",
+        description="Compare a model batched and split. TARGET is path/to/file.py:function "
+                    "or package.module:function; the function returns (model, x).")
+    run.add_argument("target", metavar="TARGET")
+    run.add_argument("--chunk", type=int, default=1, help="the split run's batch size "
+                     "(default 1: per sample)")
+    run.add_argument("--samples", help="comma-separated rows to compare (default: all)")
+    run.add_argument("--device", help="move the model and x there first (cuda, cpu, ...)")
+    run.add_argument("--dtype", help="cast the model and floating inputs first (bfloat16)")
+    run.add_argument("--local", action="store_true", help="error each layer adds alone")
+    run.add_argument("--truth", choices=["fp64"], help="measure both runs against float64")
+    run.add_argument("--repeat", type=int, default=0, help="repeat the batched run N times")
+    run.add_argument("--kernels", action="store_true", help="the kernels of each site")
+    run.add_argument("--ops", choices=["none", "true", "only"], default="none",
+                     help="op-level sites (true: besides modules; only: no module hooks)")
+    run.add_argument("--json", help="write the settings, summary and tables as JSON")
+    run.add_argument("--html", help="write a self-contained HTML report")
+    run.add_argument("--csv", help="write the table as CSV")
+    run.add_argument("--save", help="save the comparison for `divtrace show` / `diff`")
+    run.add_argument("--fail-on", choices=["divergence", "not-rounding"],
+                     help="exit 1 when the runs are not bit-identical (divergence) or when "
+                          "the verdict is not rounding")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    run.set_defaults(handle=_compare)
+
+    show = commands.add_parser("show", help="summary and divergent sites of a saved file")
+    show.add_argument("file", metavar="FILE")
+    show.set_defaults(handle=_show)
+
+    differ = commands.add_parser("diff", help="how two saved comparisons differ")
+    differ.add_argument("a", metavar="A")
+    differ.add_argument("b", metavar="B")
+    differ.add_argument("--fail-on-change", action="store_true",
+                        help="exit 1 when any site changed")
+    differ.set_defaults(handle=_diff)
+
+    env = commands.add_parser("env", help="the environment block: versions and devices")
+    env.set_defaults(handle=_env)
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line; returns the exit code."""
+    args = parser().parse_args(argv)
+    try:
+        code: int = args.handle(args)
+        return code
+    except (UsageError, DivtraceError) as exc:
+        print(f"divtrace: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # the reader (e.g. `| head`) stopped: not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

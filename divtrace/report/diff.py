@@ -1,0 +1,152 @@
+"""How two comparisons of the same model differ, site by site: before and after an upgrade,
+on two GPUs, with two settings."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+
+from divtrace.align.order import merge
+from divtrace.errors import DivtraceTypeError
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+    from divtrace.report.comparison import Comparison
+
+__all__ = ["DIFF_COLUMNS", "Diff", "diff"]
+
+#: The columns of :attr:`Diff.table`.
+DIFF_COLUMNS = ("site", "module_type", "status_a", "status_b", "role_a", "role_b",
+                "mismatch_a", "mismatch_b", "rel_l2_a", "rel_l2_b", "rel_l2_ratio", "change")
+#: rel_l2 may move by this factor either way before it counts as a change.
+FACTOR = 2.0
+
+
+def _change(a: pd.Series | None, b: pd.Series | None, factor: float) -> str:
+    """What changed at one site from ``a`` to ``b`` ("" for nothing worth saying)."""
+    if a is None:
+        return "only in b"
+    if b is None:
+        return "only in a"
+    if a["status"] != b["status"]:
+        return f"status {a['status']} → {b['status']}"
+    if a["status"] != "ok":
+        return ""
+    if a["mismatch"] == 0 and b["mismatch"] > 0:
+        return "now diverges"
+    if a["mismatch"] > 0 and b["mismatch"] == 0:
+        return "now bit-identical"
+    if a["mismatch"] == 0:
+        return ""
+    if str(a.get("role", "")) != str(b.get("role", "")):
+        return f"role {a.get('role') or '-'} → {b.get('role') or '-'}"
+    ra, rb = a["rel_l2"], b["rel_l2"]
+    if ra > 0 and rb > 0 and not (1 / factor <= rb / ra <= factor):
+        return f"rel_l2 ×{rb / ra:.3g}"
+    return ""
+
+
+@dataclass(frozen=True)
+class Diff:
+    """Two comparisons side by side: ``a`` (before) and ``b`` (after).
+
+    Attributes:
+        table: One row per site in either (see :data:`DIFF_COLUMNS`); ``change`` says what
+            changed ("" for nothing: same status and role, rel_l2 within a factor of 2).
+        a, b: The two comparisons.
+    """
+
+    table: pd.DataFrame
+    a: Comparison
+    b: Comparison
+
+    @property
+    def changed(self) -> pd.DataFrame:
+        """The rows whose ``change`` is not empty."""
+        return self.table[self.table["change"] != ""].reset_index(drop=True)
+
+    def summary(self) -> str:
+        """Plain sentences: the settings of both, how many sites changed, the first one."""
+        first_a, first_b = self.a.info, self.b.info
+
+        def where(meta: Any) -> str:
+            env = meta.environment
+            gpus = env.get("gpus") or env.get("devices") or ""
+            device = f", {gpus[0] if isinstance(gpus, list) and gpus else gpus}" if gpus else ""
+            return f"torch {meta.torch}{device}"
+
+        both = self.table[~self.table["change"].isin(["only in a", "only in b"])]
+        lines = [f"a: {where(first_a)}, verdict {self.a.verdict}; b: {where(first_b)}, "
+                 f"verdict {self.b.verdict}. {len(both)} sites in both, "
+                 f"{int((self.table['change'] == 'only in a').sum())} only in a, "
+                 f"{int((self.table['change'] == 'only in b').sum())} only in b."]
+        changed = self.changed
+        if changed.empty:
+            lines.append("No site changed its behaviour: the same statuses, the same "
+                         "bit-identical sites and roles, rel_l2 within a factor of 2.")
+        else:
+            top = changed.iloc[0]
+            lines.append(f"{len(changed)} site(s) changed; the first in execution order is "
+                         f"'{top['site']}' ({top['module_type']}): {top['change']}.")
+        out_a, out_b = self.a.output, self.b.output
+        if out_a is not None and out_b is not None:
+            lines.append(f"At the output, rel_l2 {out_a['rel_l2']:.3g} (a) and "
+                         f"{out_b['rel_l2']:.3g} (b).")
+        return "\n".join(lines)
+
+    def plot(self, ax: Axes | None = None) -> Axes:
+        """rel_l2 of both comparisons by depth (leaf sites), bit-identical sites on a lane."""
+        from divtrace.report.plot import overlay
+
+        return overlay([self.a, self.b], ["a", "b"], ax=ax)
+
+    def __repr__(self) -> str:
+        return f"<divtrace.Diff: {len(self.table)} sites, {len(self.changed)} changed>"
+
+
+def diff(a: Comparison, b: Comparison, factor: float = FACTOR) -> Diff:
+    """How comparison ``b`` differs from comparison ``a``, site by site (sites in one of
+    them only are rows too).
+
+    Example:
+        >>> import torch, divtrace
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()).eval()
+        >>> x = torch.randn(6, 4)
+        >>> first = divtrace.compare(net, x, progress=False)
+        >>> divtrace.diff(first, first).changed.empty
+        True
+    """
+    if not all(hasattr(c, "table") and hasattr(c, "info") and hasattr(c, "verdict")
+               for c in (a, b)):  # duck-typed: this module sits below the Comparison
+        raise DivtraceTypeError(
+            f"diff takes two divtrace.Comparison objects (or divtrace.load of saved ones); "
+            f"got {type(a).__name__} and {type(b).__name__}")
+    ta, tb = a.table.set_index("site"), b.table.set_index("site")
+    rows = []
+    for site in merge(list(a.table["site"]), list(b.table["site"])):
+        ra = ta.loc[site] if site in ta.index else None
+        rb = tb.loc[site] if site in tb.index else None
+        some = ra if ra is not None else rb
+        assert some is not None
+
+        def get(row: pd.Series | None, column: str) -> Any:
+            return None if row is None else row.get(column)
+
+        rel_a, rel_b = get(ra, "rel_l2"), get(rb, "rel_l2")
+        ratio = (rel_b / rel_a if rel_a and rel_b is not None and rel_a > 0
+                 else (math.nan if not rel_b else math.inf))
+        rows.append({"site": site, "module_type": some["module_type"],
+                     "status_a": get(ra, "status"), "status_b": get(rb, "status"),
+                     "role_a": get(ra, "role"), "role_b": get(rb, "role"),
+                     "mismatch_a": get(ra, "mismatch"), "mismatch_b": get(rb, "mismatch"),
+                     "rel_l2_a": rel_a, "rel_l2_b": rel_b, "rel_l2_ratio": ratio,
+                     "change": _change(ra, rb, factor)})
+    table = pd.DataFrame(rows, columns=list(DIFF_COLUMNS))
+    for column in ("mismatch_a", "mismatch_b", "rel_l2_a", "rel_l2_b", "rel_l2_ratio"):
+        table[column] = pd.to_numeric(table[column], errors="coerce").astype(np.float64)
+    return Diff(table, a, b)

@@ -1,0 +1,171 @@
+"""Saved results, diffs, the CI assertions and the command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import divtrace
+import divtrace.testing
+from tests import models
+
+
+def test_a_comparison_round_trips_exactly(tmp_path: Path) -> None:
+    model, x = models.variant_mlp(), torch.randn(8, 16)
+    result = divtrace.compare(model, x, local=True, kernels=True, truth="fp64", repeat=1,
+                              ops=True, progress=False)
+    loaded = divtrace.load(result.save(tmp_path / "run.json"))
+    assert isinstance(loaded, divtrace.Comparison)
+    assert loaded.table.equals(result.table)
+    assert list(loaded.table.dtypes) == list(result.table.dtypes)
+    assert loaded.samples.equals(result.samples)
+    assert loaded.meta == result.meta
+    assert loaded.summary() == result.summary()
+    assert loaded.verdict == result.verdict
+    assert len(loaded.plot().lines) == len(result.plot().lines)
+    raw = (tmp_path / "run.json").read_text()
+    assert "NaN" not in raw.replace('"NaN"', "")  # strict JSON: specials are strings
+    doc = json.loads(raw)
+    assert (doc["format"], doc["version"], doc["kind"]) == ("divtrace", 1, "comparison")
+
+
+def test_sweeps_and_generations_round_trip(tmp_path: Path) -> None:
+    model, x = models.variant_mlp(), torch.randn(8, 16)
+    found = divtrace.sweep(model, x, {"dtype": [torch.float64]}, reference=divtrace.Run(),
+                           progress=False)
+    back = divtrace.load(found.save(tmp_path / "sweep.json"))
+    assert isinstance(back, divtrace.Sweep)
+    assert back.table.equals(found.table)
+    assert back.comparisons["dtype=float64"].table.equals(
+        found.comparisons["dtype=float64"].table)
+    sizes = divtrace.sweep_batch(model, x, progress=False)
+    again = divtrace.load(sizes.save(tmp_path / "sizes.json"))
+    assert isinstance(again, divtrace.BatchSweep)
+    assert again.table.equals(sizes.table)
+    assert again.onset.equals(sizes.onset)
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50)
+    lm = transformers.GPT2LMHeadModel(config).eval()
+    generation = divtrace.compare_generate(lm, [torch.tensor([1, 2, 3]), torch.tensor([4])],
+                                           max_new_tokens=3, eos_token_id=None,
+                                           progress=False)
+    loaded = divtrace.load(generation.save(tmp_path / "generation.json"))
+    assert isinstance(loaded, divtrace.Generation)
+    assert loaded.table.equals(generation.table)
+    assert loaded.summary() == generation.summary()
+    with pytest.raises(divtrace.DivtraceValueError, match="without its model"):
+        loaded.at(0)
+
+
+def test_files_that_are_not_divtraces_are_refused(tmp_path: Path) -> None:
+    other = tmp_path / "other.json"
+    other.write_text('{"hello": 1}')
+    with pytest.raises(divtrace.DivtraceValueError, match="not a file divtrace saved"):
+        divtrace.load(other)
+    newer = tmp_path / "newer.json"
+    newer.write_text('{"format": "divtrace", "version": 99, "kind": "comparison"}')
+    with pytest.raises(divtrace.DivtraceValueError, match="newer divtrace"):
+        divtrace.load(newer)
+
+
+def test_a_diff_names_the_first_site_that_changed(tmp_path: Path) -> None:
+    x = torch.randn(8, 16)
+    before = divtrace.compare(models.variant_mlp(variant_from=100), x, progress=False)
+    after = divtrace.compare(models.variant_mlp(variant_from=2), x, progress=False)
+    assert before.verdict == "identical"
+    found = divtrace.diff(divtrace.load(before.save(tmp_path / "a.json")), after)
+    table = found.table.set_index("site")
+    assert table.loc["3", "change"] == "now diverges"
+    assert table.loc["0", "change"] == ""
+    assert found.changed["site"].iloc[0] == "3"
+    assert "the first in execution order is '3'" in found.summary()
+    assert before.diff(before).changed.empty
+    ax = found.plot()
+    assert ax.get_legend() is not None
+    other = divtrace.compare(models.ReusedActivation().eval(), torch.randn(8, 16),
+                             progress=False)
+    apart = divtrace.diff(before, other).table
+    assert {"only in a", "only in b"} <= set(apart["change"])
+
+
+def test_assert_batch_invariant() -> None:
+    torch.manual_seed(0)
+    invariant = divtrace.testing.assert_batch_invariant(models.variant_mlp(100),
+                                                        torch.randn(8, 16), exact=True)
+    assert invariant.verdict == "identical"
+    rounding = models.variant_mlp(2)
+    assert divtrace.testing.assert_batch_invariant(rounding, torch.randn(8, 16)).verdict == (
+        "rounding")
+    with pytest.raises(AssertionError, match=r"expected bit-identical runs, got rounding"
+                                             r"(.|\n)*First offending site: '3'"):
+        divtrace.testing.assert_batch_invariant(rounding, torch.randn(8, 16), exact=True)
+    with pytest.raises(AssertionError, match="got not rounding"):
+        divtrace.testing.assert_batch_invariant(models.BranchOnBatch().eval(),
+                                                torch.randn(8, 16))
+
+
+def test_assert_matches_saved(tmp_path: Path) -> None:
+    x = torch.randn(8, 16)
+    saved = divtrace.compare(models.variant_mlp(100), x, progress=False).save(
+        tmp_path / "before.json")
+    divtrace.testing.assert_matches_saved(
+        divtrace.compare(models.variant_mlp(100), x, progress=False), saved)
+    with pytest.raises(AssertionError, match=r"'3': now diverges"):
+        divtrace.testing.assert_matches_saved(
+            divtrace.compare(models.variant_mlp(2), x, progress=False), saved)
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "divtrace", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_the_command_line(tmp_path: Path) -> None:
+    (tmp_path / "target.py").write_text(textwrap.dedent("""
+        import torch
+        def build():
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh()).eval()
+            return model, torch.randn(8, 256)
+        def invariant():
+            return torch.nn.Sequential(torch.nn.Tanh()).eval(), torch.randn(8, 4)
+    """))
+    done = cli("compare", "target.py:build", "--save", "a.json", "--csv", "a.csv",
+               "--no-progress", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("Verdict: ")
+    assert (tmp_path / "a.csv").exists()
+    assert isinstance(divtrace.load(tmp_path / "a.json"), divtrace.Comparison)
+    strict = cli("compare", "target.py:build", "--fail-on", "divergence", "--no-progress",
+                 cwd=tmp_path)
+    assert strict.returncode == (0 if "Verdict: identical" in done.stdout else 1)
+    quiet = cli("compare", "target.py:invariant", "--fail-on", "divergence",
+                "--no-progress", cwd=tmp_path)
+    assert quiet.returncode == 0
+    assert "Verdict: identical" in quiet.stdout
+    cli("compare", "target.py:invariant", "--save", "b.json", "--no-progress", cwd=tmp_path)
+    shown = cli("show", "a.json", cwd=tmp_path)
+    assert shown.returncode == 0
+    assert shown.stdout.splitlines()[0] == done.stdout.splitlines()[0]
+    same = cli("diff", "a.json", "a.json", "--fail-on-change", cwd=tmp_path)
+    assert same.returncode == 0
+    assert "No site changed" in same.stdout
+    changed = cli("diff", "a.json", "b.json", "--fail-on-change", cwd=tmp_path)
+    assert changed.returncode == 1
+    env = cli("env", cwd=tmp_path)
+    assert json.loads(env.stdout)["torch"] == torch.__version__
+    missing = cli("compare", "nowhere.py:build", cwd=tmp_path)
+    assert missing.returncode == 2
+    assert "no such file" in missing.stderr
+    bad = cli("compare", "target.py", cwd=tmp_path)
+    assert bad.returncode == 2
+    assert "path/to/file.py:function" in bad.stderr
+    helped = cli("compare", "--help", cwd=tmp_path)
+    assert "--fail-on" in helped.stdout
