@@ -169,3 +169,31 @@ def test_the_command_line(tmp_path: Path) -> None:
     assert "path/to/file.py:function" in bad.stderr
     helped = cli("compare", "--help", cwd=tmp_path)
     assert "--fail-on" in helped.stdout
+
+
+def test_the_readme_ci_example_runs_under_pytest(tmp_path: Path) -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = readme.index("# test_batch_invariance.py")
+    example = readme[start:readme.index("```", start)]
+    (tmp_path / "test_batch_invariance.py").write_text(example)
+    (tmp_path / "mypackage.py").write_text(textwrap.dedent("""
+        import torch
+        def build_model():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(),
+                                       torch.nn.AdaptiveAvgPool2d(1))
+    """))
+    (tmp_path / "tests" / "data").mkdir(parents=True)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        from mypackage import build_model  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(tmp_path))
+    torch.manual_seed(1)
+    divtrace.compare(build_model().eval(), torch.randn(32, 3, 64, 64), progress=False).save(
+        tmp_path / "tests" / "data" / "before-upgrade.json")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "test_batch_invariance.py"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 passed" in done.stdout
