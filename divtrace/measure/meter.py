@@ -14,6 +14,7 @@ from divtrace.align.sites import ROOT, Site, input_site
 from divtrace.align.status import Status, comparable, status_of
 from divtrace.measure import fused
 from divtrace.measure.host import Deferred, Host
+from divtrace.measure.queue import StatsQueue
 from divtrace.measure.stats import (
     block_stats,
     blocks,
@@ -121,6 +122,7 @@ class Meter(Sink):
     _tol: dict[torch.dtype, tuple[float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self._queue = StatsQueue(self.host)
         self._runs = runs_of(self.store.samples)
         self._budget = max(_MIN_BLOCK, int(_TEMP_SHARE * self.store.stored_bytes / _TEMP_BYTES))
 
@@ -174,7 +176,9 @@ class Meter(Sink):
         if status != Status.OK or stored is None or stored.rows is None:
             return measured
         rows = self.store.rows_on(stored, tensor.device)
-        measured.stats = self.host.add(self.stats(tensor, rows))
+        measured.stats = self._queued(tensor, rows)
+        if measured.stats is None:
+            measured.stats = self.host.add(self.stats(tensor, rows))
         for watcher in self.site_watchers:
             watcher(measured, tensor, rows)
         if site.module == ROOT and not site.op and tensor.dim() == 2 and (
@@ -226,6 +230,20 @@ class Meter(Sink):
         if dtype not in self._tol:
             self._tol[dtype] = tolerances(dtype, self.rtol, self.atol)
         return self._tol[dtype]
+
+    def _queued(self, tensor: torch.Tensor, rows: torch.Tensor) -> Deferred | None:
+        """The site's fields, queued to be computed with other small sites' (on the CPU);
+        None when it is measured on its own."""
+        n = len(rows)
+        if tensor.device.type != "cpu" or tensor.dtype != rows.dtype or not n:
+            return None
+        width = rows[0].numel()
+        if not self._queue.takes(rows.reshape(n, -1), rows.reshape(n, -1), _CPU_BLOCK // n
+                                 ) or width == 0:
+            return None
+        b = self.store.pick(tensor).reshape(n, -1)  # a copy: later ops cannot change it
+        rtol, atol = self._tolerances(tensor.dtype)
+        return self._queue.add(b, rows.reshape(n, -1), rtol, atol)
 
     def stats(self, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Per-sample statistics of the compared rows of ``tensor`` against ``rows``."""

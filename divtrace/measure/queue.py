@@ -1,0 +1,69 @@
+"""Statistics of many small sites computed together (on the CPU, where each site's own
+statistics would cost a few dozen tiny torch calls).
+
+Each queued pair of blocks (the measured run's compared rows, the reference run's) waits;
+:meth:`StatsQueue.flush` stacks the pairs of one dtype, tolerance and row width into one
+block and computes every row's fields in one call per block. A row's fields are reduced
+along the row alone, so they are exactly those of the site measured on its own (only
+pairs the per-site path would measure as one block are queued).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from divtrace.measure.host import Deferred, Host
+from divtrace.measure.stats import block_stats
+
+__all__ = ["QUEUE_WIDTH", "StatsQueue"]
+
+#: Rows wider than this are measured at once, as before (their work is not overhead).
+QUEUE_WIDTH = 1 << 14
+#: Queued blocks are flushed when they hold this many bytes (memory stays bounded).
+_BUDGET = 64 << 20
+
+_Key = tuple[torch.dtype, float, float, int]
+
+
+@dataclass
+class StatsQueue:
+    """Queued pairs of ``[rows, elements]`` blocks, measured together when flushed."""
+
+    host: Host
+    _groups: defaultdict[_Key, list[tuple[Deferred, torch.Tensor, torch.Tensor]]] = field(
+        default_factory=lambda: defaultdict(list))
+    _bytes: int = 0
+
+    def __post_init__(self) -> None:
+        self.host.before_fetch(self.flush)
+
+    def takes(self, b: torch.Tensor, r: torch.Tensor, single: int) -> bool:
+        """Whether this pair is one to queue: a small CPU block of one dtype that the
+        per-site path would measure in one piece (rows of at most ``single`` elements)."""
+        return (b.device.type == "cpu" and b.dtype == r.dtype
+                and 0 < b.shape[1] <= min(QUEUE_WIDTH, single))
+
+    def add(self, b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> Deferred:
+        """Queues the pair; ``b`` must not change afterwards (pass a copy)."""
+        place = self.host.reserve()
+        self._groups[b.dtype, rtol, atol, b.shape[1]].append((place, b, r))
+        self._bytes += 2 * b.numel() * b.element_size()
+        if self._bytes > _BUDGET:
+            self.flush()
+        return place
+
+    def flush(self) -> None:
+        """Measures every queued pair and hands the fields to the host."""
+        for (_dtype, rtol, atol, _width), pairs in self._groups.items():
+            measured = torch.cat([b for _, b, _ in pairs])
+            reference = torch.cat([r for _, _, r in pairs])
+            fields = block_stats(measured, reference, rtol, atol)
+            at = 0
+            for place, b, _ in pairs:
+                self.host.put(place, fields[at:at + len(b)])
+                at += len(b)
+        self._groups.clear()
+        self._bytes = 0
