@@ -14,7 +14,7 @@ from divtrace.align.sites import ROOT, Site, input_site
 from divtrace.align.status import Status, comparable, status_of
 from divtrace.measure import fused
 from divtrace.measure.host import Deferred, Host
-from divtrace.measure.queue import StatsQueue
+from divtrace.measure.queue import StatsQueue, budget_for
 from divtrace.measure.stats import (
     block_stats,
     blocks,
@@ -122,7 +122,7 @@ class Meter(Sink):
     _tol: dict[torch.dtype, tuple[float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._queue = StatsQueue(self.host)
+        self._queue = StatsQueue(self.host, budget_for(self.store.stored_bytes))
         self._runs = runs_of(self.store.samples)
         self._budget = max(_MIN_BLOCK, int(_TEMP_SHARE * self.store.stored_bytes / _TEMP_BYTES))
 
@@ -243,7 +243,7 @@ class Meter(Sink):
             return None
         b = self.store.pick(tensor).reshape(n, -1)  # a copy: later ops cannot change it
         rtol, atol = self._tolerances(tensor.dtype)
-        return self._queue.add(b, rows.reshape(n, -1), rtol, atol)
+        return self._queue.add(b, rows.reshape(n, -1).clone(), rtol, atol)
 
     def stats(self, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Per-sample statistics of the compared rows of ``tensor`` against ``rows``."""

@@ -18,14 +18,20 @@ import torch
 from divtrace.measure.host import Deferred, Host
 from divtrace.measure.stats import block_stats
 
-__all__ = ["QUEUE_WIDTH", "StatsQueue"]
+__all__ = ["QUEUE_WIDTH", "StatsQueue", "budget_for"]
 
 #: Rows wider than this are measured at once, as before (their work is not overhead).
 QUEUE_WIDTH = 1 << 14
-#: Queued blocks are flushed when they hold this many bytes (memory stays bounded).
-_BUDGET = 64 << 20
+#: Queued blocks are flushed when they hold ``share`` of the recorded rows' bytes, but
+#: never less than this (memory stays a small part of what the reference run stores).
+_MIN_BUDGET = 1 << 20
 
 _Key = tuple[torch.dtype, float, float, int]
+
+
+def budget_for(stored_bytes: int, share: float = 0.1) -> int:
+    """The queue's budget: ``share`` of the reference run's stored bytes, at least 1 MiB."""
+    return max(_MIN_BUDGET, int(share * stored_bytes))
 
 
 @dataclass
@@ -33,6 +39,7 @@ class StatsQueue:
     """Queued pairs of ``[rows, elements]`` blocks, measured together when flushed."""
 
     host: Host
+    budget: int = _MIN_BUDGET  # bytes held before a flush
     _groups: defaultdict[_Key, list[tuple[Deferred, torch.Tensor, torch.Tensor]]] = field(
         default_factory=lambda: defaultdict(list))
     _bytes: int = 0
@@ -47,11 +54,12 @@ class StatsQueue:
                 and 0 < b.shape[1] <= min(QUEUE_WIDTH, single))
 
     def add(self, b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> Deferred:
-        """Queues the pair; ``b`` must not change afterwards (pass a copy)."""
+        """Queues the pair; neither may change afterwards (pass copies: the reference
+        run's rows are released as soon as they were measured)."""
         place = self.host.reserve()
         self._groups[b.dtype, rtol, atol, b.shape[1]].append((place, b, r))
         self._bytes += 2 * b.numel() * b.element_size()
-        if self._bytes > _BUDGET:
+        if self._bytes > self.budget:
             self.flush()
         return place
 
