@@ -1,0 +1,91 @@
+"""Models with hundreds of small sites: ``compare()`` against the bare forward passes.
+
+mobilenet_v3_small, efficientnet_b0 and resnet18 (random weights), batch 16 of 3×64×64,
+per sample with samples [0, 1] (the split run's two passes, then the batched pass), in one
+process, interleaved, medians. With ``--old DIR`` an older checkout of divtrace is timed
+beside this one (imported as ``divtrace_old``).
+
+    python benchmarks/many_sites.py [--device cuda] [--repeats 7] [--old DIR] [--json out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from overhead import timed, use_seed_settings
+from versions import load_old
+
+import divtrace
+
+MODELS = ("mobilenet_v3_small", "efficientnet_b0", "resnet18")
+
+
+def main() -> int:
+    import torchvision.models
+
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--old", type=Path, help="an older checkout to time beside")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    torch.set_num_threads(args.threads)
+    use_seed_settings(device)
+    old = load_old(args.old) if args.old else None
+    rows: list[dict[str, Any]] = []
+    for name in MODELS:
+        torch.manual_seed(0)
+        model = getattr(torchvision.models, name)().eval().to(device)
+        x = torch.rand(16, 3, 64, 64, device=device)
+
+        def bare(model: torch.nn.Module = model, x: torch.Tensor = x) -> None:
+            with torch.no_grad():
+                model(x[0:1])
+                model(x[1:2])
+                model(x)
+
+        def run(package: Any, model: torch.nn.Module = model, x: torch.Tensor = x
+                ) -> Callable[[], object]:
+            return lambda: package.compare(model, x, samples=[0, 1], progress=False)
+
+        ways: dict[str, Callable[[], object]] = {"bare": bare, "new": run(divtrace)}
+        if old is not None:
+            ways["old"] = run(old)
+        for fn in ways.values():
+            fn()
+        times: dict[str, list[float]] = {way: [] for way in ways}
+        for _ in range(args.repeats):
+            for way, fn in ways.items():
+                times[way].append(timed(fn, device))
+        median = {way: statistics.median(t) for way, t in times.items()}
+        sites = len(divtrace.compare(model, x, samples=[0, 1], progress=False).table)
+        row = {"model": name, "sites": sites, "bare_s": median["bare"],
+               "ratio": median["new"] / median["bare"]}
+        if old is not None:
+            row["ratio_old"] = median["old"] / median["bare"]
+        rows.append(row)
+        old_text = f", older {row['ratio_old']:.2f}×" if old is not None else ""
+        print(f"{name}: {sites} sites, bare {median['bare'] * 1e3:.1f} ms, compare "
+              f"{row['ratio']:.2f}×{old_text}")
+    if args.json:
+        args.json.write_text(json.dumps({"torch": torch.__version__, "device": str(device),
+                                         "threads": args.threads, "results": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
