@@ -15,25 +15,33 @@ import numpy as np
 
 from divtrace.measure.fields import INDEX
 
-__all__ = ["FIGURES", "Figure", "SiteFields", "cosine", "rel_l2", "sample_figures",
-           "site_figures"]
+__all__ = ["FIGURES", "Figure", "SiteFields", "cosine", "many_site_figures", "rel_l2",
+           "sample_figures", "site_figures"]
 
 
 class SiteFields:
     """The per-sample fields of one site, ``[samples, fields]`` on the host."""
 
-    def __init__(self, stats: np.ndarray, elements_per_sample: int | np.ndarray) -> None:
+    def __init__(self, stats: np.ndarray, elements_per_sample: int | np.ndarray,
+                 totals: np.ndarray | None = None, maxima: np.ndarray | None = None) -> None:
         self.stats = stats
         self.per_sample = elements_per_sample  # one count, or one per sample
         self.numel = int(np.broadcast_to(elements_per_sample, (stats.shape[0],)).sum())
+        # each field summed and maximised over the samples, when computed for many sites
+        # at once (:func:`many_site_figures`): the same numbers, without a call per figure
+        self._totals, self._maxima = totals, maxima
 
     def column(self, name: str) -> np.ndarray:
         return self.stats[:, INDEX[name]]
 
     def sum(self, name: str) -> float:
+        if self._totals is not None:
+            return self._totals[INDEX[name]]
         return self.column(name).sum()
 
     def max(self, name: str) -> float:
+        if self._maxima is not None:
+            return float(self._maxima[INDEX[name]])
         return float(self.column(name).max())
 
     def norm(self, name: str) -> float:
@@ -105,6 +113,29 @@ def site_figures(stats: np.ndarray, elements_per_sample: int | np.ndarray,
     """The site-level figures of one site from its per-sample ``[S, fields]`` stats."""
     fields = SiteFields(stats, elements_per_sample)
     return {figure.name: figure.compute(fields) for figure in figures}
+
+
+def many_site_figures(stats: list[np.ndarray], elements: list[int | np.ndarray],
+                      figures: tuple[Figure, ...] = FIGURES
+                      ) -> tuple[list[dict[str, float]], np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`site_figures` and :func:`sample_figures` of many sites with the same
+    samples at once: per site its figures, and ``[sites, samples]`` arrays of mismatch,
+    rel_l2 and max_abs. Every number is the one a site alone gives: sums run along each
+    field's samples as a contiguous row (numpy's summation of a 1-D column), maxima are
+    exact."""
+    stack = np.stack(stats)  # [sites, samples, fields]
+    totals = np.ascontiguousarray(stack.transpose(0, 2, 1)).sum(-1)
+    maxima = stack.max(1)
+    counts = np.stack([np.broadcast_to(np.asarray(e, dtype=float), (stack.shape[1],))
+                       for e in elements])
+    found = [{figure.name: figure.compute(SiteFields(array, e, totals[i], maxima[i]))
+              for figure in figures}
+             for i, (array, e) in enumerate(zip(stats, elements, strict=True))]
+    mismatch = np.divide(stack[:, :, INDEX["mismatch"]], counts,
+                         out=np.zeros(counts.shape), where=counts > 0)
+    rel = np.asarray(rel_l2(np.sqrt(stack[:, :, INDEX["sq_diff"]]),
+                            np.sqrt(stack[:, :, INDEX["sq_ref"]])), dtype=float)
+    return found, mismatch, rel.reshape(counts.shape), stack[:, :, INDEX["max_abs"]]
 
 
 def sample_figures(stats: np.ndarray, elements_per_sample: int | np.ndarray

@@ -15,7 +15,7 @@ from divtrace.align.order import merge
 from divtrace.align.status import Status
 from divtrace.explain.probe import Probe, TableView
 from divtrace.explain.registry import PROBES
-from divtrace.measure.figures import FIGURES, Figure, sample_figures, site_figures
+from divtrace.measure.figures import FIGURES, Figure, many_site_figures
 from divtrace.measure.host import Host
 from divtrace.measure.meter import Measured, Meter
 from divtrace.plan.make import Plan
@@ -56,30 +56,33 @@ def _site_row(site: Measured, figures: tuple[Figure, ...]) -> dict[str, Any]:
 
 
 def _measured_rows(plan: Plan, sites: list[Measured]
-                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
+                   ) -> tuple[list[dict[str, Any]], pd.DataFrame,
                               dict[str, tuple[np.ndarray, int]], dict[str, tuple[bool, ...]]]:
-    """Per measured site: its row, its per-sample rows, its fields and its argmax flips."""
+    """Per measured site: its row, its fields and its argmax flips; and the per-sample
+    table (figures computed for all sites at once, columns built as arrays)."""
     batch, samples = plan.batch.batch_size, plan.samples
-    rows: list[dict[str, Any]] = []
-    sample_rows: list[dict[str, Any]] = []
+    rows = [_site_row(site, plan.figures) for site in sites]
     fields: dict[str, tuple[np.ndarray, int]] = {}
-    flips: dict[str, tuple[bool, ...]] = {}
-    for site in sites:
-        row = _site_row(site, plan.figures)
-        if site.stats is not None:
-            array = site.stats.get()
-            per_sample = site.per_sample(batch)
-            fields[site.site.key] = (array, int(np.broadcast_to(per_sample, len(samples)).sum()))
-            row |= site_figures(array, per_sample, plan.figures)
-            mismatch, rel, max_abs = sample_figures(array, per_sample)
-            for j, sample in enumerate(samples):
-                sample_rows.append({"site": site.site.key, "sample": sample,
-                                    "mismatch": mismatch[j], "rel_l2": float(rel[j]),
-                                    "max_abs": max_abs[j]})
-        if site.flips is not None:
-            flips[site.site.key] = tuple(site.flips.get().astype(bool).tolist())
-        rows.append(row)
-    return rows, sample_rows, fields, flips
+    flips = {site.site.key: tuple(site.flips.get().astype(bool).tolist())
+             for site in sites if site.flips is not None}
+    measured = [(i, site) for i, site in enumerate(sites) if site.stats is not None]
+    per_sample = pd.DataFrame(columns=list(SAMPLE_COLUMNS))
+    if measured:
+        arrays = [site.stats.get() for _, site in measured if site.stats is not None]
+        elements = [site.per_sample(batch) for _, site in measured]
+        found, mismatch, rel, max_abs = many_site_figures(arrays, elements, plan.figures)
+        for (i, site), array, counts, figures in zip(measured, arrays, elements, found,
+                                                     strict=True):
+            fields[site.site.key] = (array, int(np.broadcast_to(counts, len(samples)).sum()))
+            rows[i] |= figures
+        keys = np.repeat(np.array([site.site.key for _, site in measured], dtype=object),
+                         len(samples))
+        per_sample = pd.DataFrame({
+            "site": pd.array(keys, dtype="str"),
+            "sample": np.tile(np.asarray(samples, dtype=np.int64), len(measured)),
+            "mismatch": mismatch.reshape(-1), "rel_l2": rel.reshape(-1),
+            "max_abs": max_abs.reshape(-1)}, columns=list(SAMPLE_COLUMNS))
+    return rows, per_sample, fields, flips
 
 
 def _growth(table: pd.DataFrame) -> pd.Series:
@@ -120,7 +123,7 @@ def build(plan: Plan, probes: tuple[Probe, ...], meter: Meter, meta: Meta, host:
           ) -> Comparison:
     """Assembles the :class:`Comparison` of a finished run (fetches the figures first)."""
     host.fetch()
-    rows, sample_rows, fields, flips = _measured_rows(plan, meter.sites)
+    rows, samples, fields, flips = _measured_rows(plan, meter.sites)
     call_keys = {s.site.key: s.site.call_key for s in meter.sites if s.site.op}
     view = TableView(fields, meter.calls, plan.batch.batch_size, len(plan.samples), call_keys)
     for probe in probes:
@@ -132,7 +135,6 @@ def build(plan: Plan, probes: tuple[Probe, ...], meter: Meter, meta: Meta, host:
         if count in table:
             table[count] = table[count].astype("Int64")
     table.insert(names.index("growth"), "growth", _growth(table))
-    samples = pd.DataFrame(sample_rows, columns=list(SAMPLE_COLUMNS))
     pairs: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {
         s.site.key: (s.kept, meter.store.rows[s.site.key].rows)
         for s in meter.sites if s.kept is not None}
