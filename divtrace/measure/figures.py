@@ -128,9 +128,10 @@ def many_site_figures(stats: list[np.ndarray], elements: list[int | np.ndarray],
     maxima = stack.max(1)
     counts = np.stack([np.broadcast_to(np.asarray(e, dtype=float), (stack.shape[1],))
                        for e in elements])
-    found = [{figure.name: figure.compute(SiteFields(array, e, totals[i], maxima[i]))
-              for figure in figures}
-             for i, (array, e) in enumerate(zip(stats, elements, strict=True))]
+    found = []
+    for i, (array, e) in enumerate(zip(stats, elements, strict=True)):
+        site = SiteFields(array, e, totals[i], maxima[i])
+        found.append({figure.name: figure.compute(site) for figure in figures})
     mismatch = np.divide(stack[:, :, INDEX["mismatch"]], counts,
                          out=np.zeros(counts.shape), where=counts > 0)
     rel = np.asarray(rel_l2(np.sqrt(stack[:, :, INDEX["sq_diff"]]),

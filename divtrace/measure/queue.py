@@ -24,13 +24,13 @@ __all__ = ["QUEUE_WIDTH", "StatsQueue", "budget_for"]
 QUEUE_WIDTH = 1 << 14
 #: Queued blocks are flushed when they hold ``share`` of the recorded rows' bytes, but
 #: never less than this (memory stays a small part of what the reference run stores).
-_MIN_BUDGET = 1 << 20
+_MIN_BUDGET = 8 << 20
 
 _Key = tuple[torch.dtype, float, float, int]
 
 
 def budget_for(stored_bytes: int, share: float = 0.1) -> int:
-    """The queue's budget: ``share`` of the reference run's stored bytes, at least 1 MiB."""
+    """The queue's budget: ``share`` of the reference run's stored bytes, at least 8 MiB."""
     return max(_MIN_BUDGET, int(share * stored_bytes))
 
 
