@@ -237,13 +237,12 @@ class Meter(Sink):
         n = len(rows)
         if tensor.device.type != "cpu" or tensor.dtype != rows.dtype or not n:
             return None
-        width = rows[0].numel()
-        if not self._queue.takes(rows.reshape(n, -1), rows.reshape(n, -1), _CPU_BLOCK // n
-                                 ) or width == 0:
+        r = rows.reshape(n, -1)
+        if not self._queue.takes(r, _CPU_BLOCK // n):
             return None
         b = self.store.pick(tensor).reshape(n, -1)  # a copy: later ops cannot change it
         rtol, atol = self._tolerances(tensor.dtype)
-        return self._queue.add(b, rows.reshape(n, -1).clone(), rtol, atol)
+        return self._queue.add(b, r.clone(), rtol, atol)
 
     def stats(self, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Per-sample statistics of the compared rows of ``tensor`` against ``rows``."""

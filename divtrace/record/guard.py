@@ -22,7 +22,10 @@ def _version(tensor: torch.Tensor) -> int | None:
 
 def cuda_devices(models: Iterable[nn.Module], tensors: Iterable[object]) -> list[int]:
     """The CUDA devices the models' parameters and buffers and the tensors live on."""
-    found = {t.device.index or 0 for m in models for t in (*m.parameters(), *m.buffers())
+    if not torch.cuda.is_available():
+        return []
+    unique = {id(m): m for m in models}.values()  # the runs often share the user's model
+    found = {t.device.index or 0 for m in unique for t in (*m.parameters(), *m.buffers())
              if t.is_cuda}
     found |= {t.device.index or 0 for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda}
     return sorted(found)
