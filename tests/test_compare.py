@@ -103,7 +103,7 @@ def test_inplace_relu_does_not_alter_the_recorded_site() -> None:
     assert result.table.set_index("site").loc["0", "mismatch"] == 0
 
 
-def test_an_inplace_op_found_late_reruns_the_chunk_once() -> None:
+def test_an_inplace_op_seen_in_the_first_chunk_costs_no_pass() -> None:
     model = models.inplace_relu_model()
     passes: list[int] = []
     handle = model.register_forward_pre_hook(lambda m, a: passes.append(a[0].shape[0]))
@@ -112,15 +112,48 @@ def test_an_inplace_op_found_late_reruns_the_chunk_once() -> None:
         result = run(model, x, keep=True)
     finally:
         handle.remove()
-    # the split run copies its sites together at the end of each chunk; the first chunk
-    # shows that ReLU(inplace=True) overwrites sites 0 and 2, so it runs once more with
-    # those copied in their hooks, and the later chunks do so from the start
-    assert passes == [1, 1, 1, 1, 1, 1, 1, 6]
+    # the first chunk copies every site at once and sees that ReLU(inplace=True) changes
+    # sites 0 and 2 afterwards: the later chunks copy those at once too, the others
+    # together at the end of the chunk; no pass runs twice
+    assert passes == [1, 1, 1, 1, 1, 1, 6]
     _, split = result.pair("0")
     with torch.no_grad():
         expected = torch.cat([model[0](x[i:i + 1]) for i in range(6)])
     torch.testing.assert_close(split, expected, rtol=0, atol=0)  # negatives kept
     assert (split < 0).any()
+
+
+class LateInPlace(nn.Module):
+    """Changes the output of its layer in place only for batches whose rows all start
+    with a positive number: an in-place op the first chunk does not show."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if bool((x[:, 0] > 0).all()):
+            h.mul_(2.0)
+        return h * 1.0
+
+
+def test_an_inplace_op_found_late_reruns_that_chunk_once() -> None:
+    torch.manual_seed(0)
+    model = LateInPlace().eval()
+    x = torch.randn(4, 4)
+    x[:, 0] = torch.tensor([-1.0, -1.0, 1.0, -1.0])
+    passes: list[int] = []
+    handle = model.register_forward_pre_hook(lambda m, a: passes.append(a[0].shape[0]))
+    try:
+        result = run(model, x, keep=True)
+    finally:
+        handle.remove()
+    assert passes == [1, 1, 1, 1, 1, 4]  # the third chunk ran twice
+    _, split = result.pair("fc")
+    with torch.no_grad():  # each row alone, as the split run made it, before mul_
+        alone = torch.cat([model.fc(x[i:i + 1]) for i in range(4)])
+    torch.testing.assert_close(split, alone, rtol=0, atol=0)
 
 
 def test_a_module_called_twice_gives_two_sites() -> None:

@@ -93,6 +93,10 @@ class RowStore(Sink):
     # one per site, except for sites whose output a later op changes in place: those are
     # copied in their hook. Such sites are found by the tensors' version counters.
     _eager: set[str] = field(default_factory=set)
+    # The first chunk copies every site at once and watches which tensors a later op
+    # changes: those sites are copied at once from then on (no pass runs twice for it).
+    _learnt: bool = False
+    _watched: list[tuple[torch.Tensor, int, int, str]] = field(default_factory=list)
     # (target, source, its version, its memory's write count, site key)
     _pending: list[tuple[torch.Tensor, torch.Tensor, int, int, str]] = field(
         default_factory=list)
@@ -121,9 +125,15 @@ class RowStore(Sink):
 
     def end_chunk(self) -> bool:
         """Finishes the chunk. False if it must run again: an op changed a tensor in place
-        after its hook, before its copy was made; that site is copied at once from now on.
+        after its hook, before its copy was made (an in-place op the first chunk did not
+        show); that site is copied at once from now on.
         """
         writes = self._tracker.writes_to if self._tracker is not None else (lambda _t: 0)
+        if not self._learnt:  # the first chunk: copied at once, watched
+            self._eager.update(key for src, seen, wrote, key in self._watched
+                               if version(src) != seen or writes(src) != wrote)
+            self._watched.clear()
+            self._learnt = True
         changed = [key for _, src, seen, wrote, key in self._pending
                    if version(src) != seen or writes(src) != wrote]
         if changed:
@@ -207,10 +217,12 @@ class RowStore(Sink):
         if self._whole is not None and dim == 0:
             target = (stored.pieces[self._piece] if self._piece is not None
                       else rows.narrow(0, self._whole[0], self._whole[1]))
-            if self.offload or site.key in self._eager:
+            wrote = self._tracker.writes_to(tensor) if self._tracker is not None else 0
+            if self.offload or site.key in self._eager or not self._learnt:
                 target.copy_(tensor, self.offload)
+                if not self._learnt and not self.offload:
+                    self._watched.append((tensor, version(tensor), wrote, site.key))
             else:
-                wrote = self._tracker.writes_to(tensor) if self._tracker is not None else 0
                 self._pending.append((target, tensor, version(tensor), wrote, site.key))
             return
         for slot, row, n in self._runs:
