@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["real_tokens"]
+__all__ = ["joined", "real_tokens"]
 
 
 def real_tokens(tensor: torch.Tensor, row: int, length: int, offset: int, valid: int,
@@ -25,3 +25,10 @@ def real_tokens(tensor: torch.Tensor, row: int, length: int, offset: int, valid:
                                                 and like[dim] == valid)):
             part = part.narrow(dim, offset, valid)
     return part
+
+
+def joined(parts: list[torch.Tensor] | list[torch.Tensor | None],
+           device: torch.device | None = None) -> torch.Tensor:
+    """Each prompt's tokens, flattened and end to end (on ``device`` if given)."""
+    return torch.cat([p.flatten() if device is None else p.to(device).flatten()
+                      for p in parts if p is not None])

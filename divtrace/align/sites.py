@@ -52,6 +52,11 @@ class Site:
     index: int = 0
 
     @property
+    def is_output(self) -> bool:
+        """Whether this is (a tensor of) the model's own output (not an op run in it)."""
+        return self.module == ROOT and not self.op
+
+    @property
     def scope(self) -> str:
         """The module call this site belongs to (for an op site: the one that ran it)."""
         return site_key(self.module, self.call, "")

@@ -22,7 +22,7 @@ from divtrace.measure.host import Deferred
 from divtrace.measure.meter import CallRecord, LeafCall
 from divtrace.plan.checks import patterns
 from divtrace.record.lineage import Origin
-from divtrace.record.oplineage import per_sample
+from divtrace.record.oplineage import op_outputs, per_sample
 from divtrace.record.rows import StoredRows
 
 if TYPE_CHECKING:
@@ -134,10 +134,8 @@ class LocalReplay(Probe):
         outputs: list[tuple[str, torch.Tensor, Status | None]]
         if site.op:  # an op's outputs, as the op recorder hands them on
             batch, dim = ctx.plan.batch.batch_size, store.batch_dim
-            leaves = [("", output)] if isinstance(output, torch.Tensor) else [
-                (str(i), t) for i, t in enumerate(pytree.tree_leaves(output))
-                if isinstance(t, torch.Tensor) and t.dim() > 0]
-            outputs = [(p, per_sample(t, dim, batch), None) for p, t in leaves]
+            outputs = [(p, per_sample(t, dim, batch), None) for p, t in op_outputs(output)
+                       if t.dim() > 0 or not p]
         else:
             outputs = ([("", output, None)] if isinstance(output, torch.Tensor)
                        else flatten_output(output))

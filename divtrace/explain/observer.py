@@ -49,8 +49,7 @@ class ObserverCheck(Probe):
 
     def on_site(self, ctx: Context, measured: Measured, tensor: torch.Tensor,
                 rows: torch.Tensor) -> None:
-        if measured.site.module == ROOT and not measured.site.op and (
-                measured.status == Status.OK):
+        if measured.site.is_output and measured.status == Status.OK:
             self.hooked[measured.site.key] = ctx.store.pick(tensor).clone()
 
     def after(self, ctx: Context) -> None:

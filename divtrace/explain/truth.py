@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from divtrace.align.ragged import joined
 from divtrace.errors import DivtraceValueError
 from divtrace.explain.probe import Context, Probe, TableView
 from divtrace.measure.host import Deferred
@@ -37,9 +38,8 @@ def _joined_parts(ctx: Context, key: str, tensor: torch.Tensor,
     if [t.shape for t in truth if t is not None] != [p.shape for p in split if p is not None]:
         return None
     device = tensor.device
-    return (torch.cat([t.to(device).flatten() for t in truth if t is not None]).double(),
-            torch.cat([b.flatten() for b in batched]).double(),
-            torch.cat([p.to(device).flatten() for p in split if p is not None]).double())
+    return (joined(truth, device).double(), joined(batched).double(),
+            joined(split, device).double())
 
 
 class Fp64Truth(Probe):

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from divtrace.align.sites import ROOT, Site, input_site
+from divtrace.align.sites import Site, input_site
 from divtrace.align.status import Status, comparable, status_of
 from divtrace.measure import fused
 from divtrace.measure.host import Deferred, Host
@@ -181,8 +181,7 @@ class Meter(Sink):
             measured.stats = self.host.add(self.stats(tensor, rows))
         for watcher in self.site_watchers:
             watcher(measured, tensor, rows)
-        if site.module == ROOT and not site.op and tensor.dim() == 2 and (
-                tensor.is_floating_point()):
+        if site.is_output and tensor.dim() == 2 and tensor.is_floating_point():
             flips = _argmax(self.store.pick(tensor)) != _argmax(rows)
             measured.flips = self.host.add(flips.double())
         if self.keep:
@@ -235,7 +234,7 @@ class Meter(Sink):
         """The site's fields, queued to be computed with other small sites' (on the CPU);
         None when it is measured on its own."""
         n = len(rows)
-        if tensor.device.type != "cpu" or tensor.dtype != rows.dtype or not n:
+        if tensor.dtype != rows.dtype or not n:
             return None
         r = rows.reshape(n, -1)
         if not self._queue.takes(r, _CPU_BLOCK // n):

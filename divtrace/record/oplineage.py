@@ -15,11 +15,11 @@ from typing import Any
 import torch
 
 from divtrace.align.sites import CONSTANT, INPUT, Site
-from divtrace.compat import impl, version
+from divtrace.compat import impl, pytree, version
 from divtrace.record.recorder import Tracker
 
 __all__ = ["CASTS", "MOVES", "PART", "Kind", "OpTracker", "keeps_dtype", "kind_of",
-           "per_sample", "storage", "written_args"]
+           "op_outputs", "per_sample", "storage", "written_args"]
 
 #: Ops that return their input's values in a new tensor.
 MOVES = frozenset({"aten::clone", "aten::_unsafe_view", "aten::alias", "aten::detach",
@@ -63,6 +63,15 @@ def keeps_dtype(func: Any, tensors: list[torch.Tensor], kwargs: dict[str, Any]) 
     if func.name() == "aten::copy_":
         return len(tensors) > 1 and tensors[0].dtype == tensors[1].dtype
     return kwargs.get("dtype") in (None, tensors[0].dtype)
+
+
+def op_outputs(out: Any) -> list[tuple[str, torch.Tensor]]:
+    """An op's output tensors with their paths: ``""`` for a single tensor, else the
+    position among the outputs (``aten.native_layer_norm``'s ``/0``, ``/1``, ``/2``)."""
+    if isinstance(out, torch.Tensor):
+        return [("", out)]
+    return [(str(i), t) for i, t in enumerate(pytree.tree_leaves(out))
+            if isinstance(t, torch.Tensor)]
 
 
 def per_sample(tensor: torch.Tensor, batch_dim: int, rows: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ from torch.autograd.profiler import record_function
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from divtrace.align.sites import CONSTANT, INPUT, ROOT, Site, input_site, op_key, site_key
-from divtrace.compat import TorchDispatchMode, modes_off, module_tracker, pytree
+from divtrace.compat import TorchDispatchMode, modes_off, module_tracker
 from divtrace.record.hooks import ModuleHooks
 from divtrace.record.lineage import InputPart, Origin
 from divtrace.record.oplineage import (
@@ -33,6 +33,7 @@ from divtrace.record.oplineage import (
     OpTracker,
     keeps_dtype,
     kind_of,
+    op_outputs,
     per_sample,
     written_args,
 )
@@ -165,22 +166,19 @@ class _OpMode(TorchDispatchMode):
         makers = [tracker.maker(t) for t in tensors]
         if all(m == CONSTANT or (m is None and self._constant(t))
                for m, t in zip(makers, tensors, strict=True)):
-            out = func(*args, **kwargs)  # made from nothing, or from constants only
-            self._wrote(func, args, kwargs)
+            out = self._run(func, args, kwargs)  # made from nothing, or from constants only
             self._note(CONSTANT, out)
             return out
         kind = self.kinds.get(func)
         if kind is None:
             kind = self.kinds[func] = kind_of(func)
         if kind is Kind.VIEW or (kind is Kind.CAST and keeps_dtype(func, tensors, kwargs)):
-            out = func(*args, **kwargs)
-            self._wrote(func, args, kwargs)
+            out = self._run(func, args, kwargs)
             source = 1 if kind is Kind.CAST and len(tensors) > 1 else 0  # copy_(dst, src)
             self._view(makers[source], tensors[source], out)
             return out
         if name not in self.recorder.scopes:
-            out = func(*args, **kwargs)
-            self._wrote(func, args, kwargs)
+            out = self._run(func, args, kwargs)
             self._note(PART, out)
             return out
         call = self._call(name, func)
@@ -192,14 +190,15 @@ class _OpMode(TorchDispatchMode):
             return out
         self.sink.on_op(call, func, args, kwargs, self._parts(call, tensors, makers),
                         tracker)
-        out = func(*args, **kwargs)
-        self._wrote(func, args, kwargs)
+        out = self._run(func, args, kwargs)
         self._outputs(call, func, out)
         return out
 
-    def _wrote(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Counts an in-place op's writes to its arguments' memory (any op, site or not:
-        the lineage and the row store's deferred copies read the counts)."""
+    def _run(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Runs the op, then counts an in-place op's writes to its arguments' memory (any
+        op, site or not: the lineage and the row store's deferred copies read the counts).
+        """
+        out = func(*args, **kwargs)
         written = self.written.get(func)
         if written is None:
             written = self.written[func] = written_args(func)
@@ -208,6 +207,7 @@ class _OpMode(TorchDispatchMode):
             values = [args[i] if i < len(args) else kwargs.get(schema[i].name)
                       for i in written]
             self.tracker.wrote([v for v in values if isinstance(v, torch.Tensor)])
+        return out
 
     def _call(self, name: str, func: Any) -> Site:
         tracker = self.tracker
@@ -263,20 +263,13 @@ class _OpMode(TorchDispatchMode):
         self._note(maker if whole else PART, out)
 
     def _note(self, key: str | None, out: Any) -> None:
-        pending = self.tracker.pending
-        for item in ([out] if isinstance(out, torch.Tensor) else pytree.tree_leaves(out)):
-            if isinstance(item, torch.Tensor):
-                pending.append((key, item, None))
+        self.tracker.pending.extend((key, item, None) for _, item in op_outputs(out))
 
     def _outputs(self, call: Site, func: Any, out: Any) -> None:
         pending = self.tracker.pending
-        if isinstance(out, torch.Tensor):
-            pending.append((call.key, out, call))
-            return
-        for i, tensor in enumerate(pytree.tree_leaves(out)):
-            if isinstance(tensor, torch.Tensor):
-                site = self._site(call.module, call.call, func, call.index, str(i))
-                pending.append((site.key, tensor, site if tensor.dim() > 0 else None))
+        for path, tensor in op_outputs(out):
+            site = self._site(call.module, call.call, func, call.index, path) if path else call
+            pending.append((site.key, tensor, site if tensor.dim() > 0 or not path else None))
 
     def flush(self) -> None:
         """Hands the last op's outputs on, now that their version counters are set."""

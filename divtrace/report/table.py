@@ -12,6 +12,7 @@ import pandas as pd
 import torch
 
 from divtrace.align.order import merge
+from divtrace.align.ragged import joined
 from divtrace.align.status import Status
 from divtrace.explain.probe import Probe, TableView
 from divtrace.explain.registry import PROBES
@@ -115,10 +116,6 @@ def _in_order(rows: list[dict[str, Any]], store: RowStore, probes: tuple[Probe, 
     return ordered
 
 
-def _joined(parts: list[torch.Tensor] | list[torch.Tensor | None]) -> torch.Tensor:
-    return torch.cat([p.flatten() for p in parts if p is not None])
-
-
 def build(plan: Plan, probes: tuple[Probe, ...], meter: Meter, meta: Meta, host: Host
           ) -> Comparison:
     """Assembles the :class:`Comparison` of a finished run (fetches the figures first)."""
@@ -141,6 +138,6 @@ def build(plan: Plan, probes: tuple[Probe, ...], meter: Meter, meta: Meta, host:
     for s in meter.sites:  # prompts of different lengths: their real tokens, end to end
         parts = meter.store.rows[s.site.key].parts if s.kept_parts is not None else None
         if s.kept_parts is not None and parts is not None:
-            pairs[s.site.key] = (_joined(s.kept_parts), _joined(parts))
+            pairs[s.site.key] = (joined(s.kept_parts), joined(parts))
     return Comparison(table, samples, replace(meta, flips=flips), pairs,
                       tuple(type(p) for p in probes))
