@@ -111,6 +111,28 @@ def test_assert_batch_invariant() -> None:
                                                 torch.randn(8, 16))
 
 
+class WithTable(torch.nn.Module):
+    """A layer, and an embedding of fixed positions: a site without the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.table = torch.nn.Embedding(3, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + self.table(torch.arange(3)).sum(0)
+
+
+def test_a_site_compared_in_neither_run_is_no_change(tmp_path: Path) -> None:
+    result = divtrace.compare(WithTable().eval(), torch.randn(6, 4), progress=False)
+    table = result.table.set_index("site")
+    assert table.loc["table", "status"] == "unbatched"
+    found = divtrace.diff(result, result).table.set_index("site")
+    assert found.loc["table", "change"] == ""
+    assert found["rel_l2_ratio"].isna().loc["table"]
+    divtrace.testing.assert_matches_saved(result, result.save(tmp_path / "same.json"))
+
+
 def test_assert_matches_saved(tmp_path: Path) -> None:
     x = torch.randn(8, 16)
     saved = divtrace.compare(models.variant_mlp(100), x, progress=False).save(

@@ -51,6 +51,20 @@ def _change(a: pd.Series | None, b: pd.Series | None, factor: float) -> str:
     return ""
 
 
+def _get(row: pd.Series | None, column: str) -> Any:
+    return None if row is None else row.get(column)
+
+
+def _ratio(a: float | None, b: float | None) -> float:
+    """rel_l2 of b over that of a: NaN when either was not measured (or both are 0), inf
+    when only a is 0."""
+    if a is None or b is None or math.isnan(a) or math.isnan(b):
+        return math.nan
+    if a > 0:
+        return b / a
+    return math.inf if b > 0 else math.nan
+
+
 @dataclass(frozen=True)
 class Diff:
     """Two comparisons side by side: ``a`` (before) and ``b`` (after).
@@ -128,23 +142,17 @@ def diff(a: Comparison, b: Comparison, factor: float = FACTOR) -> Diff:
             f"got {type(a).__name__} and {type(b).__name__}")
     ta, tb = a.table.set_index("site"), b.table.set_index("site")
     rows = []
-    for site in merge(list(a.table["site"]), list(b.table["site"])):
+    for site in merge(list(ta.index), list(tb.index)):
         ra = ta.loc[site] if site in ta.index else None
         rb = tb.loc[site] if site in tb.index else None
-        some = ra if ra is not None else rb
-        assert some is not None
-
-        def get(row: pd.Series | None, column: str) -> Any:
-            return None if row is None else row.get(column)
-
-        rel_a, rel_b = get(ra, "rel_l2"), get(rb, "rel_l2")
-        ratio = (rel_b / rel_a if rel_a and rel_b is not None and rel_a > 0
-                 else (math.nan if not rel_b else math.inf))
+        some = rb if ra is None else ra
+        assert some is not None  # the site is in one of them
+        rel_a, rel_b = _get(ra, "rel_l2"), _get(rb, "rel_l2")
         rows.append({"site": site, "module_type": some["module_type"],
-                     "status_a": get(ra, "status"), "status_b": get(rb, "status"),
-                     "role_a": get(ra, "role"), "role_b": get(rb, "role"),
-                     "mismatch_a": get(ra, "mismatch"), "mismatch_b": get(rb, "mismatch"),
-                     "rel_l2_a": rel_a, "rel_l2_b": rel_b, "rel_l2_ratio": ratio,
+                     "status_a": _get(ra, "status"), "status_b": _get(rb, "status"),
+                     "role_a": _get(ra, "role"), "role_b": _get(rb, "role"),
+                     "mismatch_a": _get(ra, "mismatch"), "mismatch_b": _get(rb, "mismatch"),
+                     "rel_l2_a": rel_a, "rel_l2_b": rel_b, "rel_l2_ratio": _ratio(rel_a, rel_b),
                      "change": _change(ra, rb, factor)})
     table = pd.DataFrame(rows, columns=list(DIFF_COLUMNS))
     for column in ("mismatch_a", "mismatch_b", "rel_l2_a", "rel_l2_b", "rel_l2_ratio"):
