@@ -1,11 +1,13 @@
 """Models with hundreds of small sites: ``compare()`` against the bare forward passes.
 
 mobilenet_v3_small, efficientnet_b0 and resnet18 (random weights), batch 16 of 3×64×64,
-per sample with samples [0, 1] (the split run's two passes, then the batched pass), in one
-process, interleaved, medians. With ``--old DIR`` an older checkout of divtrace is timed
-beside this one (imported as ``divtrace_old``).
+per sample with samples [0, 1] (the split run's two passes, then the batched pass; with
+``--chunk 2`` one split pass of both), in one process, interleaved, medians. With
+``--old DIR`` an older checkout of divtrace is timed beside this one (imported as
+``divtrace_old``).
 
-    python benchmarks/many_sites.py [--device cuda] [--repeats 7] [--old DIR] [--json out]
+    python benchmarks/many_sites.py [--device cuda] [--chunk 2] [--repeats 7] [--old DIR]
+        [--json out]
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--chunk", type=int, default=1, choices=[1, 2])
     parser.add_argument("--old", type=Path, help="an older checkout to time beside")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -54,13 +57,14 @@ def main() -> int:
 
         def bare(model: torch.nn.Module = model, x: torch.Tensor = x) -> None:
             with torch.no_grad():
-                model(x[0:1])
-                model(x[1:2])
+                for start in range(0, 2, args.chunk):
+                    model(x[start:start + args.chunk])
                 model(x)
 
         def run(package: Any, model: torch.nn.Module = model, x: torch.Tensor = x
                 ) -> Callable[[], object]:
-            return lambda: package.compare(model, x, samples=[0, 1], progress=False)
+            return lambda: package.compare(model, x, samples=[0, 1], chunk=args.chunk,
+                                           progress=False)
 
         ways: dict[str, Callable[[], object]] = {"bare": bare, "new": run(divtrace)}
         if old is not None:
@@ -83,7 +87,8 @@ def main() -> int:
               f"{row['ratio']:.2f}×{old_text}")
     if args.json:
         args.json.write_text(json.dumps({"torch": torch.__version__, "device": str(device),
-                                         "threads": args.threads, "results": rows}, indent=1))
+                                         "threads": args.threads, "chunk": args.chunk,
+                                         "results": rows}, indent=1))
     return 0
 
 

@@ -17,13 +17,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from overhead import CASES, build, timed, use_seed_settings, with_divtrace
+from graphs import CASES, build
+from overhead import timed, use_seed_settings, with_divtrace
 
 from divtrace.measure.host import Host
 from divtrace.measure.meter import Meter
 from divtrace.plan.inputs import prepare_input
 from divtrace.plan.samples import chunks_for
 from divtrace.plan.selection import select_modules
+from divtrace.record.graphs import GraphedRun
 from divtrace.record.hooks import ModuleHooks
 from divtrace.record.loop import drive
 from divtrace.record.recorder import Sink
@@ -58,6 +60,15 @@ def main() -> int:
         drive(model, recorder, store, batch, chunks, _label)
         return store
 
+    outcomes = []
+
+    def graphed_split() -> RowStore:  # the same, replayed from a CUDA graph
+        store = RowStore(samples, 0, False, case["chunk"])
+        graphed = GraphedRun(True)
+        graphed.drive(model, recorder, store, batch, chunks, _label)
+        outcomes.append(graphed.outcome)
+        return store
+
     def hooked_batched(store: RowStore) -> None:  # the measured run and the host transfer
         host = Host()
         drive(model, recorder, Meter(store, case["batch"], host), batch,
@@ -73,7 +84,8 @@ def main() -> int:
         with_divtrace(model, x, case)
         rows: dict[str, list[float]] = {
             "bare batched": [], "bare split": [], "split, empty hooks": [],
-            "split, recording": [], "batched, measuring": [], "compare()": []}
+            "split, recording": [], "split, graphed": [], "batched, measuring": [],
+            "compare()": []}
         for _ in range(args.repeats):
             rows["bare batched"].append(timed(lambda: model(x), device))
             rows["bare split"].append(timed(bare_split, device))
@@ -81,11 +93,16 @@ def main() -> int:
             box: list[RowStore] = []
             rows["split, recording"].append(
                 timed(lambda box=box: box.append(hooked_split()), device))
+            if device.type == "cuda":
+                rows["split, graphed"].append(timed(graphed_split, device))
             rows["batched, measuring"].append(
                 timed(lambda box=box: hooked_batched(box[0]), device))
             rows["compare()"].append(timed(lambda: with_divtrace(model, x, case), device))
     for name, times in rows.items():
-        print(f"{name:>20}: {statistics.median(times) * 1e3:8.2f} ms")
+        if times:
+            print(f"{name:>20}: {statistics.median(times) * 1e3:8.2f} ms")
+    if outcomes:
+        print(f"the last graphed split run: {outcomes[-1]}")
     return 0
 
 

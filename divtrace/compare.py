@@ -37,6 +37,7 @@ def compare(
     kernels: bool = False,
     observer: bool | None = None,
     ops: bool | str = False,
+    graphs: bool | str = "auto",
     a: Run | None = None,
     b: Run | None = None,
 ) -> Comparison:
@@ -90,6 +91,12 @@ def compare(
             level too. ``"only"``: op sites and the model's output, with no hook inside
             the model (fast paths that hooks turn off stay on). ``modules=`` picks the
             scopes whose ops are recorded.
+        graphs: On CUDA, capture one split pass as a CUDA graph (the recording copies
+            inside it) and replay it for the other chunks, after checking it bit for bit
+            against the eager first pass. ``"auto"``: where it can be used and there
+            are at least 3 passes to replay (else eager; a failed capture or check is a
+            warning); ``True``: always, or an error; ``False``: eager. ``meta["graphed"]``
+            says how each chunked run went.
         a: Instead of batched vs split: the reference run's configuration
             (:class:`Run`; default ``Run()``: as is, the whole batch in one pass).
         b: The configuration compared with ``a``; the figures are ``b`` against ``a``.
@@ -114,5 +121,5 @@ def compare(
         progress=progress, keep=keep, offload=offload, rtol=rtol, atol=atol,
         allow_train=allow_train, a=a, b=b,
         local=local, replay_skip=replay_skip, truth=truth, repeat=repeat, kernels=kernels,
-        observer=observer, ops=ops)
+        observer=observer, ops=ops, graphs=graphs)
     return execute(plan, model)

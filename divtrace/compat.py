@@ -4,8 +4,8 @@ releases, and this is the one file to mend when they do."""
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 from torch import nn
@@ -15,7 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.module_tracker import ModuleTracker
 
 __all__ = ["BATCH_NORM", "DROPOUT", "TorchDispatchMode", "cuda_driver", "default_tolerances",
-           "foreach_copy", "impl", "modes_off", "module_tracker", "pytree", "version"]
+           "foreach_copy", "generator_kept", "impl", "modes_off", "module_tracker", "pytree",
+           "version"]
 
 #: The base classes of BatchNorm and of Dropout layers (they mix samples, or draw random
 #: numbers, in train mode).
@@ -78,3 +79,19 @@ def modes_off() -> AbstractContextManager[object]:
     work inside a recorded pass must not be recorded). Excluding the Python dispatch keys
     costs well under a microsecond; popping the modes (``_disable_current_modes``) ~10."""
     return torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS)
+
+
+@contextmanager
+def generator_kept(device: torch.device) -> Iterator[None]:
+    """Around a CUDA graph capture: if it fails, the device's default generator gets back
+    a copy of its state from before. (A capture registers the generator; a capture that
+    ends in an error leaves it marked as capturing, and every later random draw on the
+    device raises "Offset increment outside graph capture".)"""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    generator = torch.cuda.default_generators[index]
+    before = generator.clone_state()
+    try:
+        yield
+    except BaseException:
+        generator.graphsafe_set_state(before)
+        raise

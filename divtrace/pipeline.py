@@ -24,6 +24,7 @@ from divtrace.measure.ragged import RaggedMeter
 from divtrace.plan.make import Plan
 from divtrace.plan.prompts import RaggedInput
 from divtrace.progress import Progress
+from divtrace.record.graphs import GraphedRun
 from divtrace.record.guard import RandomDraws, cuda_devices, untouched
 from divtrace.record.loop import InputCopies
 from divtrace.record.ragged import RaggedStore
@@ -54,8 +55,12 @@ def record(ctx: Context, runner: Runner, chunks: tuple[tuple[int, int], ...]) ->
         return f"{runner.name}, chunk of rows {start}:{stop} (samples {inside})"
 
     ctx.progress.stage(runner.name)
+    graphed = None if plan.graphs is False else GraphedRun(plan.graphs)
     ctx.output_type = runner.execute(store, plan.batch, list(chunks), label,
-                                     ctx.progress.advance, ctx.check, ctx.copies)
+                                     ctx.progress.advance, ctx.check, ctx.copies, graphed,
+                                     plan.graph_obstacle)
+    if graphed is not None and graphed.outcome is not None:
+        ctx.graphed["a" if runner is ctx.reference else "b"] = graphed.outcome.to_dict()
     return store
 
 
@@ -99,7 +104,7 @@ def _meta(plan: Plan, ctx: Context, stored_bytes: int, draws: RandomDraws,
           probes: tuple[Probe, ...]) -> Meta:
     reference = plan.reference
     options = {probe.option: _plain(plan.options.get(probe.option))
-               for probe in PROBES if probe.option} | {"ops": plan.ops}
+               for probe in PROBES if probe.option} | {"ops": plan.ops, "graphs": plan.graphs}
     return Meta(
         batch_size=plan.batch.batch_size, chunk=reference.chunk or plan.batch.batch_size,
         samples=plan.samples, batch_dim=plan.batch.batch_dim,
@@ -107,7 +112,8 @@ def _meta(plan: Plan, ctx: Context, stored_bytes: int, draws: RandomDraws,
         atol=plan.atol, train_mode=bool(plan.train_mode), torch=torch.__version__,
         options=options,
         runs=None if plan.default_pair else (reference.label(), plan.compared.label()),
-        random_draws=draws.seen, output_type=ctx.output_type, environment=environment(),
+        random_draws=draws.seen, output_type=ctx.output_type, graphed=dict(ctx.graphed),
+        environment=environment(),
         settings={"a": run_settings(reference, ctx.reference.model),
                   "b": run_settings(plan.compared, ctx.compared.model)},
         notes={p.option or type(p).__name__: note for p in probes

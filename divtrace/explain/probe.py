@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -55,6 +55,8 @@ class Context:
     output_type: str | None = None
     #: whether passes over the batch need copies of the input (learnt from the first)
     copies: InputCopies | None = None
+    #: per chunked run (``a``, ``b``): how its passes ran (a CUDA graph, or eager and why)
+    graphed: dict[str, dict[str, Any]] = field(default_factory=dict)
     _store: RowStore | None = None
     _meter: Meter | None = None
 

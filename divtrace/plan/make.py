@@ -20,6 +20,7 @@ from divtrace.plan.prompts import Prompts, RaggedInput, ragged_input
 from divtrace.plan.runs import Run
 from divtrace.plan.samples import check_chunk, chunks_for, prepare_samples
 from divtrace.plan.selection import ModuleSpec, check_modules, mixing_modules
+from divtrace.record.graphs import GraphMode, check_graphs
 from divtrace.record.ops import OpRecorder
 from divtrace.record.recorder import Recorder
 from divtrace.record.runner import RecorderFactory, module_hooks
@@ -51,6 +52,8 @@ class Plan:
         recorder: Makes each run's recorder (default: module forward hooks).
         ops: Op sites too (True), op sites and the model's output only (``"only"``: no
             hook inside the model), or none (False).
+        graphs: Chunked runs replayed from a CUDA graph: ``"auto"``, True or False.
+        graph_obstacle: Why no run of this comparison can be graphed (None: they may be).
     """
 
     batch: BatchedInput
@@ -74,6 +77,8 @@ class Plan:
     figures: tuple[Figure, ...] = FIGURES
     recorder: RecorderFactory = module_hooks
     ops: bool | str = False
+    graphs: GraphMode = False
+    graph_obstacle: str | None = None
 
     @property
     def passes(self) -> int:
@@ -161,6 +166,31 @@ def _recorder(ops: bool | str, modules: ModuleSpec, batch_dim: int, local: bool
     return make
 
 
+def _graph_obstacle(graphs: GraphMode, model: nn.Module, batch: BatchedInput,
+                    runs: tuple[Run, Run], ops: bool | str, offload: bool) -> str | None:
+    """Why the chunked runs cannot be replayed from a CUDA graph (None: they may be);
+    under ``graphs=True`` an error."""
+    obstacle = next((why for why, where in (
+        ("prompts of different lengths take passes of different shapes",
+         isinstance(batch, RaggedInput)),
+        ("op sites (ops=) are recorded eagerly", bool(ops)),
+        ("offload=True keeps the rows in CPU memory", offload),
+        ("a compiled run (Run(compile=...)) is left to torch.compile",
+         any(run.compile for run in runs)),
+        ("the model lies on several devices",
+         _dispatched(model) or len({p.device for p in model.parameters()}) > 1)) if where),
+        None)
+    on_cuda = any(isinstance(leaf, torch.Tensor) and leaf.is_cuda for leaf in batch.leaves)
+    moved = [torch.device(run.device).type for run in runs if run.device is not None]
+    if obstacle is None and not on_cuda and "cuda" not in moved:
+        obstacle = "the input is not on a CUDA device"
+    if graphs is True and obstacle is not None:
+        raise DivtraceValueError(
+            f"graphs=True, but the split run cannot be replayed from a CUDA graph: "
+            f"{obstacle}. Pass graphs='auto' or False")
+    return obstacle
+
+
 def _dispatched(model: nn.Module) -> bool:
     """Whether accelerate placed the model (its hooks move weights and inputs per call)."""
     return any(hasattr(m, "_hf_hook") for m in model.modules())
@@ -218,7 +248,7 @@ def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
               modules: ModuleSpec = None, progress: bool = True, keep: bool = False,
               offload: bool = False, rtol: float | None = None, atol: float | None = None,
               allow_train: bool = False, a: Run | None = None, b: Run | None = None,
-              ops: bool | str = False, **options: Any) -> Plan:
+              ops: bool | str = False, graphs: GraphMode = "auto", **options: Any) -> Plan:
     """Validates ``compare()``'s arguments and decides what will run (see
     :func:`divtrace.compare`); ``options`` are the explain options, given to each probe."""
     if not isinstance(model, nn.Module):
@@ -245,6 +275,7 @@ def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
     train_mode = _check_train_mode(model, allow_train)
     output_only = bool(ref.compile or test.compile)
     ops = _check_ops(ops, (ref, test))
+    graphs = check_graphs(graphs)
     return Plan(
         batch=batch, samples=tuple(rows), reference=ref, compared=test,
         reference_chunks=tuple(chunks_for(rows, ref.chunk or size, size)),
@@ -252,5 +283,6 @@ def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
         modules=check_modules(model, modules),
         output_only=output_only, rtol=rtol, atol=atol, keep=keep, offload=offload,
         progress=progress, train_mode=train_mode, probes=probes, allow_train=allow_train,
-        options=options, default_pair=a is None and b is None, ops=ops,
+        options=options, default_pair=a is None and b is None, ops=ops, graphs=graphs,
+        graph_obstacle=_graph_obstacle(graphs, model, batch, (ref, test), ops, offload),
         recorder=_recorder(ops, modules, batch.batch_dim, bool(options.get("local"))))

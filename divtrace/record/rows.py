@@ -47,7 +47,6 @@ class StoredRows:
     dtype: torch.dtype
     filled: int = 0
     status: Status = Status.OK
-    pieces: tuple[torch.Tensor, ...] = ()  # rows split by chunk, when every row is compared
     #: one tensor per compared sample, for rows of different shapes (prompts of different
     #: lengths: each prompt's real tokens); then ``rows`` is None
     parts: list[torch.Tensor | None] | None = None
@@ -59,7 +58,7 @@ class StoredRows:
 
     def drop(self, status: Status | None = None) -> None:
         """Releases the rows (and the views into them); optionally marks the site."""
-        self.rows, self.pieces, self.parts = None, (), None
+        self.rows, self.parts = None, None
         if status is not None:
             self.status = status
 
@@ -88,7 +87,6 @@ class RowStore(Sink):
     _runs: list[tuple[int, int, int]] = field(default_factory=list)
     _whole: tuple[int, int] | None = None  # (slot, rows) when the whole chunk is compared
     _in_chunk: int = 0
-    _piece: int | None = None  # index into StoredRows.pieces for this chunk
     # Copies are launched together at the end of a chunk, one foreach launch instead of
     # one per site, except for sites whose output a later op changes in place: those are
     # copied in their hook. Such sites are found by the tensors' version counters.
@@ -104,6 +102,11 @@ class RowStore(Sink):
     _touched: list[StoredRows] = field(default_factory=list)
     _holds: Counter[str] = field(default_factory=Counter)
     _index: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    # While a pass is captured as a graph: the device tensor of the slots each row goes
+    # to (set before each replay), the sites captured, and what the capture could not take
+    _slots: torch.Tensor | None = None
+    _captured: list[StoredRows] = field(default_factory=list)
+    _uncapturable: list[str] = field(default_factory=list)
 
     # -- the recorded run -------------------------------------------------------------
 
@@ -118,8 +121,6 @@ class RowStore(Sink):
         self._in_chunk = len(inside)
         whole = len(inside) == self._chunk_len
         self._whole = (first_slot, self._chunk_len) if whole else None
-        every = len(self.samples) == self.samples[-1] + 1  # rows 0..S-1: slot == row
-        self._piece = start // self.chunk if every and whole else None
         self._pending.clear()
         self._touched.clear()
 
@@ -188,6 +189,9 @@ class RowStore(Sink):
 
     def on_tensor(self, site: Site, tensor: torch.Tensor) -> None:
         """Records one tensor of the run (called from its hook: kept lean)."""
+        if self._slots is not None:
+            self._capture(site, tensor)
+            return
         if site.opaque is not None or tensor.layout is not torch.strided or (
                 tensor.is_nested or tensor.is_quantized):  # the rare cases, out of the way
             usable = comparable(tensor) if site.opaque is None else site.opaque
@@ -215,8 +219,7 @@ class RowStore(Sink):
             return
         self._touched.append(stored)
         if self._whole is not None and dim == 0:
-            target = (stored.pieces[self._piece] if self._piece is not None
-                      else rows.narrow(0, self._whole[0], self._whole[1]))
+            target = rows.narrow(0, self._whole[0], self._whole[1])
             wrote = self._tracker.writes_to(tensor) if self._tracker is not None else 0
             if self.offload or site.key in self._eager or not self._learnt:
                 target.copy_(tensor, self.offload)
@@ -235,10 +238,50 @@ class RowStore(Sink):
         rows = torch.empty((len(self.samples), *row_shape), dtype=tensor.dtype,
                            device=device, pin_memory=self.offload and tensor.is_cuda)
         stored = StoredRows(site, tuple(tensor.shape), rows, row_shape, tensor.dtype)
-        if self.samples[-1] + 1 == len(self.samples):
-            stored.pieces = rows.split(self.chunk)  # one call makes every chunk's view
         self.rows[site.key] = stored
         return stored
+
+    # -- a captured pass ----------------------------------------------------------------
+
+    def begin_capture(self, slots: torch.Tensor, tracker: Tracker) -> None:
+        """The pass about to be captured (as a CUDA graph) copies every site's rows to the
+        rows named by ``slots``, a device tensor of one slot per row of the pass, set
+        before each replay. Every row of such a pass is compared."""
+        self._slots, self._tracker, self._chunk_len = slots, tracker, len(slots)
+        self._captured, self._uncapturable = [], []
+
+    def end_capture(self) -> tuple[list[StoredRows], list[str]]:
+        """The sites the captured pass copies, in order; the sites it could not take (a
+        site the first pass did not show, or one whose tensor is not a plain batched
+        tensor on the slots' device)."""
+        self._slots = None
+        return self._captured, self._uncapturable
+
+    def _capture(self, site: Site, tensor: torch.Tensor) -> None:
+        stored = self.rows.get(site.key)
+        if stored is not None and stored.rows is None and stored.status is not Status.OK:
+            return  # reported in the first pass, never compared
+        slots = self._slots
+        assert slots is not None
+        shape = tensor.shape
+        dim = self.batch_dim % len(shape) if shape else 0
+        if (stored is None or stored.rows is None or site.opaque is not None
+                or tensor.layout is not torch.strided or tensor.is_nested
+                or tensor.is_quantized or tensor.device != slots.device
+                or stored.rows.device != slots.device or not shape
+                or shape[dim] != self._chunk_len or tensor.dtype != stored.dtype
+                or tuple(shape[:dim] + shape[dim + 1:]) != stored.row_shape):
+            self._uncapturable.append(site.key)
+            return
+        source, target = tensor.movedim(dim, 0), stored.rows
+        width = source[0].numel() * source.element_size() if len(source) else 0
+        if width and width % 8 == 0 and source.is_contiguous() and (
+                source.storage_offset() * source.element_size()) % 8 == 0:
+            # the same bytes as 8-byte words: fewer elements for the indexed copy
+            source = source.reshape(len(source), -1).view(torch.int64)
+            target = target.view(len(target), -1).view(torch.int64)
+        target.index_copy_(0, slots, source)
+        self._captured.append(stored)
 
     # -- reading ------------------------------------------------------------------------
 

@@ -13,9 +13,11 @@ from divtrace.compat import pytree
 from divtrace.plan.inputs import BatchedInput
 from divtrace.plan.runs import Run
 from divtrace.plan.selection import select_modules
+from divtrace.record.graphs import GraphedRun
 from divtrace.record.hooks import ModuleHooks
 from divtrace.record.loop import InputCopies, drive
 from divtrace.record.recorder import Recorder, Sink
+from divtrace.record.rows import RowStore
 
 __all__ = ["RecorderFactory", "Runner", "module_hooks"]
 
@@ -59,13 +61,22 @@ class Runner:
     def execute(self, sink: Sink, batch: BatchedInput, chunks: list[tuple[int, int]],
                 label: Callable[[int, int], str], step: Callable[[], object] | None = None,
                 check: Callable[[str], object] | None = None,
-                copies: InputCopies | None = None) -> str | None:
+                copies: InputCopies | None = None, graphs: GraphedRun | None = None,
+                unsuitable: str | None = None) -> str | None:
         """Runs ``chunks`` of ``batch`` under this run's flags, handing tensors to ``sink``
-        (see :func:`~divtrace.record.loop.drive`); then ``check(self.name)``."""
+        (see :func:`~divtrace.record.loop.drive`); then ``check(self.name)``.
+
+        ``graphs``: replays passes from a CUDA graph where it can (``sink`` is then a row
+        store; ``unsuitable`` says why it cannot, when that is known beforehand).
+        """
         with self.run.flags():
             feed = self.run.tensor if self.run.changes_inputs else None
-            kind = drive(self.model, self.recorder, sink, batch, chunks, label, feed, step,
-                         copies)
+            if graphs is not None and isinstance(sink, RowStore):
+                kind = graphs.drive(self.model, self.recorder, sink, batch, chunks, label,
+                                    feed, step, copies, unsuitable)
+            else:
+                kind = drive(self.model, self.recorder, sink, batch, chunks, label, feed,
+                             step, copies)
         if check is not None:
             check(self.name)
         return kind

@@ -14,7 +14,8 @@ __all__ = ["Meta"]
 #: Fields written as they are; ``options`` is flattened in after ``torch``.
 _BEFORE = ("batch_size", "chunk", "samples", "batch_dim", "split_passes", "stored_bytes",
            "rtol", "atol", "train_mode", "torch")
-_AFTER = ("runs", "flips", "random_draws", "output_type", "notes", "environment", "settings")
+_AFTER = ("runs", "flips", "random_draws", "output_type", "graphed", "notes", "environment",
+          "settings")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class Meta:
         flips: Per output site of 2-D logits: whether each sample's argmax differs.
         random_draws: A pass drew random numbers (allowed by ``allow_train=True``).
         output_type: The type of the model's output when it held no tensor (else None).
+        graphed: Per chunked run (``a``, ``b``): ``requested`` (the ``graphs=`` option),
+            ``passes``, ``replayed`` (passes replayed from a CUDA graph), ``pool_bytes``
+            (the graph's own memory) and ``reason`` (why passes ran eagerly, or None).
         notes: What probes found that is not a column, by probe.
         environment: divtrace, torch, CUDA, cuDNN, GPUs and driver versions.
         settings: Per run (``a``: the reference, the split run by default; ``b``: the
@@ -58,6 +62,7 @@ class Meta:
     flips: Mapping[str, tuple[bool, ...]] = field(default_factory=dict)
     random_draws: bool = False
     output_type: str | None = None
+    graphed: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     notes: Mapping[str, Any] = field(default_factory=dict)
     environment: Mapping[str, Any] = field(default_factory=dict)
     settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -81,6 +86,7 @@ class Meta:
             runs=None if runs is None else (runs[0], runs[1]),
             flips={k: tuple(v) for k, v in data.get("flips", {}).items()},
             random_draws=bool(data.get("random_draws", False)),
-            output_type=data.get("output_type"), notes=dict(data.get("notes", {})),
+            output_type=data.get("output_type"), graphed=dict(data.get("graphed", {})),
+            notes=dict(data.get("notes", {})),
             environment=dict(data.get("environment", {})),
             settings=dict(data.get("settings", {})))

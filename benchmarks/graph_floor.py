@@ -1,0 +1,102 @@
+"""The floor under a graphed split run: the bare per-sample loop, eager, against the same
+loop replayed from a CUDA graph of the bare model (no hook, no copy), and divtrace's
+graphed split run (hooks and copies inside the graph) beside them. Where the bare graph
+is no faster than the eager loop, the loop is bound by the GPU's own work, and no graph
+can make the comparison cheaper than those passes.
+
+    python benchmarks/graph_floor.py [--repeats 5] [--cases ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from graphs import CASES, build
+from overhead import use_seed_settings
+
+from divtrace.plan.inputs import prepare_input
+from divtrace.plan.samples import chunks_for
+from divtrace.plan.selection import select_modules
+from divtrace.record.graphs import GraphedRun
+from divtrace.record.hooks import ModuleHooks
+from divtrace.record.rows import RowStore
+
+
+def _median_ms(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def _case(name: str, repeats: int) -> list[float]:
+    """The eager loop, the bare graph's replays and divtrace's graphed run, in ms."""
+    case = CASES[name]
+    model, x = build(case, torch.device("cuda"))
+    size = case["batch"]
+    static = x[:1].clone()
+    graph = torch.cuda.CUDAGraph()
+    batch, samples = prepare_input(x), list(range(size))
+    recorder = ModuleHooks(select_modules(model, None))
+
+    def eager() -> None:
+        for i in range(size):
+            model(x[i:i + 1])
+
+    def replays() -> None:
+        for i in range(size):
+            static.copy_(x[i:i + 1])
+            graph.replay()
+
+    def graphed() -> None:
+        store = RowStore(samples, 0, False, 1)
+        GraphedRun(True).drive(model, recorder, store, batch, chunks_for(samples, 1, size),
+                               lambda _s, _e: name)
+
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            model(static)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            model(static)
+        for fn in (eager, replays, graphed):
+            fn()  # warm-up
+        return [_median_ms(fn, repeats) for fn in (eager, replays, graphed)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    per_sample = [name for name, case in CASES.items() if case["chunk"] == 1]
+    parser.add_argument("--cases", nargs="*", default=per_sample, choices=per_sample)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    use_seed_settings(device)
+    print("| case | eager loop (ms) | bare graph replays (ms) | divtrace graphed split run "
+          "(ms) |")
+    print("|---|---|---|---|")
+    for name in args.cases:
+        eager, replays, graphed = _case(name, args.repeats)
+        print(f"| {name} | {eager:.1f} | {replays:.1f} | {graphed:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,253 @@
+"""The split run replayed from a CUDA graph: the capture, the bit-for-bit check, the
+fallbacks. On the CPU a stand-in graph reruns the captured pass (same store, same slots);
+the CUDA tests use real graphs."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+from torchvision.models import resnet18
+
+import divtrace
+from divtrace.errors import DivtraceValueError, DivtraceWarning
+from divtrace.plan.inputs import prepare_input
+from divtrace.plan.samples import chunks_for
+from divtrace.plan.selection import select_modules
+from divtrace.record.graphs import GraphedRun, GraphOutcome
+from divtrace.record.hooks import ModuleHooks
+from divtrace.record.loop import drive
+from divtrace.record.rows import RowStore
+from tests import models
+
+
+class Rerun:
+    """A stand-in for a CUDA graph on the CPU: replaying reruns the captured pass."""
+
+    def __init__(self, _device: torch.device, warm_up: Callable[[], None]) -> None:
+        self.warm_up = warm_up
+        self.run: Callable[[], None] | None = None
+        self.replays = 0
+
+    def capture(self, run: Callable[[], None]) -> int:
+        self.warm_up()
+        self.run = run
+        run()
+        return 0
+
+    def replay(self) -> None:
+        assert self.run is not None
+        self.replays += 1
+        self.run()
+
+
+def _record(model: nn.Module, x: torch.Tensor, samples: list[int], chunk: int,
+            graphed: GraphedRun | None) -> RowStore:
+    batch = prepare_input(x)
+    store = RowStore(samples, 0, chunk=chunk)
+    recorder = ModuleHooks(select_modules(model, None))
+    chunks = chunks_for(samples, chunk, batch.batch_size)
+    with torch.no_grad():
+        if graphed is None:
+            drive(model, recorder, store, batch, chunks, lambda s, e: f"rows {s}:{e}")
+        else:
+            graphed.drive(model, recorder, store, batch, chunks, lambda s, e: f"rows {s}:{e}")
+    return store
+
+
+def _same_rows(a: RowStore, b: RowStore) -> None:
+    assert list(a.rows) == list(b.rows)
+    for key, stored in a.rows.items():
+        other = b.rows[key]
+        assert stored.filled == other.filled == len(a.samples), key
+        assert stored.status == other.status, key
+        if stored.rows is not None:
+            assert torch.equal(stored.rows, other.rows), key
+
+
+@pytest.mark.parametrize(("chunk", "samples"), [(1, list(range(9))), (2, list(range(10))),
+                                                 (3, [*range(3, 12), 13])])
+def test_replayed_passes_store_exactly_the_rows_of_the_eager_run(
+        chunk: int, samples: list[int]) -> None:
+    model = models.variant_mlp()
+    x = torch.randn(14, 16)
+    graphed = GraphedRun(True, make_graph=Rerun)
+    stored = _record(model, x, samples, chunk, graphed)
+    _same_rows(stored, _record(model, x, samples, chunk, None))
+    outcome = graphed.outcome
+    assert outcome is not None
+    assert outcome.passes == len(chunks_for(samples, chunk, 14))
+    # the last chunk of [3..11, 13] in threes holds row 12, not compared: eager
+    whole = [c for c in chunks_for(samples, chunk, 14)[1:]
+             if c[1] - c[0] == chunk and set(range(*c)) <= set(samples)]
+    assert outcome.replayed == len(whole) > 0
+    assert (outcome.reason is None) == (len(whole) == outcome.passes - 1)
+
+
+def test_a_resnet_with_in_place_relus_replayed() -> None:
+    model = resnet18(num_classes=10).eval()
+    x = torch.randn(6, 3, 32, 32)
+    graphed = GraphedRun("auto", make_graph=Rerun)
+    _same_rows(_record(model, x, list(range(6)), 1, graphed),
+               _record(model, x, list(range(6)), 1, None))
+    assert graphed.outcome is not None
+    assert (graphed.outcome.passes, graphed.outcome.replayed) == (6, 5)
+    assert graphed.outcome.reason is None
+
+
+class Drifting(nn.Module):
+    """Adds the number of passes so far: no two passes agree (a stand-in for a graph
+    that does not run the eager pass's kernels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.passes = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.passes += 1
+        return self.inner(x) + self.passes
+
+
+def test_a_graph_that_differs_from_the_eager_pass_falls_back_with_a_warning() -> None:
+    model = Drifting().eval()
+    x = torch.randn(8, 4)
+    graphed = GraphedRun("auto", make_graph=Rerun)
+    with pytest.warns(DivtraceWarning,
+                      match=r"differed from the eager pass at site '\(model\)'"):
+        stored = _record(model, x, list(range(8)), 1, graphed)
+    assert graphed.outcome is not None
+    assert graphed.outcome.replayed == 0
+    assert "differed" in (graphed.outcome.reason or "")
+    # the eager rows of the first pass were put back; every pass ran eagerly after it
+    # (pass 1 eager; 2, 3, 4: warm-up, capture, check; then passes 5 to 11)
+    with torch.no_grad():
+        expected = torch.cat([model.inner(x[i:i + 1]) + n
+                              for i, n in zip(range(8), [1, 5, 6, 7, 8, 9, 10, 11], strict=True)])
+    rows = stored.rows["(model)"].rows
+    assert rows is not None
+    assert torch.equal(rows, expected)
+    with pytest.raises(DivtraceValueError, match=r"graphs=True, but .* differed"):
+        _record(model, x, list(range(8)), 1, GraphedRun(True, make_graph=Rerun))
+
+
+class Failing(Rerun):
+    def capture(self, run: Callable[[], None]) -> int:
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+
+def test_a_failed_capture_falls_back_with_a_warning() -> None:
+    model = models.variant_mlp()
+    x = torch.randn(8, 16)
+    graphed = GraphedRun("auto", make_graph=Failing)
+    with pytest.warns(DivtraceWarning, match=r"could not be captured \(RuntimeError: "
+                                             r"operation not permitted when stream is "
+                                             r"capturing\); the split run ran eagerly"):
+        stored = _record(model, x, list(range(8)), 1, graphed)
+    _same_rows(stored, _record(model, x, list(range(8)), 1, None))
+
+
+def test_too_few_passes_stay_eager_under_auto_but_not_under_true() -> None:
+    model = models.variant_mlp()
+    x = torch.randn(8, 16)
+    auto = GraphedRun("auto", make_graph=Rerun)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _record(model, x, [0, 1, 2], 1, auto)
+    assert auto.outcome == GraphOutcome("auto", 3, 0, reason="2 pass(es) to replay, too "
+                                                             "few to pay for a capture")
+    assert auto.outcome.capture_s == 0
+    forced = GraphedRun(True, make_graph=Rerun)
+    _record(model, x, [0, 1, 2], 1, forced)
+    assert forced.outcome is not None
+    assert forced.outcome.replayed == 2
+
+
+def test_graphs_on_the_cpu_are_eager_and_say_why() -> None:
+    model = models.variant_mlp()
+    x = torch.randn(8, 16)
+    result = divtrace.compare(model, x, progress=False)
+    assert result.meta["graphed"]["a"]["replayed"] == 0
+    assert result.meta["graphed"]["a"]["reason"] == "the input is not on a CUDA device"
+    assert result.table.equals(divtrace.compare(model, x, graphs=False, progress=False).table)
+    with pytest.raises(DivtraceValueError, match=r"graphs=True, but .* not on a CUDA device"):
+        divtrace.compare(model, x, graphs=True, progress=False)
+    with pytest.raises(DivtraceValueError, match="graphs must be 'auto'"):
+        divtrace.compare(model, x, graphs="yes", progress=False)
+    with pytest.raises(DivtraceValueError, match="op sites"):
+        divtrace.compare(model, x, graphs=True, ops=True, progress=False)
+
+
+# -- on CUDA -------------------------------------------------------------------------
+
+
+def _tables_equal(graphed: divtrace.Comparison, eager: divtrace.Comparison) -> None:
+    assert graphed.table.equals(eager.table)
+    assert graphed.samples.equals(eager.samples)
+    assert graphed.summary() == eager.summary()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["alexnet", "resnet18", "mlp"])
+def test_a_graphed_split_run_gives_exactly_the_eager_table(name: str) -> None:
+    from torchvision.models import alexnet
+
+    torch.manual_seed(0)
+    model = {"alexnet": lambda: alexnet(num_classes=10),
+             "resnet18": lambda: resnet18(num_classes=10),
+             "mlp": models.variant_mlp}[name]().eval().cuda()
+    x = (torch.randn(12, 16) if name == "mlp" else torch.rand(12, 3, 96, 96)).cuda()
+    for chunk, samples in ((1, None), (2, None), (3, list(range(3, 12)))):
+        graphed = divtrace.compare(model, x, chunk=chunk, samples=samples, graphs=True,
+                                   progress=False)
+        eager = divtrace.compare(model, x, chunk=chunk, samples=samples, graphs=False,
+                                 progress=False)
+        _tables_equal(graphed, eager)
+        run = graphed.meta["graphed"]["a"]
+        assert run["replayed"] == run["passes"] - 1
+        assert run["reason"] is None
+        assert run["pool_bytes"] > 0
+
+
+class Syncing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x)
+        return y * float(y.abs().max())  # a host synchronisation
+
+
+@pytest.mark.cuda
+def test_a_model_that_synchronises_falls_back_on_cuda() -> None:
+    model = Syncing().eval().cuda()
+    x = torch.randn(8, 8, device="cuda")
+    with pytest.warns(DivtraceWarning, match="could not be captured"):
+        graphed = divtrace.compare(model, x, progress=False)
+    _tables_equal(graphed, divtrace.compare(model, x, graphs=False, progress=False))
+    with pytest.raises(DivtraceValueError, match=r"graphs=True, but .* could not be captured"):
+        divtrace.compare(model, x, graphs=True, progress=False)
+    # CUDA, and random draws on it, still work after the failed capture
+    assert torch.equal(model(x), model(x))
+    assert torch.randn(3, device="cuda").isfinite().all()
+
+
+@pytest.mark.cuda
+def test_graphs_under_deterministic_algorithms() -> None:
+    from torchvision.models import vgg11
+
+    model = vgg11().features[:8].eval().cuda()
+    x = torch.rand(6, 3, 32, 32, device="cuda")
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        graphed = divtrace.compare(model, x, graphs=True, progress=False)
+        eager = divtrace.compare(model, x, graphs=False, progress=False)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    _tables_equal(graphed, eager)
+    assert graphed.meta["graphed"]["a"]["replayed"] == 5
