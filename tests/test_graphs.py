@@ -126,7 +126,8 @@ def test_a_graph_that_differs_from_the_eager_pass_falls_back_with_a_warning() ->
     # (pass 1 eager; 2, 3, 4: warm-up, capture, check; then passes 5 to 11)
     with torch.no_grad():
         expected = torch.cat([model.inner(x[i:i + 1]) + n
-                              for i, n in zip(range(8), [1, 5, 6, 7, 8, 9, 10, 11], strict=True)])
+                              for i, n in zip(range(8), [1, 5, 6, 7, 8, 9, 10, 11],
+                                              strict=True)])
     rows = stored.rows["(model)"].rows
     assert rows is not None
     assert torch.equal(rows, expected)
@@ -251,3 +252,26 @@ def test_graphs_under_deterministic_algorithms() -> None:
         torch.use_deterministic_algorithms(was)
     _tables_equal(graphed, eager)
     assert graphed.meta["graphed"]["a"]["replayed"] == 5
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize(("dtype", "shape", "offset"), [
+    (torch.float32, (3, 5), 0), (torch.float32, (3, 4, 6), 0), (torch.float32, (3, 4), 1),
+    (torch.bfloat16, (3, 3), 0), (torch.float64, (3, 2, 2), 0), (torch.bool, (3, 7), 0),
+    (torch.float16, (3, 2, 4), 3), (torch.int64, (3, 9), 0)])
+def test_slot_copy_writes_each_row_to_its_slot_bit_for_bit(
+        device: str, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> None:
+    from divtrace.record.cudagraph import slot_copy
+
+    base = torch.randn(torch.Size(shape).numel() + offset, device=device)
+    source = (base * 1e3).to(dtype)[offset:offset + torch.Size(shape).numel()].view(shape)
+    source.view(-1)[0] = float("nan") if dtype.is_floating_point else 1
+    target = torch.zeros((6, *shape[1:]), dtype=dtype, device=device)
+    slots = torch.tensor([4, 0, 2], device=device)
+    slot_copy(target, slots, source)
+    expected = torch.zeros_like(target)
+    expected[slots] = source
+    assert torch.equal(target.view(-1).view(torch.uint8)
+                       if dtype.is_floating_point else target,
+                       expected.view(-1).view(torch.uint8)
+                       if dtype.is_floating_point else expected)

@@ -21,19 +21,19 @@ import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
-from divtrace.compat import generator_kept
 from divtrace.errors import DivtraceValueError, DivtraceWarning
 from divtrace.plan.inputs import BatchedInput
+from divtrace.record.cudagraph import Graph, graph_for
 from divtrace.record.loop import InputCopies, drive, forward
 from divtrace.record.recorder import Recorder
 from divtrace.record.rows import RowStore, StoredRows
 
-__all__ = ["GraphMode", "GraphOutcome", "GraphedRun", "check_graphs", "graph_for"]
+__all__ = ["GraphMode", "GraphOutcome", "GraphedRun", "check_graphs"]
 
 #: ``compare(graphs=...)``: ``"auto"`` (graphs where they can be used and pay), True
 #: (graphs, or an error saying why not), False (the eager split run).
@@ -42,6 +42,7 @@ GraphMode = bool | str
 #: Under ``"auto"``, the fewest passes a graph must replay to pay for its capture (a
 #: warm-up pass, the capture, the check).
 MIN_REPLAYS = 3
+
 
 
 def check_graphs(graphs: Any) -> GraphMode:
@@ -78,51 +79,6 @@ class GraphOutcome:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
         return asdict(self)
-
-
-class Graph(Protocol):
-    """What the graphed run needs of a graph: capture a pass, replay it."""
-
-    def capture(self, run: Callable[[], None]) -> int:
-        """Captures ``run()`` (which launches the pass); returns the bytes its pool took."""
-
-    def replay(self) -> None:
-        """Runs the captured pass again."""
-
-
-class CudaGraph:
-    """A :class:`torch.cuda.CUDAGraph`, with a warm-up pass on a side stream first."""
-
-    def __init__(self, device: torch.device, warm_up: Callable[[], None]) -> None:
-        self.device = device
-        self.graph = torch.cuda.CUDAGraph()
-        self._warm_up = warm_up
-
-    def capture(self, run: Callable[[], None]) -> int:
-        side = torch.cuda.Stream(self.device)
-        here = torch.cuda.current_stream(self.device)
-        side.wait_stream(here)
-        with torch.cuda.stream(side):
-            self._warm_up()  # lazy set-up (handles, workspaces) outside the capture
-            side.synchronize()
-            before = torch.cuda.memory_reserved(self.device)
-            # (not torch.cuda.graph(), which empties the allocator's cache first)
-            with generator_kept(self.device):
-                self.graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    run()
-                finally:
-                    self.graph.capture_end()
-        here.wait_stream(side)
-        return torch.cuda.memory_reserved(self.device) - before
-
-    def replay(self) -> None:
-        self.graph.replay()
-
-
-def graph_for(device: torch.device, warm_up: Callable[[], None]) -> Graph | None:
-    """The graph for passes on ``device`` (None where there is none: not CUDA)."""
-    return CudaGraph(device, warm_up) if device.type == "cuda" else None
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -185,12 +141,15 @@ class GraphedRun:
         chunks = list(chunks)
         run = partial(drive, model, recorder, store, batch, label=label, feed=feed,
                       step=step, copies=copies)
+        if unsuitable is not None:  # known before anything runs: one eager loop
+            self._eager(len(chunks), unsuitable)
+            return run(chunks)
         kind = run(chunks[:1])
         size = chunks[0][1] - chunks[0][0]
         slot = {sample: index for index, sample in enumerate(store.samples)}
         replayable = [c for c in chunks[1:] if c[1] - c[0] == size
                       and all(row in slot for row in range(*c))]
-        reason = unsuitable or self._too_few(len(replayable))
+        reason = self._too_few(len(replayable))
         if reason is None and not all(row in slot for row in range(*chunks[0])):
             reason = "the first pass holds rows that are not compared"
         graphed = None

@@ -13,6 +13,7 @@ from torch import nn
 from divtrace.align.sites import Site, input_site
 from divtrace.align.status import Status, comparable
 from divtrace.compat import foreach_copy, version
+from divtrace.record.cudagraph import slot_copy
 from divtrace.record.lineage import InputPart, Origin, input_parts, tensor_inputs
 from divtrace.record.recorder import Sink, Tracker
 
@@ -273,14 +274,7 @@ class RowStore(Sink):
                 or tuple(shape[:dim] + shape[dim + 1:]) != stored.row_shape):
             self._uncapturable.append(site.key)
             return
-        source, target = tensor.movedim(dim, 0), stored.rows
-        width = source[0].numel() * source.element_size() if len(source) else 0
-        if width and width % 8 == 0 and source.is_contiguous() and (
-                source.storage_offset() * source.element_size()) % 8 == 0:
-            # the same bytes as 8-byte words: fewer elements for the indexed copy
-            source = source.reshape(len(source), -1).view(torch.int64)
-            target = target.view(len(target), -1).view(torch.int64)
-        target.index_copy_(0, slots, source)
+        slot_copy(stored.rows, slots, tensor.movedim(dim, 0))
         self._captured.append(stored)
 
     # -- reading ------------------------------------------------------------------------
