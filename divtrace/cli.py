@@ -100,9 +100,11 @@ def _compare(args: argparse.Namespace) -> int:
     model, x = _placed(*_target(args.target), args.device, args.dtype)
     samples = [int(s) for s in args.samples.split(",")] if args.samples else None
     ops: bool | str = "only" if args.ops == "only" else args.ops == "true"
+    graphs: bool | str = "auto" if args.graphs == "auto" else args.graphs == "true"
     result = divtrace.compare(model, x, chunk=args.chunk, samples=samples,
                               local=args.local, truth=args.truth, repeat=args.repeat,
-                              kernels=args.kernels, ops=ops, progress=not args.no_progress)
+                              kernels=args.kernels, ops=ops, graphs=graphs,
+                              progress=not args.no_progress)
     for suffix, write in (("json", result.to_json), ("html", result.to_html),
                           ("csv", result.to_csv), ("save", result.save)):
         if getattr(args, suffix):
@@ -178,6 +180,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--kernels", action="store_true", help="the kernels of each site")
     run.add_argument("--ops", choices=["none", "true", "only"], default="none",
                      help="op-level sites (true: besides modules; only: no module hooks)")
+    run.add_argument("--graphs", choices=["auto", "true", "false"], default="auto",
+                     help="on CUDA, replay the split run from a CUDA graph (auto: where it "
+                          "can; true: or fail; false: eager)")
     run.add_argument("--json", help="write the settings, summary and tables as JSON")
     run.add_argument("--html", help="write a self-contained HTML report")
     run.add_argument("--csv", help="write the table as CSV")

@@ -275,3 +275,39 @@ def test_slot_copy_writes_each_row_to_its_slot_bit_for_bit(
                        if dtype.is_floating_point else target,
                        expected.view(-1).view(torch.uint8)
                        if dtype.is_floating_point else expected)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("options", [{"local": True}, {"truth": "fp64"}, {"repeat": 1},
+                                     {"keep": True}, {"modules": ["layer1.*"]},
+                                     {"chunk": 2, "samples": [2, 3, 4, 5, 6, 7]}])
+def test_graphs_with_explain_options(options: dict[str, object]) -> None:
+    torch.manual_seed(0)
+    model = resnet18(num_classes=10).eval().cuda()
+    x = torch.rand(8, 3, 64, 64, device="cuda")
+    graphed = divtrace.compare(model, x, graphs=True, progress=False, **options)
+    _tables_equal(graphed, divtrace.compare(model, x, graphs=False, progress=False,
+                                            **options))
+    assert graphed.meta["graphed"]["a"]["replayed"] > 0
+
+
+@pytest.mark.cuda
+def test_graphs_for_two_chunked_runs_and_a_language_model() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = models.variant_mlp().cuda()
+    x = torch.randn(16, 16, device="cuda")
+    a, b = divtrace.Run(chunk=1), divtrace.Run(chunk=4)
+    graphed = divtrace.compare(model, x, a=a, b=b, graphs=True, progress=False)
+    _tables_equal(graphed, divtrace.compare(model, x, a=a, b=b, graphs=False,
+                                            progress=False))
+    assert [graphed.meta["graphed"][run]["replayed"] for run in "ab"] == [15, 3]
+    config = transformers.BertConfig(hidden_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=128,
+                                     vocab_size=300)
+    bert = transformers.BertModel(config).eval().cuda()
+    ids = torch.randint(0, 300, (6, 12), device="cuda")
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    graphed = divtrace.compare(bert, inputs, graphs=True, progress=False)
+    _tables_equal(graphed, divtrace.compare(bert, inputs, graphs=False, progress=False))
+    assert graphed.meta["graphed"]["a"]["replayed"] == 5

@@ -191,6 +191,13 @@ def test_the_command_line(tmp_path: Path) -> None:
     assert "path/to/file.py:function" in bad.stderr
     helped = cli("compare", "--help", cwd=tmp_path)
     assert "--fail-on" in helped.stdout
+    eager = cli("compare", "target.py:build", "--graphs", "false", "--save", "c.json",
+                "--no-progress", cwd=tmp_path)
+    assert eager.returncode == 0, eager.stderr
+    assert divtrace.load(tmp_path / "c.json").meta["graphs"] is False
+    forced = cli("compare", "target.py:build", "--graphs", "true", cwd=tmp_path)
+    assert forced.returncode == 2
+    assert "graphs=True, but the split run cannot be replayed" in forced.stderr
 
 
 def test_the_readme_ci_example_runs_under_pytest(tmp_path: Path) -> None:
