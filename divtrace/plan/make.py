@@ -167,7 +167,8 @@ def _recorder(ops: bool | str, modules: ModuleSpec, batch_dim: int, local: bool
 
 
 def _graph_obstacle(graphs: GraphMode, model: nn.Module, batch: BatchedInput,
-                    runs: tuple[Run, Run], ops: bool | str, offload: bool) -> str | None:
+                    runs: tuple[Run, Run], ops: bool | str, offload: bool, dispatched: bool
+                    ) -> str | None:
     """Why the chunked runs cannot be replayed from a CUDA graph (None: they may be);
     under ``graphs=True`` an error."""
     obstacle = next((why for why, where in (
@@ -178,7 +179,7 @@ def _graph_obstacle(graphs: GraphMode, model: nn.Module, batch: BatchedInput,
         ("a compiled run (Run(compile=...)) is left to torch.compile",
          any(run.compile for run in runs)),
         ("the model lies on several devices",
-         _dispatched(model) or len({p.device for p in model.parameters()}) > 1)) if where),
+         dispatched or len({p.device for p in model.parameters()}) > 1)) if where),
         None)
     on_cuda = any(isinstance(leaf, torch.Tensor) and leaf.is_cuda for leaf in batch.leaves)
     moved = [torch.device(run.device).type for run in runs if run.device is not None]
@@ -196,7 +197,7 @@ def _dispatched(model: nn.Module) -> bool:
     return any(hasattr(m, "_hf_hook") for m in model.modules())
 
 
-def _check_materialised(model: nn.Module, batch: BatchedInput) -> None:
+def _check_materialised(model: nn.Module, batch: BatchedInput, dispatched: bool) -> None:
     """Tensors on the meta device have no values: nothing could be compared."""
     inputs = [name for name, leaf in zip(batch.names, batch.leaves, strict=True)
               if isinstance(leaf, torch.Tensor) and leaf.is_meta]
@@ -204,7 +205,7 @@ def _check_materialised(model: nn.Module, batch: BatchedInput) -> None:
         raise DivtraceValueError(
             f"{', '.join(inputs)} lie(s) on the meta device, which holds shapes but no "
             f"values; pass real tensors")
-    if _dispatched(model):
+    if dispatched:
         return  # accelerate supplies offloaded weights at call time
     empty = [name for name, t in (*model.named_parameters(), *model.named_buffers())
              if t.is_meta]
@@ -219,7 +220,8 @@ def _check_materialised(model: nn.Module, batch: BatchedInput) -> None:
 _CONV: dict[type[nn.Module], int] = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
 
 
-def _check_input(model: nn.Module, x: Any, batch: BatchedInput, runs: tuple[Run, Run]) -> None:
+def _check_input(model: nn.Module, x: Any, batch: BatchedInput, runs: tuple[Run, Run],
+                 dispatched: bool) -> None:
     """Mistakes that the model would only report deep inside, caught before it runs."""
     if isinstance(x, torch.Tensor):
         conv = next((m for m in model.modules() if type(m) in _CONV), None)
@@ -230,7 +232,7 @@ def _check_input(model: nn.Module, x: Any, batch: BatchedInput, runs: tuple[Run,
                 f"model's first {type(conv).__name__} takes {conv.in_channels} channels)? "
                 f"Add one with x.unsqueeze(0), and stack several examples to compare a "
                 f"batch with its samples")
-    if any(run.device is not None for run in runs) or _dispatched(model):
+    if any(run.device is not None for run in runs) or dispatched:
         return  # the runs move the inputs (or accelerate does)
     devices = {t.device for t in model.parameters()}
     if len(devices) != 1:
@@ -258,11 +260,12 @@ def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
     batch = (_prompts_input(x, batch_dim)
              if isinstance(x, Prompts | RaggedInput) else prepare_input(x, batch_dim,
                                                                           stacklevel=4))
-    _check_materialised(model, batch)
+    dispatched = _dispatched(model)
+    _check_materialised(model, batch, dispatched)
     rows = prepare_samples(samples, batch.batch_size)
     size = batch.batch_size
     ref, test = _runs(a, b, chunk, size)
-    _check_input(model, x, batch, (ref, test))
+    _check_input(model, x, batch, (ref, test), dispatched)
     needing = [probe.option for probe in probes if probe.whole_batch]
     if isinstance(batch, RaggedInput) and test.chunk is not None:
         raise DivtraceValueError(
@@ -284,5 +287,6 @@ def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
         output_only=output_only, rtol=rtol, atol=atol, keep=keep, offload=offload,
         progress=progress, train_mode=train_mode, probes=probes, allow_train=allow_train,
         options=options, default_pair=a is None and b is None, ops=ops, graphs=graphs,
-        graph_obstacle=_graph_obstacle(graphs, model, batch, (ref, test), ops, offload),
+        graph_obstacle=_graph_obstacle(graphs, model, batch, (ref, test), ops, offload,
+                                      dispatched),
         recorder=_recorder(ops, modules, batch.batch_dim, bool(options.get("local"))))

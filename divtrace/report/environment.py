@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ def run_settings(run: Run, model: nn.Module) -> dict[str, Any]:
     """The backend flags in force while ``run`` executes, and its model's device and dtype."""
     with run.flags():
         flags = backend_flags()
-    first = next((p for p in (*model.parameters(), *model.buffers())), None)
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
     return {"label": run.label(), "device": None if first is None else str(first.device),
             "dtype": None if first is None else str(first.dtype).removeprefix("torch."),
             **flags}
