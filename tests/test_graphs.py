@@ -151,6 +151,37 @@ def test_a_failed_capture_falls_back_with_a_warning() -> None:
     _same_rows(stored, _record(model, x, list(range(8)), 1, None))
 
 
+class Branching(nn.Module):
+    """Takes another path after its first pass (a site the first pass did not show)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.extra = nn.Tanh()
+        self.passes = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.passes += 1
+        y = self.inner(x)
+        return self.extra(y) if self.passes > 1 else y
+
+
+def test_a_site_the_first_pass_did_not_show_stops_the_graph() -> None:
+    model = Branching().eval()
+    x = torch.randn(6, 4)
+    graphed = GraphedRun("auto", make_graph=Rerun)
+    with pytest.warns(DivtraceWarning, match="site 'extra' is not a batched tensor"):
+        stored = _record(model, x, list(range(6)), 1, graphed)
+    assert graphed.outcome is not None
+    assert graphed.outcome.replayed == 0
+    rows = stored.rows["(model)"].rows
+    assert rows is not None
+    with torch.no_grad():  # the first pass's rows as it made them, put back
+        assert torch.equal(rows[0], model.inner(x[0:1])[0])
+        assert torch.equal(rows[1:], torch.cat([torch.tanh(model.inner(x[i:i + 1]))
+                                                for i in range(1, 6)]))
+
+
 def test_too_few_passes_stay_eager_under_auto_but_not_under_true() -> None:
     model = models.variant_mlp()
     x = torch.randn(8, 16)

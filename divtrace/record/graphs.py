@@ -44,7 +44,6 @@ GraphMode = bool | str
 MIN_REPLAYS = 3
 
 
-
 def check_graphs(graphs: Any) -> GraphMode:
     """The validated ``graphs=`` option."""
     if graphs not in (False, True, "auto") or not isinstance(graphs, bool | str):
@@ -235,18 +234,23 @@ class GraphedRun:
                     graphed.sites, missing[:] = store.end_capture()
 
         try:
-            graphed.pool_bytes = graph.capture(captured)
-        except Exception as exc:  # the capture's own errors, of any type
-            raise _Failed(f"the graph could not be captured ({type(exc).__name__}: "
-                          f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''})"
-                          ) from exc
-        if missing:
-            raise _Failed(f"the graph could not be captured: site '{missing[0]}' is not a "
-                          f"batched tensor on the input's device, or the first pass did "
-                          f"not show it")
-        graphed.load(leaves, first_slot)
-        graph.replay()
-        _check(snapshot, graphed.sites, first_slot)  # (waits for the replay)
+            try:
+                graphed.pool_bytes = graph.capture(captured)
+            except Exception as exc:  # the capture's own errors, of any type
+                first_line = (str(exc).strip() or "\n").splitlines()[0]
+                raise _Failed(f"the graph could not be captured ({type(exc).__name__}: "
+                              f"{first_line})") from exc
+            if missing:
+                raise _Failed(f"the graph could not be captured: site '{missing[0]}' is "
+                              f"not a batched tensor on the input's device, or the first "
+                              f"pass did not show it")
+            graphed.load(leaves, first_slot)
+            graph.replay()
+            _check(snapshot, graphed.sites, first_slot)  # (waits for the replay)
+        except _Failed:
+            for stored, rows in snapshot:  # the eager pass's rows, whatever ran since
+                _rows(stored).narrow(0, first_slot, len(rows)).copy_(rows)
+            raise
         graphed.capture_s = time.perf_counter() - began
         return graphed
 
@@ -254,7 +258,7 @@ class GraphedRun:
 def _check(snapshot: list[tuple[StoredRows, torch.Tensor]], sites: list[StoredRows],
            first_slot: int) -> None:
     """Every site's rows as the graph wrote them equal the eager pass's, bit for bit;
-    otherwise the eager rows are put back and :class:`_Failed` names the first site."""
+    otherwise :class:`_Failed` names the first site that differs."""
     copied = {id(stored) for stored in sites}
     unseen = [stored.site.key for stored, _ in snapshot if id(stored) not in copied]
     written = [(_rows(stored).narrow(0, first_slot, len(rows)), rows)
@@ -262,8 +266,6 @@ def _check(snapshot: list[tuple[StoredRows, torch.Tensor]], sites: list[StoredRo
     differs = (torch.stack([(_bits(now) != _bits(was)).any() for now, was in written])
                if written else torch.zeros(0, dtype=torch.bool))
     if unseen or bool(differs.any()):
-        for now, was in written:
-            now.copy_(was)
         where = unseen[0] if unseen else snapshot[int(differs.nonzero()[0])][0].site.key
         raise _Failed(f"the graph's pass differed from the eager pass at site '{where}' "
                       f"(not the same kernels, or a model that is not deterministic run to "
