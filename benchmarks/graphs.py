@@ -24,10 +24,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from overhead import cuda_peak, timed, use_seed_settings
+from overhead import bare_passes, cuda_peak, timed, use_seed_settings
 
 import divtrace
-from divtrace.plan.samples import chunks_for
 
 CASES: dict[str, dict[str, Any]] = {
     "alexnet_b100_per_sample": {"model": "alexnet", "batch": 100, "size": 224, "chunk": 1,
@@ -56,14 +55,6 @@ def build(case: dict[str, Any], device: torch.device) -> tuple[nn.Module, torch.
              else getattr(torchvision.models, name)())
     x = torch.rand(case["batch"], 3, size, size)
     return model.eval().to(device), x.to(device)
-
-
-def bare_passes(model: nn.Module, x: torch.Tensor, case: dict[str, Any]) -> None:
-    samples = case["samples"] or list(range(case["batch"]))
-    with torch.no_grad():
-        for start, stop in chunks_for(samples, case["chunk"], case["batch"]):
-            model(x[start:stop])
-        model(x)
 
 
 def measure(name: str, device: torch.device, repeats: int) -> dict[str, Any]:
