@@ -342,3 +342,12 @@ def test_graphs_for_two_chunked_runs_and_a_language_model() -> None:
     graphed = divtrace.compare(bert, inputs, graphs=True, progress=False)
     _tables_equal(graphed, divtrace.compare(bert, inputs, graphs=False, progress=False))
     assert graphed.meta["graphed"]["a"]["replayed"] == 5
+
+
+def test_the_html_page_says_how_the_split_run_ran() -> None:
+    from divtrace.report.html import page
+
+    result = divtrace.compare(models.variant_mlp(), torch.randn(8, 16), progress=False)
+    html = page(result, "graphs")
+    assert "passes eager (the input is not on a CUDA device)" in html
+    assert ">graphed<" not in html  # in the runs' rows, not among the settings

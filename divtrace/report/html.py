@@ -167,16 +167,27 @@ def _pairs(title: str, values: dict[str, Any]) -> str:
     return f"<h2>{escape(title)}</h2>{styled(frame, ['plain'] * len(frame))}"
 
 
+def _graph_words(outcome: dict[str, Any]) -> str:
+    """How a chunked run's passes ran, in words (``meta["graphed"]``)."""
+    if outcome.get("replayed"):
+        words = (f"{outcome['replayed']} of {outcome['passes']} passes replayed from a CUDA "
+                 f"graph (pool {outcome['pool_bytes'] / 2**20:.0f} MiB), checked bit for "
+                 f"bit against the eager first pass")
+        return words if outcome.get("reason") is None else f"{words}; {outcome['reason']}"
+    return f"passes eager ({outcome.get('reason')})"
+
+
 def page(result: Comparison, title: str, probes: Sequence[type[Probe]] = ()) -> str:
     """A self-contained HTML page: verdict and summary, the plots, the sites (bit-identical
     runs folded, every column below), the settings of each run and the environment."""
     meta = result.meta
     settings = {k: v for k, v in meta.items()
-                if k not in ("flips", "environment", "settings", "notes")}
-    runs = meta.get("settings", {})
-    run_rows = {f"{name} ({s.get('label')})": ", ".join(f"{k}={v}" for k, v in s.items()
-                                                       if k != "label")
-                for name, s in runs.items()}
+                if k not in ("flips", "environment", "settings", "notes", "graphed")}
+    runs, graphed = meta.get("settings", {}), meta.get("graphed", {})
+    run_rows = {f"{name} ({s.get('label')})": ", ".join(
+        [f"{k}={v}" for k, v in s.items() if k != "label"]
+        + ([_graph_words(graphed[name])] if name in graphed else []))
+        for name, s in runs.items()}
     return (
         f"<!DOCTYPE html><html><head><meta charset='utf-8'>"
         f"<meta name='viewport' content='width=device-width, initial-scale=1'>"
