@@ -39,6 +39,9 @@ CASES: dict[str, dict[str, Any]] = {
                                       "chunk": 1, "samples": None},
     "mlp_b8_per_sample": {"model": "mlp", "batch": 8, "size": 256, "chunk": 1,
                           "samples": None},
+    # hundreds of small sites, one split pass (benchmarks/many_sites.py --chunk 2)
+    "mobilenet_v3_small_b16_chunk2": {"model": "mobilenet_v3_small", "batch": 16,
+                                      "size": 64, "chunk": 2, "samples": [0, 1]},
 }
 
 
