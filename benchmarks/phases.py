@@ -1,6 +1,8 @@
 """Where compare()'s time goes: each phase timed against its bare counterpart, and the
 whole compare() beside them (on CUDA with the settings of overhead.py: cuDNN
-deterministic, no benchmark, TF32 off).
+deterministic, no benchmark, TF32 off). "no-op hooks": a PyTorch forward hook that does
+nothing on every module; "hooks on": divtrace's hooks with a sink that does nothing,
+attached beforehand; "empty hooks": the same through the chunk loop, attaching included.
 
     python benchmarks/phases.py [--device cuda] [--case alexnet_b100_per_sample]
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -78,17 +81,41 @@ def main() -> int:
     def empty_hooks_split() -> None:  # the same loop, with a sink that does nothing
         drive(model, recorder, Sink(), batch, chunks, _label)
 
+    def attached_hooks_split() -> None:  # divtrace's hooks on, a sink doing nothing: the
+        with recorder.observe(Sink()) as tracker:  # calls alone, the attaching apart
+            started = time.perf_counter()
+            for start, stop in chunks:
+                tracker.reset(stop - start)
+                model(x[start:stop])
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            attached.append(time.perf_counter() - started)
+
+    def noop_hooks_split() -> None:  # PyTorch's own hooks that do nothing, on every module
+        handles = [m.register_forward_hook(lambda *_: None) for m in model.modules()]
+        try:
+            timed_noop.append(timed(bare_split, device))
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    attached: list[float] = []
+    timed_noop: list[float] = []
+
     with torch.no_grad():
         for fn in (bare_split, empty_hooks_split, lambda: model(x)):
             fn()
         with_divtrace(model, x, case)
         rows: dict[str, list[float]] = {
-            "bare batched": [], "bare split": [], "split, empty hooks": [],
+            "bare batched": [], "bare split": [], "split, no-op hooks": timed_noop,
+            "split, hooks on": attached, "split, empty hooks": [],
             "split, recording": [], "split, graphed": [], "batched, measuring": [],
             "compare()": []}
         for _ in range(args.repeats):
             rows["bare batched"].append(timed(lambda: model(x), device))
             rows["bare split"].append(timed(bare_split, device))
+            noop_hooks_split()
+            attached_hooks_split()
             rows["split, empty hooks"].append(timed(empty_hooks_split, device))
             box: list[RowStore] = []
             rows["split, recording"].append(
