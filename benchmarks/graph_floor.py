@@ -63,7 +63,7 @@ def _case(name: str, repeats: int) -> list[float]:
             graph.replay()
 
     def graphed() -> None:
-        store = RowStore(samples, 0, False, 1)
+        store = RowStore(samples, 0)
         GraphedRun(True).drive(model, recorder, store, batch, chunks_for(samples, 1, size),
                                lambda _s, _e: name)
 

@@ -59,14 +59,14 @@ def main() -> int:
             model(x[start:stop])
 
     def hooked_split() -> RowStore:  # the reference run, as compare() records it
-        store = RowStore(samples, 0, False, case["chunk"])
+        store = RowStore(samples, 0)
         drive(model, recorder, store, batch, chunks, _label)
         return store
 
     outcomes = []
 
     def graphed_split() -> RowStore:  # the same, replayed from a CUDA graph
-        store = RowStore(samples, 0, False, case["chunk"])
+        store = RowStore(samples, 0)
         graphed = GraphedRun(True)
         graphed.drive(model, recorder, store, batch, chunks, _label)
         outcomes.append(graphed.outcome)

@@ -42,12 +42,11 @@ def record(ctx: Context, runner: Runner, chunks: tuple[tuple[int, int], ...]) ->
     """Runs ``chunks`` of the batch with ``runner``, keeping the compared samples' rows
     (notes in ``ctx`` what the output was when it held no tensor)."""
     plan = ctx.plan
-    chunk = runner.run.chunk or plan.batch.batch_size
     if isinstance(plan.batch, RaggedInput):  # prompts of different lengths
-        store: RowStore = RaggedStore(list(plan.samples), 0, plan.offload, chunk,
+        store: RowStore = RaggedStore(list(plan.samples), 0, plan.offload,
                                       pinned=plan.keep, ragged=plan.batch)
     else:
-        store = RowStore(list(plan.samples), plan.batch.batch_dim, plan.offload, chunk,
+        store = RowStore(list(plan.samples), plan.batch.batch_dim, plan.offload,
                          pinned=plan.keep)
 
     def label(start: int, stop: int) -> str:

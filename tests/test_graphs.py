@@ -47,7 +47,7 @@ class Rerun:
 def _record(model: nn.Module, x: torch.Tensor, samples: list[int], chunk: int,
             graphed: GraphedRun | None) -> RowStore:
     batch = prepare_input(x)
-    store = RowStore(samples, 0, chunk=chunk)
+    store = RowStore(samples, 0)
     recorder = ModuleHooks(select_modules(model, None))
     chunks = chunks_for(samples, chunk, batch.batch_size)
     with torch.no_grad():

@@ -44,8 +44,7 @@ class RepeatNoise(Probe):
         return cls(whole_number(repeat, "repeat")) if repeat else None
 
     def after(self, ctx: Context) -> None:
-        first = RowStore(ctx.store.samples, ctx.store.batch_dim, False, ctx.store.chunk,
-                         pinned=True)
+        first = RowStore(ctx.store.samples, ctx.store.batch_dim, False, pinned=True)
         for measured in ctx.meter.sites:
             if measured.kept is not None:
                 first.put(measured.site, measured.shape, measured.kept)

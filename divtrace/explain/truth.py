@@ -76,11 +76,11 @@ class Fp64Truth(Probe):
         passes = [(0, count)]
         if isinstance(picked, RaggedInput):  # prompts of different lengths: each alone,
             # unpadded (a float64 model may turn fully masked padding into NaN)
-            self._truth = RaggedStore(list(range(count)), 0, False, 1, learn_lineage=False,
+            self._truth = RaggedStore(list(range(count)), 0, False, learn_lineage=False,
                                       ragged=picked)
             passes = [(i, i + 1) for i in range(count)]
         else:
-            self._truth = RowStore(list(range(count)), picked.batch_dim, False, count,
+            self._truth = RowStore(list(range(count)), picked.batch_dim, False,
                                    learn_lineage=False)
         runner.execute(self._truth, picked, passes, lambda _s, _e: "float64 truth run",
                        check=ctx.check)

@@ -77,7 +77,6 @@ class RowStore(Sink):
     samples: list[int]
     batch_dim: int
     offload: bool = False
-    chunk: int = 1
     learn_lineage: bool = True
     pinned: bool = False
     rows: dict[str, StoredRows] = field(default_factory=dict)
@@ -287,7 +286,7 @@ class RowStore(Sink):
     def as_batch(self) -> RowStore:
         """The same rows, read as a batch of their own: sample ``i`` is row ``i``."""
         count = len(self.samples)
-        return RowStore(list(range(count)), 0, False, count, rows=self.rows,
+        return RowStore(list(range(count)), 0, False, rows=self.rows,
                         lineage=self.lineage, _unseen=self._unseen)
 
     @property
