@@ -42,6 +42,8 @@ CASES: dict[str, dict[str, Any]] = {
     # hundreds of small sites, one split pass (benchmarks/many_sites.py --chunk 2)
     "mobilenet_v3_small_b16_chunk2": {"model": "mobilenet_v3_small", "batch": 16,
                                       "size": 64, "chunk": 2, "samples": [0, 1]},
+    "resnet18_b16_samples01": {"model": "resnet18", "batch": 16, "size": 64, "chunk": 1,
+                               "samples": [0, 1]},
 }
 
 
