@@ -146,7 +146,8 @@ def test_a_failed_capture_falls_back_with_a_warning() -> None:
     graphed = GraphedRun("auto", make_graph=Failing)
     with pytest.warns(DivtraceWarning, match=r"could not be captured \(RuntimeError: "
                                              r"operation not permitted when stream is "
-                                             r"capturing\); the split run ran eagerly"):
+                                             r"capturing\); the split run ran eagerly, with the "
+                                             r"same figures \(graphs=False skips"):
         stored = _record(model, x, list(range(8)), 1, graphed)
     _same_rows(stored, _record(model, x, list(range(8)), 1, None))
 
@@ -258,8 +259,9 @@ class Syncing(nn.Module):
 def test_a_model_that_synchronises_falls_back_on_cuda() -> None:
     model = Syncing().eval().cuda()
     x = torch.randn(8, 8, device="cuda")
-    with pytest.warns(DivtraceWarning, match="could not be captured"):
+    with pytest.warns(DivtraceWarning, match="could not be captured") as caught:
         graphed = divtrace.compare(model, x, progress=False)
+    assert caught[0].filename == __file__  # points at the call of compare()
     _tables_equal(graphed, divtrace.compare(model, x, graphs=False, progress=False))
     with pytest.raises(DivtraceValueError, match=r"graphs=True, but .* could not be captured"):
         divtrace.compare(model, x, graphs=True, progress=False)

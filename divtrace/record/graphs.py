@@ -195,8 +195,8 @@ class GraphedRun:
                 f"graphs=True, but the split run cannot be replayed from a CUDA graph: "
                 f"{reason}. Pass graphs='auto' or False to run it eagerly")
         if reason is not None and reason.startswith("the graph"):
-            warnings.warn(f"{reason}; the split run ran eagerly", DivtraceWarning,
-                          stacklevel=5)
+            warnings.warn(f"{reason}; the split run ran eagerly, with the same figures "
+                          f"(graphs=False skips the attempt)", DivtraceWarning, stacklevel=7)
         self.outcome = GraphOutcome(self.mode, passes, reason=reason)
 
     def _capture(self, model: nn.Module, recorder: Recorder, store: RowStore,
