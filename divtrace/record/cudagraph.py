@@ -1,6 +1,6 @@
 """CUDA graphs as the graphed split run uses them (:mod:`divtrace.record.graphs`): a pass
 captured on a side stream after a warm-up, replayed; and the copy of a pass's rows to
-slots a device tensor names (inside the graph, at memory speed)."""
+slots a device tensor names (inside the graph)."""
 
 from __future__ import annotations
 
@@ -83,8 +83,8 @@ if triton is not None:
 
 def slot_copy(target: torch.Tensor, slots: torch.Tensor, source: torch.Tensor) -> None:
     """``target[slots[i]] = source[i]`` for every row ``i``: the same bytes, read as the
-    widest words that divide a row. On CUDA with Triton one kernel at memory speed (an
-    indexed copy runs at a fraction of it); else ``index_copy_``."""
+    widest words that divide a row. On CUDA with Triton one kernel that reads each row's
+    slot once (an indexed copy looks it up per element); else ``index_copy_``."""
     n = len(source)
     width = source[0].numel() * source.element_size() if n else 0
     word = next((size for size in _WORDS if width and width % size == 0
