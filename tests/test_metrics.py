@@ -82,3 +82,27 @@ def test_integer_stats_are_mismatch_only() -> None:
     assert array[0, names.index("mismatch")] == 1
     assert np.isnan(array[0, names.index("max_abs")])
     assert np.isnan(array[0, names.index("max_ulp")])
+
+
+def test_queued_sites_get_exactly_the_fields_each_gets_alone() -> None:
+    from divtrace.measure.host import Host
+    from divtrace.measure.queue import StatsQueue
+
+    generator = torch.Generator().manual_seed(0)
+    host = Host()
+    queue = StatsQueue(host, budget=1 << 40)  # one flush, at the fetch
+    pairs = []
+    for site in range(60):  # groups wider than a flush block: flushed in parts
+        width = (16384, 8192, 3000, 7)[site % 4]
+        b = torch.randn(2, width, generator=generator)
+        r = b + 1e-6 * torch.randn(2, width, generator=generator)
+        if site % 5 == 0:
+            r = b.clone()  # bit-identical: a group of its own
+        elif site % 7 == 0:
+            b[0, :3] = torch.tensor([math.nan, math.inf, -0.0])
+            r[1, 1] = math.nan
+        pairs.append((queue.add(b, r.clone(), 1.3e-6, 1e-5), b, r))
+    host.fetch()
+    for place, b, r in pairs:
+        alone = block_stats(b, r, 1.3e-6, 1e-5).numpy()
+        np.testing.assert_array_equal(place.get().view(np.int64), alone.view(np.int64))

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from functools import cached_property
 
 import torch
 
-__all__ = ["INT_VIEW", "Block", "bit_equal", "max_ulp", "norm_square"]
+__all__ = ["INT_VIEW", "Block", "bit_equal", "max_ulp", "norm_square", "true_count"]
 
 F64 = torch.float64
 
@@ -50,6 +51,12 @@ _NORMED = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64
                      torch.complex64, torch.complex128})
 
 
+def true_count(mask: torch.Tensor) -> torch.Tensor:
+    """Per row: the True elements of a boolean mask, in float64 (exact: counted as
+    integers, without casting the whole mask to float64 first)."""
+    return mask.sum(1).to(F64)
+
+
 def norm_square(t: torch.Tensor) -> torch.Tensor:
     """Per row: the sum of squared magnitudes, in float64."""
     dtype = torch.complex128 if t.is_complex() else F64
@@ -90,8 +97,9 @@ class Block:
     def _diff(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
         difference = self.bf - self.rf
         absdiff = difference.abs() if difference.is_complex() else difference.abs_()
-        finite = absdiff.isfinite()  # false where either run is NaN or infinite
-        nonfinite = finite.logical_not().sum(1, dtype=F64)
+        # false where either run is NaN or infinite (as isfinite on a magnitude, in one op)
+        finite = absdiff < math.inf
+        nonfinite = (absdiff.shape[1] - finite.sum(1)).to(F64)
         odd = not self.host or bool(nonfinite.any())
         if odd:
             absdiff.masked_fill_(~finite, 0)

@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from divtrace.measure.block import F64, INT_VIEW, Block, max_ulp, norm_square
+from divtrace.measure.block import F64, INT_VIEW, Block, max_ulp, norm_square, true_count
 
 __all__ = ["FIELDS", "INDEX", "MAX_FIELDS", "MAX_SLICE", "Field"]
 
@@ -48,7 +48,7 @@ def _mismatch(block: Block) -> torch.Tensor:
     count = torch.count_nonzero(block.absdiff, dim=1).to(F64)  # b - r == 0 iff b == r
     if block.odd:  # non-finite pairs: inf == inf matches, NaN vs NaN matches too
         both_nan = block.b.isnan() & block.r.isnan()
-        count += (block.differ & ~both_nan).sum(1, dtype=F64)
+        count += true_count(block.differ & ~both_nan)
     return count
 
 
@@ -57,20 +57,20 @@ def _exceed(block: Block) -> torch.Tensor:
         return torch.zeros_like(block.max_abs)
     # as torch.isclose: |b - r| <= atol + rtol * |r|
     limit = block.rf.abs().mul_(block.rtol).add_(block.atol)
-    count = (block.absdiff > limit).sum(1, dtype=F64)
+    count = true_count(block.absdiff > limit)
     if block.odd:  # a non-finite pair that is not equal is never close
-        count += block.differ.sum(1, dtype=F64)
+        count += true_count(block.differ)
     return count
 
 
 def _unequal(block: Block) -> torch.Tensor:
-    return (block.b != block.r).sum(1, dtype=F64)
+    return true_count(block.b != block.r)
 
 
 def _nonfinite_same(block: Block) -> torch.Tensor:
     if block.all_finite:
         return torch.zeros_like(block.square)
-    return block.r.isfinite().logical_not().sum(1, dtype=F64)  # infinities
+    return true_count(block.r.isfinite().logical_not())  # infinities
 
 
 def _max_ulp(block: Block) -> torch.Tensor:

@@ -26,6 +26,9 @@ QUEUE_WIDTH = 1 << 14
 #: Queued blocks are flushed when they hold ``share`` of the recorded rows' bytes, but
 #: never less than this (memory stays a small part of what the reference run stores).
 _MIN_BUDGET = 8 << 20
+#: Elements of one block computed at a flush (whole sites; see :func:`_parts`), as many
+#: as the per-site path's blocks.
+_FLUSH_ELEMENTS = 1 << 18
 
 _Key = tuple[torch.dtype, float, float, int, bool]
 
@@ -69,13 +72,34 @@ class StatsQueue:
 
     def flush(self) -> None:
         """Measures every queued pair and hands the fields to the host."""
-        for (_dtype, rtol, atol, _width, _same), pairs in self._groups.items():
-            measured = torch.cat([b for _, b, _ in pairs])
-            reference = torch.cat([r for _, _, r in pairs])
-            fields = block_stats(measured, reference, rtol, atol)
-            at = 0
-            for place, b, _ in pairs:
-                self.host.put(place, fields[at:at + len(b)])
-                at += len(b)
+        for (_dtype, rtol, atol, width, _same), pairs in self._groups.items():
+            for part in _parts(pairs, width):
+                measured = torch.cat([b for _, b, _ in part])
+                reference = torch.cat([r for _, _, r in part])
+                fields = block_stats(measured, reference, rtol, atol)
+                at = 0
+                for place, b, _ in part:
+                    self.host.put(place, fields[at:at + len(b)])
+                    at += len(b)
         self._groups.clear()
         self._bytes = 0
+
+
+def _parts(pairs: list[tuple[Deferred, torch.Tensor, torch.Tensor]], width: int
+           ) -> list[list[tuple[Deferred, torch.Tensor, torch.Tensor]]]:
+    """The pairs of a group in runs of whole sites of at most :data:`_FLUSH_ELEMENTS`
+    elements (one site alone when wider): blocks that stay in the CPU's caches (ResNet18's
+    flush, 16 × 3×64×64, samples [0, 1]: 10.1 ms in one block per group, 7.7 ms in these).
+    Rows are measured along themselves alone, so the parts give the figures of the whole
+    group; a part holds whole sites, so a part of differing sites is not bit-identical as
+    a whole."""
+    parts: list[list[tuple[Deferred, torch.Tensor, torch.Tensor]]] = []
+    rows = 0
+    for pair in pairs:
+        if parts and (rows + len(pair[1])) * width <= _FLUSH_ELEMENTS:
+            parts[-1].append(pair)
+            rows += len(pair[1])
+        else:
+            parts.append([pair])
+            rows = len(pair[1])
+    return parts
