@@ -29,8 +29,9 @@ def max_ulp(b: torch.Tensor, r: torch.Tensor, finite: torch.Tensor | None,
         bits_b, bits_r = bits_b.int(), bits_r.int()
     # same sign: the distance is the difference of the bit patterns (no overflow)
     dist = (bits_b - bits_r).abs_()
-    crossing = (bits_b ^ bits_r) < 0  # opposite signs: |b| and |r| steps to zero, added
-    if not host or bool(crossing.any()):
+    signs = bits_b ^ bits_r  # negative where the signs differ
+    if not host or bool(signs.numel() and signs.amin() < 0):
+        crossing = signs < 0  # opposite signs: |b| and |r| steps to zero, added
         magnitude = torch.iinfo(view).max
         across = (bits_b & magnitude).double() + (bits_r & magnitude).double()
         dist = torch.where(crossing, across, dist.double())
@@ -94,9 +95,12 @@ class Block:
         return self.r.to(_accumulation(self.b.dtype))
 
     @cached_property
-    def _diff(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    def _diff(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, bool]:
         difference = self.bf - self.rf
         absdiff = difference.abs() if difference.is_complex() else difference.abs_()
+        if self.host and absdiff.numel() and bool(absdiff.amax() < math.inf):
+            # every pair finite (amax is NaN or inf otherwise): no mask to make or count
+            return absdiff, None, torch.zeros(absdiff.shape[0], dtype=F64), False
         # false where either run is NaN or infinite (as isfinite on a magnitude, in one op)
         finite = absdiff < math.inf
         nonfinite = (absdiff.shape[1] - finite.sum(1)).to(F64)
@@ -113,7 +117,8 @@ class Block:
     @property
     def finite(self) -> torch.Tensor:
         """Where both runs are finite."""
-        return self._diff[1]
+        finite = self._diff[1]
+        return torch.ones_like(self.absdiff, dtype=torch.bool) if finite is None else finite
 
     @property
     def nonfinite(self) -> torch.Tensor:
