@@ -106,3 +106,16 @@ def test_queued_sites_get_exactly_the_fields_each_gets_alone() -> None:
     for place, b, r in pairs:
         alone = block_stats(b, r, 1.3e-6, 1e-5).numpy()
         np.testing.assert_array_equal(place.get().view(np.int64), alone.view(np.int64))
+
+
+def test_rel_l2_of_one_site_is_numpys_division() -> None:
+    import itertools
+
+    from divtrace.measure.figures import rel_l2
+
+    values = [0.0, -0.0, 1.5, 3e-300, math.inf, math.nan, 1e308, 5e-324]
+    for diff, ref in itertools.product(values, values):
+        expected = rel_l2(np.array([diff]), np.array([ref]))[0]  # the array path
+        for got in (rel_l2(diff, ref), rel_l2(np.float64(diff), np.float64(ref))):
+            assert np.array_equal(np.array([got]), np.array([expected]), equal_nan=True)
+            assert math.copysign(1.0, got) == math.copysign(1.0, expected) or math.isnan(got)

@@ -23,10 +23,12 @@ class SiteFields:
     """The per-sample fields of one site, ``[samples, fields]`` on the host."""
 
     def __init__(self, stats: np.ndarray, elements_per_sample: int | np.ndarray,
-                 totals: np.ndarray | None = None, maxima: np.ndarray | None = None) -> None:
+                 totals: np.ndarray | None = None, maxima: np.ndarray | None = None,
+                 numel: int | None = None) -> None:
         self.stats = stats
         self.per_sample = elements_per_sample  # one count, or one per sample
-        self.numel = int(np.broadcast_to(elements_per_sample, (stats.shape[0],)).sum())
+        self.numel = (int(np.broadcast_to(elements_per_sample, (stats.shape[0],)).sum())
+                      if numel is None else numel)
         # each field summed and maximised over the samples, when computed for many sites
         # at once (:func:`many_site_figures`): the same numbers, without a call per figure
         self._totals, self._maxima = totals, maxima
@@ -64,7 +66,14 @@ class Figure:
 
 def rel_l2(diff_norm: float | np.ndarray, ref_norm: float | np.ndarray) -> np.ndarray | float:
     """‖batched − split‖ / ‖split‖: 0 when both are 0, inf when only the split is 0."""
-    with np.errstate(divide="ignore", invalid="ignore"):
+    if isinstance(diff_norm, float) and isinstance(ref_norm, float):  # one site: no numpy
+        if diff_norm == 0:
+            return 0.0
+        if ref_norm == 0:  # as numpy divides: ±inf, or NaN for NaN
+            return (math.copysign(math.inf, diff_norm) * math.copysign(1.0, ref_norm)
+                    if diff_norm == diff_norm else math.nan)
+        return float(diff_norm) / float(ref_norm)  # Python floats: no numpy warnings
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         ratio = np.divide(diff_norm, ref_norm)
     ratio = np.where(np.asarray(diff_norm) == 0, 0.0, ratio)
     return float(ratio) if np.ndim(ratio) == 0 else ratio
@@ -128,9 +137,10 @@ def many_site_figures(stats: list[np.ndarray], elements: list[int | np.ndarray],
     maxima = stack.max(1)
     counts = np.stack([np.broadcast_to(np.asarray(e, dtype=float), (stack.shape[1],))
                        for e in elements])
+    numels = counts.sum(1).astype(np.int64).tolist()  # exact: counts are whole numbers
     found = []
     for i, (array, e) in enumerate(zip(stats, elements, strict=True)):
-        site = SiteFields(array, e, totals[i], maxima[i])
+        site = SiteFields(array, e, totals[i], maxima[i], numels[i])
         found.append({figure.name: figure.compute(site) for figure in figures})
     mismatch = np.divide(stack[:, :, INDEX["mismatch"]], counts,
                          out=np.zeros(counts.shape), where=counts > 0)
