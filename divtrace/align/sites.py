@@ -65,9 +65,7 @@ class Site:
     def call_key(self) -> str:
         """The key of the call this site is an output of (no output path): a module call,
         or for an op site the op call."""
-        if self.op:
-            return op_key(self.scope, self.op, self.index)
-        return site_key(self.module, self.call, "")
+        return op_key(self.scope, self.op, self.index) if self.op else self.scope
 
 
 def site_key(module: str, call: int, path: str) -> str:

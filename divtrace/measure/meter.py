@@ -234,14 +234,12 @@ class Meter(Sink):
         """The site's fields, queued to be computed with other small sites' (on the CPU);
         None when it is measured on its own."""
         n = len(rows)
-        if tensor.dtype != rows.dtype or not n:
-            return None
-        r = rows.reshape(n, -1)
-        if not self._queue.takes(r, _CPU_BLOCK // n):
+        if tensor.dtype != rows.dtype or not n or not self._queue.takes(
+                rows.device, rows.numel() // n, _CPU_BLOCK // n):
             return None
         b = self.store.pick(tensor).reshape(n, -1)  # a copy: later ops cannot change it
         rtol, atol = self._tolerances(tensor.dtype)
-        return self._queue.add(b, r.clone(), rtol, atol)
+        return self._queue.add(b, rows.reshape(n, -1).clone(), rtol, atol)
 
     def stats(self, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Per-sample statistics of the compared rows of ``tensor`` against ``rows``."""

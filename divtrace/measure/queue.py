@@ -51,11 +51,11 @@ class StatsQueue:
     def __post_init__(self) -> None:
         self.host.before_fetch(self.flush)
 
-    def takes(self, rows: torch.Tensor, single: int) -> bool:
-        """Whether a pair with these reference ``rows`` (``[rows, elements]``) is one to
-        queue: a small CPU block that the per-site path would measure in one piece (rows
-        of at most ``single`` elements)."""
-        return rows.device.type == "cpu" and 0 < rows.shape[1] <= min(QUEUE_WIDTH, single)
+    def takes(self, device: torch.device, width: int, single: int) -> bool:
+        """Whether a pair of rows of ``width`` elements on ``device`` is one to queue: a
+        small CPU block that the per-site path would measure in one piece (rows of at most
+        ``single`` elements)."""
+        return device.type == "cpu" and 0 < width <= min(QUEUE_WIDTH, single)
 
     def add(self, b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> Deferred:
         """Queues the pair; neither may change afterwards (pass copies: the reference

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-from divtrace.align.ragged import real_tokens
 from divtrace.align.sites import Site
 from divtrace.align.status import Status, comparable
 from divtrace.measure.fields import FIELDS
@@ -55,8 +54,7 @@ class RaggedMeter(Meter):
                    ) -> list[torch.Tensor] | None:
         layout = self.layout
         assert layout is not None
-        parts = [real_tokens(tensor, sample, layout.length, layout.offsets[sample],
-                             layout.valid[sample], tuple(shape))
+        parts = [layout.tokens(tensor, sample, tuple(shape))
                  for sample, shape in zip(self.store.samples, shapes, strict=True)]
         return parts if [p.shape for p in parts] == list(shapes) else None
 
@@ -76,8 +74,7 @@ class RaggedMeter(Meter):
         for slot, sample in enumerate(self.store.samples):
             r = parts[slot]
             assert r is not None
-            b = real_tokens(tensor, sample, layout.length, layout.offsets[sample],
-                            layout.valid[sample], tuple(r.shape))
+            b = layout.tokens(tensor, sample, tuple(r.shape))
             if b.shape != r.shape:
                 return None
             if kept is not None:
@@ -111,8 +108,7 @@ class RaggedMeter(Meter):
         for slot, sample in enumerate(self.store.samples):
             part = stored.parts[slot]
             assert part is not None
-            target = real_tokens(rows, sample, layout.length, layout.offsets[sample],
-                                 layout.valid[sample], tuple(part.shape))
+            target = layout.tokens(rows, sample, tuple(part.shape))
             if target.shape != part.shape:
                 return None
             target.copy_(part)

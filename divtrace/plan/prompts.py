@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from divtrace.align.ragged import real_tokens
 from divtrace.compat import pytree
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
 from divtrace.plan.inputs import BatchedInput
@@ -93,6 +94,11 @@ class Layout:
     length: int
     offsets: tuple[int, ...]
     valid: tuple[int, ...]
+
+    def tokens(self, tensor: torch.Tensor, row: int,
+               like: tuple[int, ...] | None = None) -> torch.Tensor:
+        """Row ``row``'s real tokens in ``tensor`` (see :func:`real_tokens`)."""
+        return real_tokens(tensor, row, self.length, self.offsets[row], self.valid[row], like)
 
 
 def pad(prompts: Prompts, start: int, stop: int) -> tuple[dict[str, torch.Tensor], Layout]:

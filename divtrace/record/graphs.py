@@ -93,7 +93,12 @@ _INTS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
 class _Failed(Exception):
-    """The graph cannot stand for the eager pass; the message says why."""
+    """The graph cannot stand for the eager pass; the message says why. ``tried``: a
+    graph was made and failed (a warning), rather than none could be made."""
+
+    def __init__(self, reason: str, tried: bool = True) -> None:
+        super().__init__(reason)
+        self.tried = tried
 
 
 @dataclass
@@ -141,7 +146,7 @@ class GraphedRun:
         run = partial(drive, model, recorder, store, batch, label=label, feed=feed,
                       step=step, copies=copies)
         if unsuitable is not None:  # known before anything runs: one eager loop
-            self._eager(len(chunks), unsuitable)
+            self._eager(len(chunks), unsuitable, False)
             return run(chunks)
         kind = run(chunks[:1])
         size = chunks[0][1] - chunks[0][0]
@@ -151,15 +156,15 @@ class GraphedRun:
         reason = self._too_few(len(replayable))
         if reason is None and not all(row in slot for row in range(*chunks[0])):
             reason = "the first pass holds rows that are not compared"
-        graphed = None
+        graphed, tried = None, False
         if reason is None:
             try:
                 graphed = self._capture(model, recorder, store, batch, chunks[0], feed,
                                         label, slot)
             except _Failed as failed:
-                reason = str(failed)
+                reason, tried = str(failed), failed.tried
         if graphed is None:
-            self._eager(len(chunks), reason)
+            self._eager(len(chunks), reason, tried)
             run(chunks[1:])
             return kind
         places = set(replayable)
@@ -169,10 +174,10 @@ class GraphedRun:
                 continue
             graphed.load(_fed(batch, start, stop, feed), slot[start])
             graphed.graph.replay()
-            for stored in graphed.sites:
-                stored.filled += size
             if step is not None:
                 step()
+        for stored in graphed.sites:  # each replay filled its rows at every captured site
+            stored.filled += size * len(replayable)
         others = len(chunks) - 1 - len(replayable)
         self.outcome = GraphOutcome(
             self.mode, len(chunks), len(replayable), graphed.pool_bytes, graphed.capture_s,
@@ -187,14 +192,14 @@ class GraphedRun:
             return f"{replayable} pass(es) to replay, too few to pay for a capture"
         return None
 
-    def _eager(self, passes: int, reason: str | None) -> None:
+    def _eager(self, passes: int, reason: str | None, tried: bool) -> None:
         """The run stays eager: an error under ``graphs=True``, else a note (and a
-        warning when the graph was tried and failed)."""
+        warning when a graph was ``tried`` and failed)."""
         if self.mode is True:
             raise DivtraceValueError(
                 f"graphs=True, but the split run cannot be replayed from a CUDA graph: "
                 f"{reason}. Pass graphs='auto' or False to run it eagerly")
-        if reason is not None and reason.startswith("the graph"):
+        if tried:
             warnings.warn(f"{reason}; the split run ran eagerly, with the same figures "
                           f"(graphs=False skips the attempt)", DivtraceWarning, stacklevel=7)
         self.outcome = GraphOutcome(self.mode, passes, reason=reason)
@@ -215,7 +220,7 @@ class GraphedRun:
         graph = (self.make_graph(next(iter(devices)), partial(model, *args, **kwargs))
                  if len(devices) == 1 else None)
         if graph is None:
-            raise _Failed("the input is not on one CUDA device")
+            raise _Failed("the input is not on one CUDA device", tried=False)
         first_slot = slot[first[0]]
         steps = torch.arange(first[1] - first[0], device=tensors[0].device)
         slots = steps + first_slot

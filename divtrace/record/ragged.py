@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-from divtrace.align.ragged import real_tokens
 from divtrace.align.sites import Site
 from divtrace.align.status import Status, comparable
 from divtrace.plan.prompts import Layout, RaggedInput
@@ -56,8 +55,7 @@ class RaggedStore(RowStore):
         for slot, row, n in self._runs:
             for k in range(n):
                 at = row + k
-                part = real_tokens(usable, at, layout.length, layout.offsets[at],
-                                   layout.valid[at])
+                part = layout.tokens(usable, at)
                 stored.parts[slot + k] = part.to(device, copy=True)
         stored.filled += self._in_chunk
 
