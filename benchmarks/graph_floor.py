@@ -1,8 +1,9 @@
 """The floor under a graphed split run: the bare per-sample loop, eager, against the same
-loop replayed from a CUDA graph of the bare model (no hook, no copy), and divtrace's
-graphed split run (hooks and copies inside the graph) beside them. Where the bare graph
-is no faster than the eager loop, the loop is bound by the GPU's own work, and no graph
-can make the comparison cheaper than those passes.
+loop replayed from a CUDA graph of the bare model (no hook, no copy), one pass per replay
+and as many side by side as divtrace's lanes (each on a stream of its own), and
+divtrace's graphed split run (hooks and copies inside the graph) beside them. Where the
+one-pass graph is no faster than the eager loop, the loop is bound by the GPU's own work
+in one pass; lanes run several such passes at once.
 
     python benchmarks/graph_floor.py [--repeats 5] [--cases ...]
 """
@@ -27,7 +28,7 @@ from overhead import use_seed_settings
 from divtrace.plan.inputs import prepare_input
 from divtrace.plan.samples import chunks_for
 from divtrace.plan.selection import select_modules
-from divtrace.record.graphs import GraphedRun
+from divtrace.record.graphs import MAX_LANES, GraphedRun
 from divtrace.record.hooks import ModuleHooks
 from divtrace.record.rows import RowStore
 
@@ -62,6 +63,15 @@ def _case(name: str, repeats: int) -> list[float]:
             static.copy_(x[i:i + 1])
             graph.replay()
 
+    lanes = [x[:1].clone() for _ in range(MAX_LANES)]
+    laned = torch.cuda.CUDAGraph()
+
+    def side_by_side() -> None:
+        for start in range(0, size, MAX_LANES):
+            for i, lane in enumerate(lanes):
+                lane.copy_(x[min(start + i, size - 1)].unsqueeze(0))
+            laned.replay()
+
     def graphed() -> None:
         store = RowStore(samples, 0)
         GraphedRun(True).drive(model, recorder, store, batch, chunks_for(samples, 1, size),
@@ -75,9 +85,19 @@ def _case(name: str, repeats: int) -> list[float]:
         torch.cuda.current_stream().wait_stream(side)
         with torch.cuda.graph(graph):
             model(static)
-        for fn in (eager, replays, graphed):
+        streams = [torch.cuda.Stream() for _ in lanes]
+        with torch.cuda.graph(laned):
+            start = torch.cuda.current_stream()
+            for stream, lane in zip(streams, lanes, strict=True):
+                stream.wait_stream(start)
+                with torch.cuda.stream(stream):
+                    model(lane)
+            for stream in streams:
+                start.wait_stream(stream)
+        ways = (eager, replays, side_by_side, graphed)
+        for fn in ways:
             fn()  # warm-up
-        return [_median_ms(fn, repeats) for fn in (eager, replays, graphed)]
+        return [_median_ms(fn, repeats) for fn in ways]
 
 
 def main() -> int:
@@ -89,12 +109,13 @@ def main() -> int:
     args = parser.parse_args()
     device = torch.device("cuda")
     use_seed_settings(device)
-    print("| case | eager loop (ms) | bare graph replays (ms) | divtrace graphed split run "
-          "(ms) |")
-    print("|---|---|---|---|")
+    print(f"| case | eager loop (ms) | bare graph replays (ms) | bare graph, {MAX_LANES} "
+          f"passes side by side (ms) | divtrace graphed split run (ms) |")
+    print("|---|---|---|---|---|")
     for name in args.cases:
-        eager, replays, graphed = _case(name, args.repeats)
-        print(f"| {name} | {eager:.1f} | {replays:.1f} | {graphed:.1f} |")
+        eager, replays, side_by_side, graphed = _case(name, args.repeats)
+        print(f"| {name} | {eager:.1f} | {replays:.1f} | {side_by_side:.1f} "
+              f"| {graphed:.1f} |")
     return 0
 
 

@@ -93,6 +93,7 @@ def measure(name: str, device: torch.device, repeats: int) -> dict[str, Any]:
         "eager_ratio": median["eager"] / median["bare"],
         "graphs_ratio": median["graphs"] / median["bare"],
         "replayed": run["replayed"], "passes": run["passes"], "reason": run["reason"],
+        "lanes": run["lanes"], "capture_s": run["capture_s"],
         "same_table": bool(graphed.table.equals(eager.table)
                            and graphed.samples.equals(eager.samples)),
         "stored_bytes": stored, "pool_bytes": run["pool_bytes"],
@@ -116,12 +117,13 @@ def main() -> int:
     rows = [measure(name, device, args.repeats) for name in args.cases]
     env = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(device)}
     print(f"environment: {env}")
-    print("| case | bare (ms) | eager | graphs | replayed | same table | stored (MiB) "
-          "| pool (MiB) | graphs extra / (stored + pool) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| case | bare (ms) | eager | graphs | replayed | lanes | capture (ms) | same table "
+          "| stored (MiB) | pool (MiB) | graphs extra / (stored + pool) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['case']} | {r['bare_s'] * 1e3:.1f} | {r['eager_ratio']:.2f}× "
-              f"| {r['graphs_ratio']:.2f}× | {r['replayed']}/{r['passes']} "
+              f"| {r['graphs_ratio']:.2f}× | {r['replayed']}/{r['passes']} | {r['lanes']} "
+              f"| {r['capture_s'] * 1e3:.0f} "
               f"| {r['same_table']} | {r['stored_bytes'] / 2**20:.0f} "
               f"| {r['pool_bytes'] / 2**20:.0f} "
               f"| {r['graphs_extra_over_stored_and_pool']:.3f} |")

@@ -4,8 +4,10 @@ the CUDA tests use real graphs."""
 
 from __future__ import annotations
 
+import gc
 import warnings
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from divtrace.errors import DivtraceValueError, DivtraceWarning
 from divtrace.plan.inputs import prepare_input
 from divtrace.plan.samples import chunks_for
 from divtrace.plan.selection import select_modules
-from divtrace.record.graphs import GraphedRun, GraphOutcome
+from divtrace.record.graphs import GraphedRun, GraphOutcome, lanes_for
 from divtrace.record.hooks import ModuleHooks
 from divtrace.record.loop import drive
 from divtrace.record.rows import RowStore
@@ -31,6 +33,7 @@ class Rerun:
         self.warm_up = warm_up
         self.run: Callable[[], None] | None = None
         self.replays = 0
+        self.released = False
 
     def capture(self, run: Callable[[], None]) -> int:
         self.warm_up()
@@ -38,10 +41,16 @@ class Rerun:
         run()
         return 0
 
+    def lane(self, _index: int) -> AbstractContextManager[None]:
+        return nullcontext()
+
     def replay(self) -> None:
         assert self.run is not None
         self.replays += 1
         self.run()
+
+    def release(self) -> None:
+        self.released = True
 
 
 def _record(model: nn.Module, x: torch.Tensor, samples: list[int], chunk: int,
@@ -74,23 +83,29 @@ def test_replayed_passes_store_exactly_the_rows_of_the_eager_run(
         chunk: int, samples: list[int]) -> None:
     model = models.variant_mlp()
     x = torch.randn(14, 16)
-    graphed = GraphedRun(True, make_graph=Rerun)
+    made: list[Rerun] = []
+    graphed = GraphedRun(True, make_graph=lambda d, w: made.append(Rerun(d, w)) or made[-1])
     stored = _record(model, x, samples, chunk, graphed)
     _same_rows(stored, _record(model, x, samples, chunk, None))
     outcome = graphed.outcome
     assert outcome is not None
     assert outcome.passes == len(chunks_for(samples, chunk, 14))
     # the last chunk of [3..11, 13] in threes holds row 12, not compared: eager
-    whole = [c for c in chunks_for(samples, chunk, 14)[1:]
+    whole = [c for c in chunks_for(samples, chunk, 14)
              if c[1] - c[0] == chunk and set(range(*c)) <= set(samples)]
-    assert outcome.replayed == len(whole) > 0
-    assert (outcome.reason is None) == (len(whole) == outcome.passes - 1)
+    assert outcome.lanes == lanes_for(len(whole))
+    assert outcome.replayed == len(whole) - 1 > 0
+    assert (outcome.reason is None) == (len(whole) == outcome.passes)
+    # one replay checks every lane on the first chunk, then one per group of lanes (a
+    # short last group takes chunks before it again); the graph is freed at the end
+    assert made[0].replays == 1 + -(-outcome.replayed // outcome.lanes)
+    assert made[0].released
 
 
 def test_a_resnet_with_in_place_relus_replayed() -> None:
     model = resnet18(num_classes=10).eval()
     x = torch.randn(6, 3, 32, 32)
-    graphed = GraphedRun("auto", make_graph=Rerun)
+    graphed = GraphedRun(True, make_graph=Rerun)
     _same_rows(_record(model, x, list(range(6)), 1, graphed),
                _record(model, x, list(range(6)), 1, None))
     assert graphed.outcome is not None
@@ -114,25 +129,27 @@ class Drifting(nn.Module):
 
 def test_a_graph_that_differs_from_the_eager_pass_falls_back_with_a_warning() -> None:
     model = Drifting().eval()
-    x = torch.randn(8, 4)
+    x = torch.randn(10, 4)
     graphed = GraphedRun("auto", make_graph=Rerun)
     with pytest.warns(DivtraceWarning,
                       match=r"differed from the eager pass at site '\(model\)'"):
-        stored = _record(model, x, list(range(8)), 1, graphed)
+        stored = _record(model, x, list(range(10)), 1, graphed)
     assert graphed.outcome is not None
     assert graphed.outcome.replayed == 0
     assert "differed" in (graphed.outcome.reason or "")
     # the eager rows of the first pass were put back; every pass ran eagerly after it
-    # (pass 1 eager; 2, 3, 4: warm-up, capture, check; then passes 5 to 11)
+    # (pass 1 eager; 2: warm-up; 3, 4: the capture of two lanes; 5, 6: the check, both
+    # lanes on the first chunk; then passes 7 to 15)
+    assert lanes_for(10) == 2
     with torch.no_grad():
         expected = torch.cat([model.inner(x[i:i + 1]) + n
-                              for i, n in zip(range(8), [1, 5, 6, 7, 8, 9, 10, 11],
+                              for i, n in zip(range(10), [1, *range(7, 16)],
                                               strict=True)])
     rows = stored.rows["(model)"].rows
     assert rows is not None
     assert torch.equal(rows, expected)
     with pytest.raises(DivtraceValueError, match=r"graphs=True, but .* differed"):
-        _record(model, x, list(range(8)), 1, GraphedRun(True, make_graph=Rerun))
+        _record(model, x, list(range(10)), 1, GraphedRun(True, make_graph=Rerun))
 
 
 class Failing(Rerun):
@@ -142,14 +159,14 @@ class Failing(Rerun):
 
 def test_a_failed_capture_falls_back_with_a_warning() -> None:
     model = models.variant_mlp()
-    x = torch.randn(8, 16)
+    x = torch.randn(10, 16)
     graphed = GraphedRun("auto", make_graph=Failing)
     with pytest.warns(DivtraceWarning, match=r"could not be captured \(RuntimeError: "
                                              r"operation not permitted when stream is "
                                              r"capturing\); the split run ran eagerly, with the "
                                              r"same figures \(graphs=False skips"):
-        stored = _record(model, x, list(range(8)), 1, graphed)
-    _same_rows(stored, _record(model, x, list(range(8)), 1, None))
+        stored = _record(model, x, list(range(10)), 1, graphed)
+    _same_rows(stored, _record(model, x, list(range(10)), 1, None))
 
 
 class Branching(nn.Module):
@@ -169,10 +186,10 @@ class Branching(nn.Module):
 
 def test_a_site_the_first_pass_did_not_show_stops_the_graph() -> None:
     model = Branching().eval()
-    x = torch.randn(6, 4)
+    x = torch.randn(10, 4)
     graphed = GraphedRun("auto", make_graph=Rerun)
     with pytest.warns(DivtraceWarning, match="site 'extra' is not a batched tensor"):
-        stored = _record(model, x, list(range(6)), 1, graphed)
+        stored = _record(model, x, list(range(10)), 1, graphed)
     assert graphed.outcome is not None
     assert graphed.outcome.replayed == 0
     rows = stored.rows["(model)"].rows
@@ -180,7 +197,7 @@ def test_a_site_the_first_pass_did_not_show_stops_the_graph() -> None:
     with torch.no_grad():  # the first pass's rows as it made them, put back
         assert torch.equal(rows[0], model.inner(x[0:1])[0])
         assert torch.equal(rows[1:], torch.cat([torch.tanh(model.inner(x[i:i + 1]))
-                                                for i in range(1, 6)]))
+                                                for i in range(1, 10)]))
 
 
 def test_too_few_passes_stay_eager_under_auto_but_not_under_true() -> None:
@@ -232,7 +249,8 @@ def test_a_graphed_split_run_gives_exactly_the_eager_table(name: str) -> None:
     model = {"alexnet": lambda: alexnet(num_classes=10),
              "resnet18": lambda: resnet18(num_classes=10),
              "mlp": models.variant_mlp}[name]().eval().cuda()
-    x = (torch.randn(12, 16) if name == "mlp" else torch.rand(12, 3, 96, 96)).cuda()
+    x = (torch.randn(14, 16) if name == "mlp" else torch.rand(14, 3, 96, 96)).cuda()
+    # per sample: 3 lanes, the last group of two takes one chunk again
     for chunk, samples in ((1, None), (2, None), (3, list(range(3, 12)))):
         graphed = divtrace.compare(model, x, chunk=chunk, samples=samples, graphs=True,
                                    progress=False)
@@ -240,6 +258,7 @@ def test_a_graphed_split_run_gives_exactly_the_eager_table(name: str) -> None:
                                  progress=False)
         _tables_equal(graphed, eager)
         run = graphed.meta["graphed"]["a"]
+        assert run["lanes"] == lanes_for(run["passes"]) == (3 if chunk == 1 else 1)
         assert run["replayed"] == run["passes"] - 1
         assert run["reason"] is None
         assert run["pool_bytes"] > 0
@@ -258,7 +277,7 @@ class Syncing(nn.Module):
 @pytest.mark.cuda
 def test_a_model_that_synchronises_falls_back_on_cuda() -> None:
     model = Syncing().eval().cuda()
-    x = torch.randn(8, 8, device="cuda")
+    x = torch.randn(16, 8, device="cuda")
     with pytest.warns(DivtraceWarning, match="could not be captured") as caught:
         graphed = divtrace.compare(model, x, progress=False)
     assert caught[0].filename == __file__  # points at the call of compare()
@@ -268,6 +287,27 @@ def test_a_model_that_synchronises_falls_back_on_cuda() -> None:
     # CUDA, and random draws on it, still work after the failed capture
     assert torch.equal(model(x), model(x))
     assert torch.randn(3, device="cuda").isfinite().all()
+
+
+@pytest.mark.cuda
+def test_a_graph_left_to_the_garbage_collector_does_not_break_a_capture() -> None:
+    model = models.variant_mlp().cuda()
+    x = torch.randn(16, 16, device="cuda")
+    old, static = torch.cuda.CUDAGraph(), torch.zeros(4, device="cuda")
+    with torch.cuda.graph(old):
+        static.add_(1)
+    cycle: list[object] = [old]
+    cycle.append(cycle)  # only the cyclic collector frees it
+    del old, cycle
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)  # a collection at almost every allocation
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DivtraceWarning)
+            result = divtrace.compare(model, x, graphs=True, progress=False)
+    finally:
+        gc.set_threshold(*threshold)
+    assert result.meta["graphed"]["a"]["replayed"] == 15
 
 
 @pytest.mark.cuda
@@ -335,6 +375,7 @@ def test_graphs_for_two_chunked_runs_and_a_language_model() -> None:
     _tables_equal(graphed, divtrace.compare(model, x, a=a, b=b, graphs=False,
                                             progress=False))
     assert [graphed.meta["graphed"][run]["replayed"] for run in "ab"] == [15, 3]
+    assert [graphed.meta["graphed"][run]["lanes"] for run in "ab"] == [4, 1]
     config = transformers.BertConfig(hidden_size=64, num_hidden_layers=2,
                                      num_attention_heads=4, intermediate_size=128,
                                      vocab_size=300)

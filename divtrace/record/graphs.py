@@ -1,17 +1,20 @@
-"""The split run as a CUDA graph: one pass captured, its recording copies inside it, then
-replayed for every chunk.
+"""The split run as a CUDA graph: a few passes captured side by side, their recording
+copies inside, then replayed for every group of chunks.
 
-A per-sample run is bound by kernel launches and by Python (the model's and the hooks').
-Here the first chunk runs eagerly, as always; one pass of the same size is then captured
-as a CUDA graph, with every site's copy into the row store inside the graph (each row to
-the slot a device tensor names, set before each replay). Each further chunk is its rows
-copied into the graph's input, its slots set, and one replay.
+A per-sample run is bound by kernel launches and by Python (the model's and the hooks'),
+and a pass over one sample leaves most of a large GPU idle. Here the first chunks run
+eagerly, as always; then as many passes of the same size as there are *lanes* are
+captured as one CUDA graph, each lane on a stream of its own, with every site's copy into
+the row store inside the graph (each row to the slot a device tensor names, set before
+each replay). Each further group of chunks is its rows copied into the lanes' inputs,
+their slots set, and one replay: the lanes' passes run concurrently, each with the very
+kernels of an eager pass alone.
 
 Truthfulness first: the graph replays the captured kernels, which should be the eager
-pass's. Before any chunk is replayed, the graph runs the first chunk again and every site
-is compared bit for bit with the eager pass; on any difference, or when the capture fails
-(a host synchronisation, a tensor not on the GPU, ...), the rest of the run is eager and
-the outcome says why (``graphs=True`` raises instead).
+passes'. Before any chunk is replayed, the graph runs the first chunks again and every
+site of every lane is compared bit for bit with the eager passes; on any difference, or
+when the capture fails (a host synchronisation, a tensor not on the GPU, ...), the rest of
+the run is eager and the outcome says why (``graphs=True`` raises instead).
 """
 
 from __future__ import annotations
@@ -29,19 +32,35 @@ from torch import nn
 from divtrace.errors import DivtraceValueError, DivtraceWarning
 from divtrace.plan.inputs import BatchedInput
 from divtrace.record.cudagraph import Graph, graph_for
+from divtrace.record.lanes import Captured, Lane, first_difference, rows_of
 from divtrace.record.loop import InputCopies, drive, forward
 from divtrace.record.recorder import Recorder
-from divtrace.record.rows import RowStore, StoredRows
+from divtrace.record.rows import RowStore
 
-__all__ = ["GraphMode", "GraphOutcome", "GraphedRun", "check_graphs"]
+__all__ = ["MAX_LANES", "GraphMode", "GraphOutcome", "GraphedRun", "check_graphs",
+           "lanes_for"]
 
 #: ``compare(graphs=...)``: ``"auto"`` (graphs where they can be used and pay), True
 #: (graphs, or an error saying why not), False (the eager split run).
 GraphMode = bool | str
 
 #: Under ``"auto"``, the fewest passes a graph must replay to pay for its capture (a
-#: warm-up pass, the capture, the check).
-MIN_REPLAYS = 3
+#: warm-up pass, a pass captured per lane, the check): on an H200, a small MLP's 7
+#: replayed passes cost more than they saved (``benchmarks/graphs.py``).
+MIN_REPLAYS = 8
+
+#: The most passes one replay runs side by side. Each lane is one pass captured (its
+#: Python, the model's and the hooks', runs once per lane) and one pass's activations in
+#: the graph's pool; on an H200, 4 lanes made AlexNet's and ResNet50's per-sample
+#: comparisons fastest, 8 cost more to capture than they saved.
+MAX_LANES = 4
+
+
+def lanes_for(passes: int) -> int:
+    """How many lanes a run of ``passes`` passes of one size gets: at most
+    :data:`MAX_LANES`, and no more than a quarter of the passes (each lane's capture
+    costs about an eager pass)."""
+    return max(1, min(MAX_LANES, passes // 4))
 
 
 def check_graphs(graphs: Any) -> GraphMode:
@@ -62,6 +81,7 @@ class GraphOutcome:
         requested: The ``graphs=`` option.
         passes: The run's passes.
         replayed: The passes replayed from the graph (0: the run was eager).
+        lanes: The passes each replay ran side by side (0: the run was eager).
         pool_bytes: GPU memory the graph's own pool took (its pass's activations).
         capture_s: Seconds spent on the graph before its first replay (a warm-up pass,
             the capture, the check against the eager pass).
@@ -71,6 +91,7 @@ class GraphOutcome:
     requested: GraphMode
     passes: int
     replayed: int = 0
+    lanes: int = 0
     pool_bytes: int = 0
     capture_s: float = 0.0
     reason: str | None = None
@@ -80,18 +101,6 @@ class GraphOutcome:
         return asdict(self)
 
 
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bits, as integers of its width (floats compared bit for bit)."""
-    if tensor.is_complex():
-        tensor = torch.view_as_real(tensor)
-    if tensor.is_floating_point():
-        return tensor.view(_INTS[tensor.element_size()])
-    return tensor
-
-
-_INTS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
-
-
 class _Failed(Exception):
     """The graph cannot stand for the eager pass; the message says why. ``tried``: a
     graph was made and failed (a warning), rather than none could be made."""
@@ -99,27 +108,6 @@ class _Failed(Exception):
     def __init__(self, reason: str, tried: bool = True) -> None:
         super().__init__(reason)
         self.tried = tried
-
-
-@dataclass
-class _Pass:
-    """One captured pass: its input buffers, its slots and the sites it copies."""
-
-    graph: Graph
-    inputs: list[Any]
-    slots: torch.Tensor
-    steps: torch.Tensor  # 0, 1, ... for each row of the pass
-    sites: list[StoredRows]
-    pool_bytes: int = 0
-    capture_s: float = 0.0
-
-    def load(self, leaves: list[Any], first_slot: int) -> None:
-        """Sets the next replay's input rows, and its slots: ``first_slot`` onwards (the
-        rows of a replayed pass are all compared, so their slots follow each other)."""
-        for buffer, leaf in zip(self.inputs, leaves, strict=True):
-            if isinstance(buffer, torch.Tensor) and buffer is not leaf:
-                buffer.copy_(leaf)
-        torch.add(self.steps, first_slot, out=self.slots)  # no copy from the host
 
 
 class GraphedRun:
@@ -148,42 +136,68 @@ class GraphedRun:
         if unsuitable is not None:  # known before anything runs: one eager loop
             self._eager(len(chunks), unsuitable, False)
             return run(chunks)
-        kind = run(chunks[:1])
         size = chunks[0][1] - chunks[0][0]
         slot = {sample: index for index, sample in enumerate(store.samples)}
-        replayable = [c for c in chunks[1:] if c[1] - c[0] == size
-                      and all(row in slot for row in range(*c))]
+        fits = [c[1] - c[0] == size and all(row in slot for row in range(*c))
+                for c in chunks]
+        kind = run(chunks[:1])  # eager: the pass the graph's lanes are checked on
+        replayable = [c for c, fit in zip(chunks[1:], fits[1:], strict=True) if fit]
         reason = self._too_few(len(replayable))
-        if reason is None and not all(row in slot for row in range(*chunks[0])):
+        if reason is None and not fits[0]:
             reason = "the first pass holds rows that are not compared"
         graphed, tried = None, False
         if reason is None:
+            lanes = [chunks[0], *replayable[:lanes_for(len(replayable) + 1) - 1]]
             try:
-                graphed = self._capture(model, recorder, store, batch, chunks[0], feed,
-                                        label, slot)
+                graphed = self._capture(model, recorder, store, batch, lanes, feed, label,
+                                        slot)
             except _Failed as failed:
                 reason, tried = str(failed), failed.tried
         if graphed is None:
             self._eager(len(chunks), reason, tried)
             run(chunks[1:])
             return kind
-        places = set(replayable)
-        for start, stop in chunks[1:]:
-            if (start, stop) not in places:
-                run([(start, stop)])
-                continue
-            graphed.load(_fed(batch, start, stop, feed), slot[start])
-            graphed.graph.replay()
-            if step is not None:
-                step()
-        for stored in graphed.sites:  # each replay filled its rows at every captured site
+        try:
+            self._replay(graphed, chunks, fits, run, batch, feed, step, slot)
+        finally:
+            graphed.graph.release()  # now, not whenever the garbage collector runs
+        for stored in graphed.lanes[0].sites:  # every lane's rows at every captured site
             stored.filled += size * len(replayable)
         others = len(chunks) - 1 - len(replayable)
         self.outcome = GraphOutcome(
-            self.mode, len(chunks), len(replayable), graphed.pool_bytes, graphed.capture_s,
+            self.mode, len(chunks), len(replayable), len(graphed.lanes),
+            graphed.pool_bytes, graphed.capture_s,
             f"{others} pass(es) of another size, or with rows not compared, ran eagerly"
             if others else None)
         return kind
+
+    @staticmethod
+    def _replay(graphed: Captured, chunks: list[tuple[int, int]], fits: list[bool],
+                run: Callable[[list[tuple[int, int]]], object], batch: BatchedInput,
+                feed: Callable[[Any], Any] | None, step: Callable[[], object] | None,
+                slot: dict[int, int]) -> None:
+        """Replays the chunks after the first in groups of one chunk per lane; a chunk
+        that does not fit runs eagerly. A last, short group takes the chunks before it
+        again (written again with the same bits: the check showed that the graph's
+        passes are the eager ones)."""
+        width = len(graphed.lanes)
+        done, fresh = [chunks[0]], 0
+        for index, (chunk, fit) in enumerate(zip(chunks, fits, strict=True)):
+            if index == 0:
+                continue
+            if not fit:
+                run([chunk])
+                continue
+            done.append(chunk)
+            fresh += 1
+            if fresh == width or index == len(chunks) - 1 or not any(fits[index + 1:]):
+                group = done[-width:]
+                graphed.replay([_fed(batch, *c, feed) for c in group],
+                               [slot[c[0]] for c in group])
+                for _ in range(fresh):
+                    if step is not None:
+                        step()
+                fresh = 0
 
     def _too_few(self, replayable: int) -> str | None:
         if replayable == 0:
@@ -205,81 +219,79 @@ class GraphedRun:
         self.outcome = GraphOutcome(self.mode, passes, reason=reason)
 
     def _capture(self, model: nn.Module, recorder: Recorder, store: RowStore,
-                 batch: BatchedInput, first: tuple[int, int],
+                 batch: BatchedInput, lanes: list[tuple[int, int]],
                  feed: Callable[[Any], Any] | None, label: Callable[[int, int], str],
-                 slot: dict[int, int]) -> _Pass:
-        """Captures one pass over the first chunk's rows and checks it against the eager
-        pass bit for bit (raises :class:`_Failed` with the reason)."""
+                 slot: dict[int, int]) -> Captured:
+        """Captures one pass per lane, each writing to the slots of its chunk in
+        ``lanes``, and checks them: every lane is fed the first chunk (``lanes[0]``, run
+        eagerly before) and must write its rows bit for bit (raises :class:`_Failed`
+        with the reason). The other lanes' slots are written again later."""
         began = time.perf_counter()
+        first = lanes[0]
         leaves = _fed(batch, *first, feed)
-        inputs = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf
-                  for leaf in leaves]
-        tensors = [leaf for leaf in inputs if isinstance(leaf, torch.Tensor)]
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         devices = {t.device for t in tensors}
-        args, kwargs = batch.build(inputs)
-        graph = (self.make_graph(next(iter(devices)), partial(model, *args, **kwargs))
-                 if len(devices) == 1 else None)
+        if len(devices) != 1:
+            raise _Failed("the input is not on one CUDA device", tried=False)
+        device, size = next(iter(devices)), first[1] - first[0]
+        args, kwargs = batch.build(leaves)
+        graph = self.make_graph(device, partial(model, *args, **kwargs))
         if graph is None:
             raise _Failed("the input is not on one CUDA device", tried=False)
-        first_slot = slot[first[0]]
-        steps = torch.arange(first[1] - first[0], device=tensors[0].device)
-        slots = steps + first_slot
-        snapshot = [(stored, _rows(stored).narrow(0, first_slot, len(slots)).clone())
+        captured = Captured(graph, [])
+        for chunk in lanes:
+            steps = torch.arange(size, device=device)
+            captured.lanes.append(Lane([leaf.clone() if isinstance(leaf, torch.Tensor)
+                                        else leaf for leaf in leaves],
+                                       steps + slot[chunk[0]], steps, []))
+        snapshot = [(stored, rows_of(stored).narrow(0, slot[first[0]], size).clone())
                     for stored in store.rows.values() if stored.rows is not None]
-        graphed = _Pass(graph, inputs, slots, steps, [])
         missing: list[str] = []
 
-        def captured() -> None:
+        def capture() -> None:
             with recorder.observe(store) as tracker:
-                store.begin_capture(slots, tracker)
-                try:
-                    forward(model, args, kwargs, tracker, partial(label, *first), tensors,
-                            len(slots))
-                finally:
-                    graphed.sites, missing[:] = store.end_capture()
+                for index, lane in enumerate(captured.lanes):
+                    inputs = [t for t in lane.inputs if isinstance(t, torch.Tensor)]
+                    with graph.lane(index):
+                        store.begin_capture(lane.slots, tracker)
+                        try:
+                            forward(model, *batch.build(lane.inputs), tracker,
+                                    partial(label, *first), inputs, size)
+                        finally:
+                            lane.sites, unseen = store.end_capture()
+                            missing.extend(unseen)
 
         try:
-            try:
-                graphed.pool_bytes = graph.capture(captured)
-            except Exception as exc:  # the capture's own errors, of any type
-                first_line = (str(exc).strip() or "\n").splitlines()[0]
-                raise _Failed(f"the graph could not be captured ({type(exc).__name__}: "
-                              f"{first_line})") from exc
-            if missing:
-                raise _Failed(f"the graph could not be captured: site '{missing[0]}' is "
-                              f"not a batched tensor on the input's device, or the first "
-                              f"pass did not show it")
-            graphed.load(leaves, first_slot)
-            graph.replay()
-            _check(snapshot, graphed.sites, first_slot)  # (waits for the replay)
+            self._captured(captured, capture, missing)
+            firsts = [slot[chunk[0]] for chunk in lanes]
+            captured.replay([leaves] * len(lanes), firsts)  # every lane on the first chunk
+            where = first_difference(snapshot, captured.lanes)
+            if where is not None:  # (waited for the replay)
+                raise _Failed(f"the graph's pass differed from the eager pass at site "
+                              f"'{where}' (not the same kernels, or a model that is not "
+                              f"deterministic run to run)")
         except _Failed:
-            for stored, rows in snapshot:  # the eager pass's rows, whatever ran since
-                _rows(stored).narrow(0, first_slot, len(rows)).copy_(rows)
+            for stored, was in snapshot:  # the eager pass's rows, whatever ran since
+                rows_of(stored).narrow(0, slot[first[0]], size).copy_(was)
+            graph.release()
             raise
-        graphed.capture_s = time.perf_counter() - began
-        return graphed
+        captured.capture_s = time.perf_counter() - began
+        return captured
 
-
-def _check(snapshot: list[tuple[StoredRows, torch.Tensor]], sites: list[StoredRows],
-           first_slot: int) -> None:
-    """Every site's rows as the graph wrote them equal the eager pass's, bit for bit;
-    otherwise :class:`_Failed` names the first site that differs."""
-    copied = {id(stored) for stored in sites}
-    unseen = [stored.site.key for stored, _ in snapshot if id(stored) not in copied]
-    written = [(_rows(stored).narrow(0, first_slot, len(rows)), rows)
-               for stored, rows in snapshot]
-    differs = (torch.stack([(_bits(now) != _bits(was)).any() for now, was in written])
-               if written else torch.zeros(0, dtype=torch.bool))
-    if unseen or bool(differs.any()):
-        where = unseen[0] if unseen else snapshot[int(differs.nonzero()[0])][0].site.key
-        raise _Failed(f"the graph's pass differed from the eager pass at site '{where}' "
-                      f"(not the same kernels, or a model that is not deterministic run to "
-                      f"run)")
-
-
-def _rows(stored: StoredRows) -> torch.Tensor:
-    assert stored.rows is not None
-    return stored.rows
+    @staticmethod
+    def _captured(captured: Captured, capture: Callable[[], None], missing: list[str]
+                  ) -> None:
+        """Runs the capture; :class:`_Failed` says why it failed."""
+        try:
+            captured.pool_bytes = captured.graph.capture(capture)
+        except Exception as exc:  # the capture's own errors, of any type
+            first_line = (str(exc).strip() or "\n").splitlines()[0]
+            raise _Failed(f"the graph could not be captured ({type(exc).__name__}: "
+                          f"{first_line})") from exc
+        if missing:
+            raise _Failed(f"the graph could not be captured: site '{missing[0]}' is not a "
+                          f"batched tensor on the input's device, or the first pass did "
+                          f"not show it")
 
 
 def _fed(batch: BatchedInput, start: int, stop: int, feed: Callable[[Any], Any] | None

@@ -170,9 +170,11 @@ def _pairs(title: str, values: dict[str, Any]) -> str:
 def _graph_words(outcome: dict[str, Any]) -> str:
     """How a chunked run's passes ran, in words (``meta["graphed"]``)."""
     if outcome.get("replayed"):
+        lanes = outcome.get("lanes") or 1
         words = (f"{outcome['replayed']} of {outcome['passes']} passes replayed from a CUDA "
-                 f"graph (pool {outcome['pool_bytes'] / 2**20:.0f} MiB), checked bit for "
-                 f"bit against the eager first pass")
+                 f"graph, {lanes} side by side (pool {outcome['pool_bytes'] / 2**20:.0f} "
+                 f"MiB), checked bit for bit against the eager first "
+                 f"{'pass' if lanes == 1 else f'{lanes} passes'}")
         return words if outcome.get("reason") is None else f"{words}; {outcome['reason']}"
     return f"passes eager ({outcome.get('reason')})"
 

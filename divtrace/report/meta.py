@@ -39,8 +39,9 @@ class Meta:
         random_draws: A pass drew random numbers (allowed by ``allow_train=True``).
         output_type: The type of the model's output when it held no tensor (else None).
         graphed: Per chunked run (``a``, ``b``): ``requested`` (the ``graphs=`` option),
-            ``passes``, ``replayed`` (passes replayed from a CUDA graph), ``pool_bytes``
-            (the graph's own memory) and ``reason`` (why passes ran eagerly, or None).
+            ``passes``, ``replayed`` (passes replayed from a CUDA graph), ``lanes``
+            (passes each replay ran side by side), ``pool_bytes`` (the graph's own
+            memory), ``capture_s`` and ``reason`` (why passes ran eagerly, or None).
         notes: What probes found that is not a column, by probe.
         environment: divtrace, torch, CUDA, cuDNN, GPUs and driver versions.
         settings: Per run (``a``: the reference, the split run by default; ``b``: the
