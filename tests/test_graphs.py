@@ -102,6 +102,21 @@ def test_replayed_passes_store_exactly_the_rows_of_the_eager_run(
     assert made[0].released
 
 
+@pytest.mark.parametrize(("chunk", "samples"), [(1, list(range(14))), (3, [*range(12), 13])])
+def test_each_pass_counts_once_for_the_progress_bar(chunk: int, samples: list[int]) -> None:
+    batch = prepare_input(torch.randn(14, 16))
+    steps: list[int] = []
+    graphed = GraphedRun(True, make_graph=Rerun)
+    model = models.variant_mlp()
+    with torch.no_grad():
+        graphed.drive(model, ModuleHooks(select_modules(model, None)), RowStore(samples, 0),
+                      batch, chunks_for(samples, chunk, 14), lambda s, e: f"rows {s}:{e}",
+                      step=lambda: steps.append(1))
+    assert graphed.outcome is not None
+    assert graphed.outcome.replayed > 0
+    assert len(steps) == graphed.outcome.passes == len(chunks_for(samples, chunk, 14))
+
+
 def test_a_resnet_with_in_place_relus_replayed() -> None:
     model = resnet18(num_classes=10).eval()
     x = torch.randn(6, 3, 32, 32)
@@ -380,11 +395,14 @@ def test_graphs_for_two_chunked_runs_and_a_language_model() -> None:
                                      num_attention_heads=4, intermediate_size=128,
                                      vocab_size=300)
     bert = transformers.BertModel(config).eval().cuda()
-    ids = torch.randint(0, 300, (6, 12), device="cuda")
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    ids = torch.randint(0, 300, (16, 12), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[::3, 9:] = 0  # padded rows: the mask is an input of every lane
+    inputs = {"input_ids": ids, "attention_mask": mask}
     graphed = divtrace.compare(bert, inputs, graphs=True, progress=False)
     _tables_equal(graphed, divtrace.compare(bert, inputs, graphs=False, progress=False))
-    assert graphed.meta["graphed"]["a"]["replayed"] == 5
+    run = graphed.meta["graphed"]["a"]
+    assert (run["replayed"], run["lanes"]) == (15, 4)  # the last group of three takes one again
 
 
 def test_the_html_page_says_how_the_split_run_ran() -> None:

@@ -181,21 +181,20 @@ class GraphedRun:
         again (written again with the same bits: the check showed that the graph's
         passes are the eager ones)."""
         width = len(graphed.lanes)
+        last = max(index for index, fit in enumerate(fits) if fit)
         done, fresh = [chunks[0]], 0
-        for index, (chunk, fit) in enumerate(zip(chunks, fits, strict=True)):
-            if index == 0:
+        for index in range(1, len(chunks)):
+            if not fits[index]:
+                run([chunks[index]])
                 continue
-            if not fit:
-                run([chunk])
-                continue
-            done.append(chunk)
+            done.append(chunks[index])
             fresh += 1
-            if fresh == width or index == len(chunks) - 1 or not any(fits[index + 1:]):
+            if fresh == width or index == last:
                 group = done[-width:]
                 graphed.replay([_fed(batch, *c, feed) for c in group],
                                [slot[c[0]] for c in group])
                 for _ in range(fresh):
-                    if step is not None:
+                    if step is not None:  # a progress bar counts each pass
                         step()
                 fresh = 0
 
