@@ -91,13 +91,14 @@ def compare(
             level too. ``"only"``: op sites and the model's output, with no hook inside
             the model (fast paths that hooks turn off stay on). ``modules=`` picks the
             scopes whose ops are recorded.
-        graphs: On CUDA, capture up to 8 split passes side by side as one CUDA graph
-            (the recording copies inside it; each pass on a stream of its own) and
-            replay it for the other chunks, after checking it bit for bit against the
-            eager first passes. ``"auto"``: where it can be used and there are at least
-            8 passes to replay (else eager; a failed capture or check is a warning);
-            ``True``: always, or an error; ``False``: eager. ``meta["graphed"]`` says how
-            each chunked run went.
+        graphs: On CUDA, capture up to 4 split passes side by side as one CUDA graph
+            (each on a stream of its own, the recording copies inside; one pass when
+            more do not fit in memory), check every one bit for bit against the eager
+            first pass, and replay the graph for the other chunks, 4 at a time.
+            ``"auto"``: where it can be used and there are at least 8 passes to replay
+            (else eager; a failed capture or check is a warning); ``True``: always, or
+            an error; ``False``: eager. ``meta["graphed"]`` says how each chunked run
+            went.
         a: Instead of batched vs split: the reference run's configuration
             (:class:`Run`; default ``Run()``: as is, the whole batch in one pass).
         b: The configuration compared with ``a``; the figures are ``b`` against ``a``.

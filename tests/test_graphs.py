@@ -184,6 +184,37 @@ def test_a_failed_capture_falls_back_with_a_warning() -> None:
     _same_rows(stored, _record(model, x, list(range(10)), 1, None))
 
 
+class Cramped(Rerun):
+    """Runs out of memory when more than one lane is captured."""
+
+    def __init__(self, device: torch.device, warm_up: Callable[[], None]) -> None:
+        super().__init__(device, warm_up)
+        self.lanes = 0
+
+    def lane(self, index: int) -> AbstractContextManager[None]:
+        self.lanes = max(self.lanes, index + 1)
+        if index > 0:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return nullcontext()
+
+
+def test_lanes_that_do_not_fit_in_memory_become_one() -> None:
+    model = models.variant_mlp()
+    x = torch.randn(16, 16)
+    made: list[Cramped] = []
+    graphed = GraphedRun("auto", make_graph=lambda d, w: made.append(Cramped(d, w))
+                         or made[-1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stored = _record(model, x, list(range(16)), 1, graphed)
+    _same_rows(stored, _record(model, x, list(range(16)), 1, None))
+    assert [graph.lanes for graph in made] == [2, 1]  # four asked, the second failed
+    assert made[0].released
+    assert graphed.outcome is not None
+    assert (graphed.outcome.lanes, graphed.outcome.replayed) == (1, 15)
+    assert graphed.outcome.reason is None
+
+
 class Branching(nn.Module):
     """Takes another path after its first pass (a site the first pass did not show)."""
 

@@ -103,11 +103,13 @@ class GraphOutcome:
 
 class _Failed(Exception):
     """The graph cannot stand for the eager pass; the message says why. ``tried``: a
-    graph was made and failed (a warning), rather than none could be made."""
+    graph was made and failed (a warning), rather than none could be made; ``memory``: it
+    ran out of GPU memory."""
 
-    def __init__(self, reason: str, tried: bool = True) -> None:
+    def __init__(self, reason: str, tried: bool = True, memory: bool = False) -> None:
         super().__init__(reason)
         self.tried = tried
+        self.memory = memory
 
 
 class GraphedRun:
@@ -149,8 +151,8 @@ class GraphedRun:
         if reason is None:
             lanes = [chunks[0], *replayable[:lanes_for(len(replayable) + 1) - 1]]
             try:
-                graphed = self._capture(model, recorder, store, batch, lanes, feed, label,
-                                        slot)
+                graphed = self._narrowing(model, recorder, store, batch, lanes, feed,
+                                          label, slot)
             except _Failed as failed:
                 reason, tried = str(failed), failed.tried
         if graphed is None:
@@ -216,6 +218,20 @@ class GraphedRun:
             warnings.warn(f"{reason}; the split run ran eagerly, with the same figures "
                           f"(graphs=False skips the attempt)", DivtraceWarning, stacklevel=7)
         self.outcome = GraphOutcome(self.mode, passes, reason=reason)
+
+    def _narrowing(self, model: nn.Module, recorder: Recorder, store: RowStore,
+                   batch: BatchedInput, lanes: list[tuple[int, int]],
+                   feed: Callable[[Any], Any] | None, label: Callable[[int, int], str],
+                   slot: dict[int, int]) -> Captured:
+        """:meth:`_capture`, with one lane when the GPU's memory does not hold the
+        activations of all of them."""
+        try:
+            return self._capture(model, recorder, store, batch, lanes, feed, label, slot)
+        except _Failed as failed:
+            if not failed.memory or len(lanes) == 1:
+                raise
+        # (the failed graph's pool is freed: the allocator hands its memory to the next)
+        return self._capture(model, recorder, store, batch, lanes[:1], feed, label, slot)
 
     def _capture(self, model: nn.Module, recorder: Recorder, store: RowStore,
                  batch: BatchedInput, lanes: list[tuple[int, int]],
@@ -286,7 +302,8 @@ class GraphedRun:
         except Exception as exc:  # the capture's own errors, of any type
             first_line = (str(exc).strip() or "\n").splitlines()[0]
             raise _Failed(f"the graph could not be captured ({type(exc).__name__}: "
-                          f"{first_line})") from exc
+                          f"{first_line})",
+                          memory=isinstance(exc, torch.OutOfMemoryError)) from exc
         if missing:
             raise _Failed(f"the graph could not be captured: site '{missing[0]}' is not a "
                           f"batched tensor on the input's device, or the first pass did "
