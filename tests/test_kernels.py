@@ -1,4 +1,5 @@
-"""The fused Triton kernel gives the eager path's figures (run in Triton's interpreter)."""
+"""The fused Triton kernel gives the eager path's figures, and many sites in one launch give
+each site's own figures (in Triton's interpreter; on CUDA where there is one)."""
 
 from __future__ import annotations
 
@@ -36,10 +37,75 @@ print("fused == eager")
 """
 
 
-def test_fused_kernel_matches_the_eager_statistics() -> None:
-    env = os.environ | {"TRITON_INTERPRET": "1"}
+MANY = r"""
+import math, sys, torch
+from divtrace.measure import fused as kernels
+device = sys.argv[1]
+g = torch.Generator().manual_seed(0)
+for dtype in [torch.float32, torch.float16, torch.bfloat16, torch.float64]:
+    pairs = []
+    for rows, cols in [(2, 100), (3, 2048), (2, 2049), (1, 5000), (4, 3), (2, 7000), (2, 96)]:
+        b = torch.randn(rows, cols, dtype=torch.float64, generator=g)
+        r = b + torch.randn(rows, cols, dtype=torch.float64, generator=g) * 1e-3
+        b[0, 0], r[0, 0] = 0.0, -0.0
+        if cols > 10:
+            b[-1, 5] = r[-1, 5] = math.nan
+            b[-1, 7], b[-1, 9] = math.inf, math.nan
+        pairs.append((b.to(dtype).to(device), r.to(dtype).to(device)))
+    wide = torch.randn(3, 6000, generator=g).to(dtype).to(device)
+    pairs.append((wide[:, 1000:3100], wide[:, 2000:4100]))  # strided rows
+    pairs.append((wide[:, 1:97], wide[:, 3:99]))  # rows not aligned to 16 bytes
+    many = kernels.fused_many(pairs, 1e-3, 1e-5)
+    for (b, r), got in zip(pairs, many, strict=True):
+        alone = kernels.fused_stats(b, r, 1e-3, 1e-5)
+        assert got.shape == alone.shape == (len(b), 10)
+        assert torch.equal(got.contiguous().view(torch.int64),
+                           alone.contiguous().view(torch.int64)), (dtype, b.shape)
+    assert many[0][0, 0] > 0 and many[5][1, 1] == 3  # mismatches; NaN, inf, NaN-vs-number
+print("many == alone")
+"""
+
+
+def _run(script: str, *args: str, interpret: bool = True) -> str:
+    env = os.environ | ({"TRITON_INTERPRET": "1"} if interpret else {})
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-c", CHECK], env=env, cwd=root,
+    done = subprocess.run([sys.executable, "-c", script, *args], env=env, cwd=root,
                           capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "fused == eager" in done.stdout
+    return done.stdout
+
+
+def test_fused_kernel_matches_the_eager_statistics() -> None:
+    assert "fused == eager" in _run(CHECK)
+
+
+def test_many_sites_in_one_launch_give_each_sites_figures_bit_for_bit() -> None:
+    assert "many == alone" in _run(MANY, "cpu")
+
+
+@pytest.mark.cuda
+def test_many_sites_in_one_launch_on_cuda() -> None:
+    assert "many == alone" in _run(MANY, "cuda", interpret=False)
+
+
+@pytest.mark.cuda
+def test_small_sites_queued_on_cuda_give_the_same_table(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    import torch
+    from torchvision.models import mobilenet_v3_small
+
+    import divtrace
+    from divtrace.measure import queue
+
+    torch.manual_seed(0)
+    model = mobilenet_v3_small().eval().cuda()
+    x = torch.rand(8, 3, 64, 64, device="cuda")
+    results = []
+    for elements in (queue.FUSED_ELEMENTS, 0):  # queued; each site alone
+        monkeypatch.setattr(queue, "FUSED_ELEMENTS", elements)
+        results.append(divtrace.compare(model, x, chunk=2, samples=[0, 1, 5],
+                                        progress=False))
+    queued, alone = results
+    assert queued.table.equals(alone.table)
+    assert queued.samples.equals(alone.samples)
+    assert (queued.table["mismatch"] > 0).any()

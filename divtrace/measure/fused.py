@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import torch
 
 from divtrace.measure.fields import FIELDS, INDEX
@@ -24,7 +25,7 @@ try:  # Triton ships with PyTorch's CUDA builds; without it the eager path is us
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 
-__all__ = ["AVAILABLE", "fused_stats", "supports"]
+__all__ = ["AVAILABLE", "fused_many", "fused_stats", "supports"]
 
 AVAILABLE = triton is not None
 _BLOCK = 2048
@@ -32,22 +33,20 @@ _BLOCK = 2048
 KERNEL_FIELDS = frozenset({"mismatch", "nonfinite", "exceed", "max_abs", "sum_abs", "sq_diff",
                            "sq_ref", "sq_out", "dot", "max_ulp"})
 _ULP_BITS = {torch.float16: 16, torch.bfloat16: 16, torch.float32: 32, torch.float64: 64}
+#: A site's record for :func:`fused_many`: its rows' addresses (measured, reference), its
+#: partial fields' address, the row width, the rows' strides, the blocks per row.
+_RECORD = 7
 
 if AVAILABLE:
 
     @triton.jit
-    def _stats_kernel(b_ptr, r_ptr, out_ptr, n_cols, stride_b, stride_r, n_blocks, rtol, atol,
-                      BLOCK: tl.constexpr, BITS: tl.constexpr, N_FIELDS: tl.constexpr,
-                      MISMATCH: tl.constexpr, NONFINITE: tl.constexpr, EXCEED: tl.constexpr,
-                      MAX_ABS: tl.constexpr, SUM_ABS: tl.constexpr, SQ_DIFF: tl.constexpr,
-                      SQ_REF: tl.constexpr, SQ_OUT: tl.constexpr, DOT: tl.constexpr,
-                      MAX_ULP: tl.constexpr):
-        row = tl.program_id(0)
-        blk = tl.program_id(1)
-        cols = blk * BLOCK + tl.arange(0, BLOCK)
-        inside = cols < n_cols
-        b = tl.load(b_ptr + row * stride_b + cols, mask=inside, other=0)
-        r = tl.load(r_ptr + row * stride_r + cols, mask=inside, other=0)
+    def _fields(b, r, inside, rtol, atol, base, BITS: tl.constexpr,
+                MISMATCH: tl.constexpr, NONFINITE: tl.constexpr, EXCEED: tl.constexpr,
+                MAX_ABS: tl.constexpr, SUM_ABS: tl.constexpr, SQ_DIFF: tl.constexpr,
+                SQ_REF: tl.constexpr, SQ_OUT: tl.constexpr, DOT: tl.constexpr,
+                MAX_ULP: tl.constexpr):
+        """One block of a row (``b``, ``r``; ``inside``: the columns in the row): its
+        fields written from ``base``. The one body of both kernels."""
         if BITS == 64:
             bf = b.to(tl.float64)
             rf = r.to(tl.float64)
@@ -88,7 +87,6 @@ if AVAILABLE:
             ord_r = tl.where(bits_r < 0, -mag_r, mag_r).to(tl.int64)
             ulp = tl.abs(ord_b - ord_r).to(tl.float64)
         ulp = tl.where(finite & inside, ulp, 0.0)
-        base = out_ptr + (row * n_blocks + blk) * N_FIELDS
         tl.store(base + MISMATCH, tl.sum(mismatch.to(tl.float32), axis=0).to(tl.float64))
         tl.store(base + NONFINITE, tl.sum(nonfinite.to(tl.float32), axis=0).to(tl.float64))
         tl.store(base + EXCEED, tl.sum(exceed.to(tl.float32), axis=0).to(tl.float64))
@@ -100,6 +98,73 @@ if AVAILABLE:
         tl.store(base + DOT, tl.sum(bf * rf, axis=0).to(tl.float64))
         tl.store(base + MAX_ULP, tl.max(ulp, axis=0))
 
+    @triton.jit
+    def _stats_kernel(b_ptr, r_ptr, out_ptr, n_cols, stride_b, stride_r, n_blocks, rtol, atol,
+                      BLOCK: tl.constexpr, BITS: tl.constexpr, N_FIELDS: tl.constexpr,
+                      MISMATCH: tl.constexpr, NONFINITE: tl.constexpr, EXCEED: tl.constexpr,
+                      MAX_ABS: tl.constexpr, SUM_ABS: tl.constexpr, SQ_DIFF: tl.constexpr,
+                      SQ_REF: tl.constexpr, SQ_OUT: tl.constexpr, DOT: tl.constexpr,
+                      MAX_ULP: tl.constexpr):
+        row = tl.program_id(0)
+        blk = tl.program_id(1)
+        cols = blk * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < n_cols
+        b = tl.load(b_ptr + row * stride_b + cols, mask=inside, other=0)
+        r = tl.load(r_ptr + row * stride_r + cols, mask=inside, other=0)
+        _fields(b, r, inside, rtol, atol, out_ptr + (row * n_blocks + blk) * N_FIELDS, BITS,
+                MISMATCH, NONFINITE, EXCEED, MAX_ABS, SUM_ABS, SQ_DIFF, SQ_REF, SQ_OUT, DOT,
+                MAX_ULP)
+
+    @triton.jit
+    def _many_kernel(sites_ptr, site_of_ptr, local_of_ptr, rtol, atol, BLOCK: tl.constexpr,
+                     BITS: tl.constexpr, DTYPE: tl.constexpr, RECORD: tl.constexpr,
+                     ALIGNED_B: tl.constexpr, ALIGNED_R: tl.constexpr,
+                     STRIDE_B16: tl.constexpr, STRIDE_R16: tl.constexpr,
+                     COLS16: tl.constexpr, N_FIELDS: tl.constexpr,
+                     MISMATCH: tl.constexpr, NONFINITE: tl.constexpr, EXCEED: tl.constexpr,
+                     MAX_ABS: tl.constexpr, SUM_ABS: tl.constexpr, SQ_DIFF: tl.constexpr,
+                     SQ_REF: tl.constexpr, SQ_OUT: tl.constexpr, DOT: tl.constexpr,
+                     MAX_ULP: tl.constexpr):
+        """One program per (site, row, block): the site's record (see :func:`fused_many`)
+        says where its rows and its partial fields are. The flags tell the compiler what
+        :func:`_stats_kernel` learns from its arguments (16-byte aligned rows, strides and
+        widths that 16 divides), so that it lays the block out over the threads alike and
+        sums it in the same order."""
+        program = tl.program_id(0)
+        site = tl.load(site_of_ptr + program)
+        local = tl.load(local_of_ptr + program)
+        record = sites_ptr + site * RECORD
+        b_ptr = tl.load(record).to(tl.pointer_type(DTYPE))
+        r_ptr = tl.load(record + 1).to(tl.pointer_type(DTYPE))
+        out_ptr = tl.load(record + 2).to(tl.pointer_type(tl.float64))
+        n_cols = tl.load(record + 3)
+        stride_b = tl.load(record + 4)
+        stride_r = tl.load(record + 5)
+        n_blocks = tl.load(record + 6)
+        if ALIGNED_B:
+            b_ptr = tl.multiple_of(b_ptr, 16)
+        if ALIGNED_R:
+            r_ptr = tl.multiple_of(r_ptr, 16)
+        if STRIDE_B16:
+            stride_b = tl.multiple_of(stride_b, 16)
+        if STRIDE_R16:
+            stride_r = tl.multiple_of(stride_r, 16)
+        if COLS16:
+            n_cols = tl.multiple_of(n_cols, 16)
+        row = local // n_blocks
+        blk = (local % n_blocks).to(tl.int32)
+        cols = blk * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < n_cols
+        b = tl.load(b_ptr + row * stride_b + cols, mask=inside, other=0)
+        r = tl.load(r_ptr + row * stride_r + cols, mask=inside, other=0)
+        _fields(b, r, inside, rtol, atol, out_ptr + (row * n_blocks + blk) * N_FIELDS, BITS,
+                MISMATCH, NONFINITE, EXCEED, MAX_ABS, SUM_ABS, SQ_DIFF, SQ_REF, SQ_OUT, DOT,
+                MAX_ULP)
+
+
+#: Triton's names of the dtypes the kernels read.
+_TL_DTYPES = ({torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
+               torch.float32: tl.float32, torch.float64: tl.float64} if AVAILABLE else {})
 
 #: The kernel's layout: where it writes each field, read from the registry.
 _LAYOUT = {name.upper(): INDEX[name] for name in KERNEL_FIELDS if name in INDEX}
@@ -131,3 +196,61 @@ def fused_stats(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> t
             b, r, partial, cols, b.stride(0), r.stride(0), n_blocks, float(rtol), float(atol),
             BLOCK=_BLOCK, BITS=_ULP_BITS[b.dtype], N_FIELDS=len(FIELDS), **_LAYOUT)
     return partial[:, 0] if n_blocks == 1 else reduce_blocks(partial, 1)
+
+
+def fused_many(pairs: list[tuple[torch.Tensor, torch.Tensor]], rtol: float, atol: float
+               ) -> list[torch.Tensor]:
+    """:func:`fused_stats` of many pairs of one dtype on one device, in one launch per
+    kind of layout; each pair's fields exactly as :func:`fused_stats` gives them alone
+    (the same kernel body on the same blocks, laid out alike; a row of several blocks
+    combined as there). Rows of one element are not taken (:func:`fused_stats` compiles
+    them apart).
+
+    The caller keeps every tensor alive until the launch has run (it is stream-ordered).
+    """
+    device, dtype = pairs[0][0].device, pairs[0][0].dtype
+    pairs = [(b if b.stride(1) == 1 else b.contiguous(), r if r.stride(1) == 1
+              else r.contiguous()) for b, r in pairs]
+    shapes = [(len(b), b.shape[1], max(1, triton.cdiv(b.shape[1], _BLOCK))) for b, _ in pairs]
+    single = sum(rows for rows, _, blocks in shapes if blocks == 1)
+    shared = torch.empty((single, len(FIELDS)), dtype=torch.float64, device=device)
+    outs: list[torch.Tensor] = []
+    kinds: dict[tuple[bool, ...], list[int]] = {}
+    records, at = [], 0
+    for index, ((b, r), (rows, cols, blocks)) in enumerate(zip(pairs, shapes, strict=True)):
+        if blocks == 1:  # one row of fields per row: a part of the shared buffer
+            out = shared[at:at + rows]
+            at += rows
+        else:  # its own partial block, combined below as fused_stats combines it
+            out = torch.empty((rows, blocks, len(FIELDS)), dtype=torch.float64, device=device)
+        outs.append(out)
+        records.append((b.data_ptr(), r.data_ptr(), out.data_ptr(), cols, b.stride(0),
+                        r.stride(0), blocks))
+        kinds.setdefault((b.data_ptr() % 16 == 0, r.data_ptr() % 16 == 0,
+                          b.stride(0) % 16 == 0, r.stride(0) % 16 == 0, cols % 16 == 0),
+                         []).append(index)
+    for kind, members in kinds.items():
+        _launch([records[i] for i in members], [shapes[i][0] * shapes[i][2] for i in members],
+                kind, device, dtype, rtol, atol)
+    return [out if out.dim() == 2 else reduce_blocks(out, 1) for out in outs]
+
+
+def _launch(records: list[tuple[int, ...]], programs: list[int], kind: tuple[bool, ...],
+            device: torch.device, dtype: torch.dtype, rtol: float, atol: float) -> None:
+    """One launch of :func:`_many_kernel` over sites of one kind of layout."""
+    counts = np.array(programs, dtype=np.int64)
+    site_of = np.repeat(np.arange(len(records), dtype=np.int64), counts)
+    local_of = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(
+        np.cumsum(counts) - counts, counts)
+    table = torch.from_numpy(np.concatenate(
+        [np.array(records, dtype=np.int64).reshape(-1), site_of, local_of]))
+    if device.type == "cuda":  # from pinned memory: the host does not wait for the copy
+        table = table.pin_memory().to(device, non_blocking=True)
+    n = len(records) * _RECORD
+    aligned_b, aligned_r, stride_b16, stride_r16, cols16 = kind
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        _many_kernel[(len(site_of),)](
+            table, table[n:], table[n + len(site_of):], float(rtol), float(atol),
+            BLOCK=_BLOCK, BITS=_ULP_BITS[dtype], DTYPE=_TL_DTYPES[dtype], RECORD=_RECORD,
+            ALIGNED_B=aligned_b, ALIGNED_R=aligned_r, STRIDE_B16=stride_b16,
+            STRIDE_R16=stride_r16, COLS16=cols16, N_FIELDS=len(FIELDS), **_LAYOUT)

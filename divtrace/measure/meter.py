@@ -14,7 +14,7 @@ from divtrace.align.sites import Site, input_site
 from divtrace.align.status import Status, comparable, status_of
 from divtrace.measure import fused
 from divtrace.measure.host import Deferred, Host
-from divtrace.measure.queue import StatsQueue, budget_for
+from divtrace.measure.queue import FusedQueue, StatsQueue, budget_for
 from divtrace.measure.stats import (
     block_stats,
     blocks,
@@ -123,6 +123,7 @@ class Meter(Sink):
 
     def __post_init__(self) -> None:
         self._queue = StatsQueue(self.host, budget_for(self.store.stored_bytes))
+        self._fused = FusedQueue(self.host, budget_for(self.store.stored_bytes))
         self._runs = runs_of(self.store.samples)
         self._budget = max(_MIN_BLOCK, int(_TEMP_SHARE * self.store.stored_bytes / _TEMP_BYTES))
 
@@ -231,15 +232,19 @@ class Meter(Sink):
         return self._tol[dtype]
 
     def _queued(self, tensor: torch.Tensor, rows: torch.Tensor) -> Deferred | None:
-        """The site's fields, queued to be computed with other small sites' (on the CPU);
-        None when it is measured on its own."""
+        """The site's fields, queued to be computed with other small sites'; None when it
+        is measured on its own."""
         n = len(rows)
-        if tensor.dtype != rows.dtype or not n or not self._queue.takes(
-                rows.device, rows.numel() // n, _CPU_BLOCK // n):
+        if tensor.dtype != rows.dtype or not n:
             return None
-        b = self.store.pick(tensor).reshape(n, -1)  # a copy: later ops cannot change it
         rtol, atol = self._tolerances(tensor.dtype)
-        return self._queue.add(b, rows.reshape(n, -1).clone(), rtol, atol)
+        if self._queue.takes(rows.device, rows.numel() // n, _CPU_BLOCK // n):
+            b = self.store.pick(tensor).reshape(n, -1)  # a copy: later ops cannot change it
+            return self._queue.add(b, rows.reshape(n, -1).clone(), rtol, atol)
+        if self._fused.takes(rows):
+            return self._fused.add(self.store.pick(tensor).reshape(n, -1),
+                                   rows.reshape(n, -1), rtol, atol)
+        return None
 
     def stats(self, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Per-sample statistics of the compared rows of ``tensor`` against ``rows``."""

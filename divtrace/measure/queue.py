@@ -1,5 +1,6 @@
-"""Statistics of many small sites computed together (on the CPU, where each site's own
-statistics would cost a few dozen tiny torch calls).
+"""Statistics of many small sites computed together: on the CPU, where each site's own
+statistics would cost a few dozen tiny torch calls (:class:`StatsQueue`), and on CUDA,
+where each would cost a kernel launched from Python (:class:`FusedQueue`).
 
 Each queued pair of blocks (the measured run's compared rows, the reference run's) waits;
 :meth:`StatsQueue.flush` stacks the pairs of one dtype, tolerance and row width into one
@@ -16,10 +17,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from divtrace.measure import fused
 from divtrace.measure.host import Deferred, Host
 from divtrace.measure.stats import block_stats
 
-__all__ = ["QUEUE_WIDTH", "StatsQueue", "budget_for"]
+__all__ = ["FUSED_ELEMENTS", "QUEUE_WIDTH", "FusedQueue", "StatsQueue", "budget_for"]
 
 #: Rows wider than this are measured at once, as before (their work is not overhead).
 QUEUE_WIDTH = 1 << 14
@@ -29,6 +31,11 @@ _MIN_BUDGET = 8 << 20
 #: Elements of one block computed at a flush (whole sites; see :func:`_parts`), as many
 #: as the per-site path's blocks.
 _FLUSH_ELEMENTS = 1 << 18
+
+#: On CUDA, sites of at most this many compared elements are queued (a copy of their
+#: compared rows waits); wider ones are measured at once, in place (their launch is not
+#: what they cost).
+FUSED_ELEMENTS = 1 << 20
 
 _Key = tuple[torch.dtype, float, float, int, bool]
 
@@ -103,3 +110,45 @@ def _parts(pairs: list[tuple[Deferred, torch.Tensor, torch.Tensor]], width: int
             parts.append([pair])
             rows = len(pair[1])
     return parts
+
+
+@dataclass
+class FusedQueue:
+    """Queued pairs of small CUDA sites, measured with one launch of the fused kernel per
+    device, dtype and tolerance (:func:`~divtrace.measure.fused.fused_many`): each site's
+    fields exactly those :func:`~divtrace.measure.fused.fused_stats` gives it alone."""
+
+    host: Host
+    budget: int = _MIN_BUDGET  # bytes held before a flush
+    _groups: defaultdict[tuple[torch.device, torch.dtype, float, float],
+                         list[tuple[Deferred, torch.Tensor, torch.Tensor]]] = field(
+        default_factory=lambda: defaultdict(list))
+    _bytes: int = 0
+
+    def __post_init__(self) -> None:
+        self.host.before_fetch(self.flush)
+
+    @staticmethod
+    def takes(rows: torch.Tensor) -> bool:
+        """Whether a site whose compared rows are like ``rows`` is one to queue."""
+        width = rows.numel() // max(len(rows), 1)
+        return width > 1 and rows.numel() <= FUSED_ELEMENTS and fused.supports(rows)
+
+    def add(self, b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> Deferred:
+        """Queues the pair; neither may change until the flush (``b``: a copy; ``r``: the
+        reference run's rows, which the queue keeps alive)."""
+        place = self.host.reserve()
+        self._groups[b.device, b.dtype, rtol, atol].append((place, b, r))
+        self._bytes += 2 * b.numel() * b.element_size()
+        if self._bytes > self.budget:
+            self.flush()
+        return place
+
+    def flush(self) -> None:
+        """Measures every queued pair and hands the fields to the host."""
+        for (_device, _dtype, rtol, atol), pairs in self._groups.items():
+            found = fused.fused_many([(b, r) for _, b, r in pairs], rtol, atol)
+            for (place, _, _), fields in zip(pairs, found, strict=True):
+                self.host.put(place, fields)
+        self._groups.clear()
+        self._bytes = 0
