@@ -8,6 +8,7 @@ import gc
 import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 
 import pytest
 import torch
@@ -443,3 +444,13 @@ def test_the_html_page_says_how_the_split_run_ran() -> None:
     html = page(result, "graphs")
     assert "passes eager (the input is not on a CUDA device)" in html
     assert ">graphed<" not in html  # in the runs' rows, not among the settings
+
+    def replayed(outcome: GraphOutcome) -> str:
+        info = replace(result.info, graphed={"a": outcome.to_dict()})
+        return page(divtrace.Comparison(result.table, result.samples, info, {}), "graphs")
+
+    assert ("63 of 64 passes replayed from a CUDA graph, 4 side by side (pool 96 MiB), each "
+            "checked bit for bit against the eager first pass"
+            ) in replayed(GraphOutcome("auto", 64, 63, 4, 96 << 20))
+    assert ("7 of 9 passes replayed from a CUDA graph (pool 2 MiB), checked bit for bit "
+            "against the eager first pass") in replayed(GraphOutcome("auto", 9, 7, 1, 2 << 20))

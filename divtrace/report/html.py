@@ -172,9 +172,10 @@ def _graph_words(outcome: dict[str, Any]) -> str:
     if outcome.get("replayed"):
         lanes = outcome.get("lanes") or 1
         words = (f"{outcome['replayed']} of {outcome['passes']} passes replayed from a CUDA "
-                 f"graph, {lanes} side by side (pool {outcome['pool_bytes'] / 2**20:.0f} "
-                 f"MiB), checked bit for bit against the eager first "
-                 f"{'pass' if lanes == 1 else f'{lanes} passes'}")
+                 f"graph{f', {lanes} side by side' if lanes > 1 else ''} (pool "
+                 f"{outcome['pool_bytes'] / 2**20:.0f} MiB), "
+                 f"{'each ' if lanes > 1 else ''}checked bit for bit against the eager "
+                 f"first pass")
         return words if outcome.get("reason") is None else f"{words}; {outcome['reason']}"
     return f"passes eager ({outcome.get('reason')})"
 
