@@ -300,9 +300,12 @@ class RowStore(Sink):
         return stored.filled == len(self.samples)
 
     def samples_on(self, device: torch.device) -> torch.Tensor:
-        """The compared samples' indices as a tensor on ``device`` (made once)."""
+        """The compared samples' indices as a tensor on ``device`` (made once; copied to a
+        GPU from pinned memory, so the host does not wait for the GPU's queued work)."""
         if device not in self._index:
-            self._index[device] = torch.tensor(self.samples, device=device)
+            index = torch.tensor(self.samples)
+            self._index[device] = (index.pin_memory().to(device, non_blocking=True)
+                                   if device.type == "cuda" else index.to(device))
         return self._index[device]
 
     def pick(self, tensor: torch.Tensor) -> torch.Tensor:
