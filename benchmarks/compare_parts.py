@@ -1,0 +1,105 @@
+"""compare()'s own parts, timed inside its calls: the plan, the split run's recording, the
+batched run's measuring, the statistics computed together at the fetch, the table; beside
+the bare passes (the split passes, the batched pass) and the whole call. Medians of
+interleaved repeats, in one process.
+
+    python benchmarks/compare_parts.py [--model mobilenet_v3_small] [--chunk 1]
+        [--device cpu] [--repeats 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from overhead import timed, use_seed_settings
+
+import divtrace
+from divtrace import pipeline
+from divtrace.measure.host import Host
+from divtrace.plan.samples import chunks_for
+from divtrace.report import table
+
+TIMES: defaultdict[str, list[float]] = defaultdict(list)
+
+
+def _timed(owner: Any, name: str, label: str, device: torch.device) -> None:
+    original = getattr(owner, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            TIMES[label].append(time.perf_counter() - began)
+    setattr(owner, name, wrapper)
+
+
+def main() -> int:
+    import torchvision.models
+
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="mobilenet_v3_small")
+    parser.add_argument("--chunk", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=9)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    use_seed_settings(device)
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, args.model)().eval().to(device)
+    x = torch.rand(16, 3, 64, 64, device=device)
+    samples = [0, 1]
+    chunks = chunks_for(samples, args.chunk, len(x))
+    entry = importlib.import_module("divtrace.compare")
+    for owner, name, label in ((entry, "make_plan", "plan"),
+                               (pipeline, "record", "split run, recording"),
+                               (pipeline, "_measure", "batched run, measuring"),
+                               (Host, "fetch", "statistics together, at the fetch"),
+                               (table, "_measured_rows", "the table's figures")):
+        _timed(owner, name, label, device)
+
+    def split() -> None:
+        with torch.no_grad():
+            for start, stop in chunks:
+                model(x[start:stop])
+
+    def batched() -> None:
+        with torch.no_grad():
+            model(x)
+
+    ways: dict[str, Callable[[], object]] = {
+        "bare split passes": split, "bare batched pass": batched,
+        "compare()": lambda: divtrace.compare(model, x, samples=samples, chunk=args.chunk,
+                                              progress=False)}
+    for fn in ways.values():
+        fn()
+    TIMES.clear()
+    for _ in range(args.repeats):
+        for label, fn in ways.items():
+            TIMES[label].append(timed(fn, device))
+    print(f"{args.model}, batch 16 of 3x64x64, samples {samples}, chunk {args.chunk}, "
+          f"{args.device}:")
+    for label, values in TIMES.items():
+        print(f"  {label:36} {statistics.median(values) * 1e3:8.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
