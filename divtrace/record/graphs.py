@@ -2,7 +2,7 @@
 copies inside, then replayed for every group of chunks.
 
 A per-sample run is bound by kernel launches and by Python (the model's and the hooks'),
-and a pass over one sample leaves most of a large GPU idle. Here the first chunks run
+and a pass over one sample leaves most of a large GPU idle. Here the first chunk runs
 eagerly, as always; then as many passes of the same size as there are *lanes* are
 captured as one CUDA graph, each lane on a stream of its own, with every site's copy into
 the row store inside the graph (each row to the slot a device tensor names, set before
@@ -11,10 +11,11 @@ their slots set, and one replay: the lanes' passes run concurrently, each with t
 kernels of an eager pass alone.
 
 Truthfulness first: the graph replays the captured kernels, which should be the eager
-passes'. Before any chunk is replayed, the graph runs the first chunks again and every
-site of every lane is compared bit for bit with the eager passes; on any difference, or
-when the capture fails (a host synchronisation, a tensor not on the GPU, ...), the rest of
-the run is eager and the outcome says why (``graphs=True`` raises instead).
+pass's. Before any chunk is replayed, every lane runs the first chunk again and every site
+of every lane is compared bit for bit with the eager pass; on any difference, or when the
+capture fails (a host synchronisation, a tensor not on the GPU, ...), the rest of the run
+is eager and the outcome says why (``graphs=True`` raises instead; a capture of several
+lanes that runs out of memory is tried again with one).
 """
 
 from __future__ import annotations

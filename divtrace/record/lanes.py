@@ -68,8 +68,9 @@ def first_difference(snapshot: list[tuple[StoredRows, torch.Tensor]], lanes: lis
     """The first site whose rows, as each lane wrote them to its slots, are not the
     eager pass's (``snapshot``) bit for bit, or that a lane did not copy (None: every lane
     wrote every site's rows the same). One comparison per site for all lanes."""
+    copied = [{id(stored) for stored in lane.sites} for lane in lanes]
     unseen = [stored.site.key for stored, _ in snapshot
-              if any(all(stored is not other for other in lane.sites) for lane in lanes)]
+              if any(id(stored) not in sites for sites in copied)]
     if unseen or not snapshot:
         return unseen[0] if unseen else None
     slots = torch.cat([lane.slots for lane in lanes])  # on the device: no copy from the host
