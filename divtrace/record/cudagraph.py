@@ -56,7 +56,7 @@ class CudaGraph:
             before = torch.cuda.memory_reserved(self.device)
             # (not torch.cuda.graph(), which empties the allocator's cache first; no
             # garbage collection inside the capture: a graph freed there, the user's or
-            # an earlier comparison's, makes a call a capture forbids)
+            # an earlier comparison's, resets itself with calls a capture forbids)
             with generator_kept(self.device), _no_collection():
                 self.graph.capture_begin(capture_error_mode="thread_local")
                 try:
