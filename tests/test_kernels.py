@@ -66,6 +66,35 @@ print("many == alone")
 """
 
 
+QUEUED = r"""
+import torch
+import divtrace
+from divtrace.measure import fused, meter, queue
+from tests import models
+# the interpreter runs the kernels on the CPU: let the CUDA path take CPU tensors
+fused.supports = lambda b: b.dtype in (torch.float32, torch.float64)
+queue.StatsQueue.takes = lambda *args: False
+launches = []
+many = fused.fused_many
+fused.fused_many = lambda pairs, *args: launches.append(len(pairs)) or many(pairs, *args)
+model, x = models.variant_mlp(), torch.randn(12, 16)
+found, counted = [], []
+for elements, budget in ((queue.FUSED_ELEMENTS, None), (queue.FUSED_ELEMENTS, 1), (0, None)):
+    queue.FUSED_ELEMENTS = elements  # 0: every site measured alone
+    if budget is not None:  # a flush after every site
+        meter.budget_for = lambda *args, **kwargs: budget
+    launches.clear()
+    found.append(divtrace.compare(model, x, samples=[0, 1, 5], progress=False))
+    counted.append(list(launches))
+for other in found[1:]:
+    assert found[0].table.equals(other.table) and found[0].samples.equals(other.samples)
+assert (found[0].table["mismatch"] > 0).any()
+sites = sum(counted[0])
+assert counted[0] == [sites] and counted[1] == [1] * sites and counted[2] == [], counted
+print("queued == alone")
+"""
+
+
 def _run(script: str, *args: str, interpret: bool = True) -> str:
     env = os.environ | ({"TRITON_INTERPRET": "1"} if interpret else {})
     root = Path(__file__).resolve().parents[1]
@@ -81,6 +110,10 @@ def test_fused_kernel_matches_the_eager_statistics() -> None:
 
 def test_many_sites_in_one_launch_give_each_sites_figures_bit_for_bit() -> None:
     assert "many == alone" in _run(MANY, "cpu")
+
+
+def test_sites_queued_for_one_launch_give_the_tables_of_sites_measured_alone() -> None:
+    assert "queued == alone" in _run(QUEUED)
 
 
 @pytest.mark.cuda
