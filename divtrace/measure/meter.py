@@ -122,8 +122,9 @@ class Meter(Sink):
     _tol: dict[torch.dtype, tuple[float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._queue = StatsQueue(self.host, budget_for(self.store.stored_bytes))
-        self._fused = FusedQueue(self.host, budget_for(self.store.stored_bytes))
+        budget = budget_for(self.store.stored_bytes)
+        self._queue = StatsQueue(self.host, budget)
+        self._fused = FusedQueue(self.host, budget)
         self._runs = runs_of(self.store.samples)
         self._budget = max(_MIN_BLOCK, int(_TEMP_SHARE * self.store.stored_bytes / _TEMP_BYTES))
 
@@ -177,16 +178,17 @@ class Meter(Sink):
         if status != Status.OK or stored is None or stored.rows is None:
             return measured
         rows = self.store.rows_on(stored, tensor.device)
-        measured.stats = self._queued(tensor, rows)
+        measured.stats, picked = self._queued(tensor, rows)
         if measured.stats is None:
             measured.stats = self.host.add(self.stats(tensor, rows))
         for watcher in self.site_watchers:
             watcher(measured, tensor, rows)
         if site.is_output and tensor.dim() == 2 and tensor.is_floating_point():
-            flips = _argmax(self.store.pick(tensor)) != _argmax(rows)
-            measured.flips = self.host.add(flips.double())
+            picked = self.store.pick(tensor) if picked is None else picked
+            measured.flips = self.host.add((_argmax(picked) != _argmax(rows)).double())
         if self.keep:
-            measured.kept = self.store.pick(tensor).to(stored.rows.device).contiguous()
+            picked = self.store.pick(tensor) if picked is None else picked
+            measured.kept = picked.to(stored.rows.device).contiguous()
         self.store.measured(site.key)  # stream: released unless still needed
         return measured
 
@@ -231,20 +233,24 @@ class Meter(Sink):
             self._tol[dtype] = tolerances(dtype, self.rtol, self.atol)
         return self._tol[dtype]
 
-    def _queued(self, tensor: torch.Tensor, rows: torch.Tensor) -> Deferred | None:
-        """The site's fields, queued to be computed with other small sites'; None when it
-        is measured on its own."""
+    def _queued(self, tensor: torch.Tensor, rows: torch.Tensor
+                ) -> tuple[Deferred | None, torch.Tensor | None]:
+        """The site's fields, queued to be computed with other small sites', and the copy
+        of its compared rows the queue holds; ``(None, None)`` when it is measured on its
+        own."""
         n = len(rows)
         if tensor.dtype != rows.dtype or not n:
-            return None
-        rtol, atol = self._tolerances(tensor.dtype)
+            return None, None
+        queue: StatsQueue | FusedQueue
         if self._queue.takes(rows.device, rows.numel() // n, _CPU_BLOCK // n):
-            b = self.store.pick(tensor).reshape(n, -1)  # a copy: later ops cannot change it
-            return self._queue.add(b, rows.reshape(n, -1).clone(), rtol, atol)
-        if self._fused.takes(rows):
-            return self._fused.add(self.store.pick(tensor).reshape(n, -1),
-                                   rows.reshape(n, -1), rtol, atol)
-        return None
+            queue = self._queue
+        elif self._fused.takes(rows):
+            queue = self._fused
+        else:
+            return None, None
+        picked = self.store.pick(tensor)  # a copy: later ops cannot change it
+        rtol, atol = self._tolerances(tensor.dtype)
+        return queue.add(picked.reshape(n, -1), rows.reshape(n, -1), rtol, atol), picked
 
     def stats(self, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Per-sample statistics of the compared rows of ``tensor`` against ``rows``."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -37,7 +38,7 @@ _FLUSH_ELEMENTS = 1 << 18
 #: what they cost).
 FUSED_ELEMENTS = 1 << 20
 
-_Key = tuple[torch.dtype, float, float, int, bool]
+_Pairs = list[tuple[Deferred, torch.Tensor, torch.Tensor]]
 
 
 def budget_for(stored_bytes: int, share: float = 0.1) -> int:
@@ -46,17 +47,44 @@ def budget_for(stored_bytes: int, share: float = 0.1) -> int:
 
 
 @dataclass
-class StatsQueue:
-    """Queued pairs of ``[rows, elements]`` blocks, measured together when flushed."""
+class _Queue:
+    """Pairs of ``[rows, elements]`` blocks (the measured run's compared rows, the
+    reference run's) waiting in groups; flushed when they hold ``budget`` bytes, and
+    before the host fetches. Neither block of a pair may change until then: ``b`` is a
+    copy of the measured run's rows; ``r`` the reference run's rows (never written once
+    recorded) or a copy of them."""
 
     host: Host
     budget: int = _MIN_BUDGET  # bytes held before a flush
-    _groups: defaultdict[_Key, list[tuple[Deferred, torch.Tensor, torch.Tensor]]] = field(
+    _groups: defaultdict[tuple[Any, ...], _Pairs] = field(
         default_factory=lambda: defaultdict(list))
     _bytes: int = 0
 
     def __post_init__(self) -> None:
         self.host.before_fetch(self.flush)
+
+    def _add(self, key: tuple[Any, ...], b: torch.Tensor, r: torch.Tensor) -> Deferred:
+        place = self.host.reserve()
+        self._groups[key].append((place, b, r))
+        self._bytes += 2 * b.numel() * b.element_size()
+        if self._bytes > self.budget:
+            self.flush()
+        return place
+
+    def flush(self) -> None:
+        """Measures every queued pair and hands the fields to the host."""
+        for key, pairs in self._groups.items():
+            self._measure(key, pairs)
+        self._groups.clear()
+        self._bytes = 0
+
+    def _measure(self, key: tuple[Any, ...], pairs: _Pairs) -> None:
+        raise NotImplementedError
+
+
+class StatsQueue(_Queue):
+    """Small CPU sites, measured by one ``block_stats`` per dtype, tolerance and row width
+    (in parts of whole sites)."""
 
     def takes(self, device: torch.device, width: int, single: int) -> bool:
         """Whether a pair of rows of ``width`` elements on ``device`` is one to queue: a
@@ -65,42 +93,33 @@ class StatsQueue:
         return device.type == "cpu" and 0 < width <= min(QUEUE_WIDTH, single)
 
     def add(self, b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> Deferred:
-        """Queues the pair; neither may change afterwards (pass copies: the reference
-        run's rows are released as soon as they were measured)."""
-        place = self.host.reserve()
+        """Queues the pair (see :class:`_Queue`); ``r`` is copied, so that the stored rows
+        are freed as soon as they were measured, as the per-site path frees them."""
         # bit-identical sites apart: their block takes block_stats' one-pass path, as
         # each of them alone would (and the others the full one, as alone)
         same = b.dtype != torch.complex32 and torch.equal(b, r)
-        self._groups[b.dtype, rtol, atol, b.shape[1], same].append((place, b, r))
-        self._bytes += 2 * b.numel() * b.element_size()
-        if self._bytes > self.budget:
-            self.flush()
-        return place
+        return self._add((b.dtype, rtol, atol, b.shape[1], same), b, r.clone())
 
-    def flush(self) -> None:
-        """Measures every queued pair and hands the fields to the host."""
-        for (_dtype, rtol, atol, width, _same), pairs in self._groups.items():
-            for part in _parts(pairs, width):
-                measured = torch.cat([b for _, b, _ in part])
-                reference = torch.cat([r for _, _, r in part])
-                fields = block_stats(measured, reference, rtol, atol)
-                at = 0
-                for place, b, _ in part:
-                    self.host.put(place, fields[at:at + len(b)])
-                    at += len(b)
-        self._groups.clear()
-        self._bytes = 0
+    def _measure(self, key: tuple[Any, ...], pairs: _Pairs) -> None:
+        _dtype, rtol, atol, width, _same = key
+        for part in _parts(pairs, width):
+            measured = torch.cat([b for _, b, _ in part])
+            reference = torch.cat([r for _, _, r in part])
+            fields = block_stats(measured, reference, rtol, atol)
+            at = 0
+            for place, b, _ in part:
+                self.host.put(place, fields[at:at + len(b)])
+                at += len(b)
 
 
-def _parts(pairs: list[tuple[Deferred, torch.Tensor, torch.Tensor]], width: int
-           ) -> list[list[tuple[Deferred, torch.Tensor, torch.Tensor]]]:
+def _parts(pairs: _Pairs, width: int) -> list[_Pairs]:
     """The pairs of a group in runs of whole sites of at most :data:`_FLUSH_ELEMENTS`
     elements (one site alone when wider): blocks that stay in the CPU's caches (ResNet18's
     flush, 16 × 3×64×64, samples [0, 1]: 10.1 ms in one block per group, 7.7 ms in these).
     Rows are measured along themselves alone, so the parts give the figures of the whole
     group; a part holds whole sites, so a part of differing sites is not bit-identical as
     a whole."""
-    parts: list[list[tuple[Deferred, torch.Tensor, torch.Tensor]]] = []
+    parts: list[_Pairs] = []
     rows = 0
     for pair in pairs:
         if parts and (rows + len(pair[1])) * width <= _FLUSH_ELEMENTS:
@@ -112,21 +131,10 @@ def _parts(pairs: list[tuple[Deferred, torch.Tensor, torch.Tensor]], width: int
     return parts
 
 
-@dataclass
-class FusedQueue:
-    """Queued pairs of small CUDA sites, measured with one launch of the fused kernel per
-    device, dtype and tolerance (:func:`~divtrace.measure.fused.fused_many`): each site's
-    fields exactly those :func:`~divtrace.measure.fused.fused_stats` gives it alone."""
-
-    host: Host
-    budget: int = _MIN_BUDGET  # bytes held before a flush
-    _groups: defaultdict[tuple[torch.device, torch.dtype, float, float],
-                         list[tuple[Deferred, torch.Tensor, torch.Tensor]]] = field(
-        default_factory=lambda: defaultdict(list))
-    _bytes: int = 0
-
-    def __post_init__(self) -> None:
-        self.host.before_fetch(self.flush)
+class FusedQueue(_Queue):
+    """Small CUDA sites, measured with one launch of the fused kernel per device, dtype
+    and tolerance (:func:`~divtrace.measure.fused.fused_many`): each site's fields exactly
+    those :func:`~divtrace.measure.fused.fused_stats` gives it alone."""
 
     @staticmethod
     def takes(rows: torch.Tensor) -> bool:
@@ -135,20 +143,11 @@ class FusedQueue:
         return width > 1 and rows.numel() <= FUSED_ELEMENTS and fused.supports(rows)
 
     def add(self, b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> Deferred:
-        """Queues the pair; neither may change until the flush (``b``: a copy; ``r``: the
-        reference run's rows, which the queue keeps alive)."""
-        place = self.host.reserve()
-        self._groups[b.device, b.dtype, rtol, atol].append((place, b, r))
-        self._bytes += 2 * b.numel() * b.element_size()
-        if self._bytes > self.budget:
-            self.flush()
-        return place
+        """Queues the pair (see :class:`_Queue`)."""
+        return self._add((b.device, b.dtype, rtol, atol), b, r)
 
-    def flush(self) -> None:
-        """Measures every queued pair and hands the fields to the host."""
-        for (_device, _dtype, rtol, atol), pairs in self._groups.items():
-            found = fused.fused_many([(b, r) for _, b, r in pairs], rtol, atol)
-            for (place, _, _), fields in zip(pairs, found, strict=True):
-                self.host.put(place, fields)
-        self._groups.clear()
-        self._bytes = 0
+    def _measure(self, key: tuple[Any, ...], pairs: _Pairs) -> None:
+        _device, _dtype, rtol, atol = key
+        found = fused.fused_many([(b, r) for _, b, r in pairs], rtol, atol)
+        for (place, _, _), fields in zip(pairs, found, strict=True):
+            self.host.put(place, fields)

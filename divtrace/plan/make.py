@@ -166,7 +166,7 @@ def _recorder(ops: bool | str, modules: ModuleSpec, batch_dim: int, local: bool
     return make
 
 
-def _graph_obstacle(graphs: GraphMode, model: nn.Module, batch: BatchedInput,
+def _graph_obstacle(graphs: GraphMode, devices: set[torch.device], batch: BatchedInput,
                     runs: tuple[Run, Run], ops: bool | str, offload: bool, dispatched: bool
                     ) -> str | None:
     """Why the chunked runs cannot be replayed from a CUDA graph (None: they may be);
@@ -179,7 +179,7 @@ def _graph_obstacle(graphs: GraphMode, model: nn.Module, batch: BatchedInput,
         ("a compiled run (Run(compile=...)) is left to torch.compile",
          any(run.compile for run in runs)),
         ("the model lies on several devices",
-         dispatched or len({p.device for p in model.parameters()}) > 1)) if where),
+         dispatched or len(devices) > 1)) if where),
         None)
     on_cuda = any(isinstance(leaf, torch.Tensor) and leaf.is_cuda for leaf in batch.leaves)
     moved = [torch.device(run.device).type for run in runs if run.device is not None]
@@ -221,7 +221,7 @@ _CONV: dict[type[nn.Module], int] = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
 
 
 def _check_input(model: nn.Module, x: Any, batch: BatchedInput, runs: tuple[Run, Run],
-                 dispatched: bool) -> None:
+                 dispatched: bool, devices: set[torch.device]) -> None:
     """Mistakes that the model would only report deep inside, caught before it runs."""
     if isinstance(x, torch.Tensor):
         conv = next((m for m in model.modules() if type(m) in _CONV), None)
@@ -234,7 +234,6 @@ def _check_input(model: nn.Module, x: Any, batch: BatchedInput, runs: tuple[Run,
                 f"batch with its samples")
     if any(run.device is not None for run in runs) or dispatched:
         return  # the runs move the inputs (or accelerate does)
-    devices = {t.device for t in model.parameters()}
     if len(devices) != 1:
         return
     (device,) = devices
@@ -265,7 +264,8 @@ def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
     rows = prepare_samples(samples, batch.batch_size)
     size = batch.batch_size
     ref, test = _runs(a, b, chunk, size)
-    _check_input(model, x, batch, (ref, test), dispatched)
+    devices = {p.device for p in model.parameters()}  # the parameters' devices, once
+    _check_input(model, x, batch, (ref, test), dispatched, devices)
     needing = [probe.option for probe in probes if probe.whole_batch]
     if isinstance(batch, RaggedInput) and test.chunk is not None:
         raise DivtraceValueError(
@@ -287,6 +287,6 @@ def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
         output_only=output_only, rtol=rtol, atol=atol, keep=keep, offload=offload,
         progress=progress, train_mode=train_mode, probes=probes, allow_train=allow_train,
         options=options, default_pair=a is None and b is None, ops=ops, graphs=graphs,
-        graph_obstacle=_graph_obstacle(graphs, model, batch, (ref, test), ops, offload,
+        graph_obstacle=_graph_obstacle(graphs, devices, batch, (ref, test), ops, offload,
                                       dispatched),
         recorder=_recorder(ops, modules, batch.batch_dim, bool(options.get("local"))))
