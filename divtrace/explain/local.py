@@ -23,7 +23,7 @@ from divtrace.measure.meter import CallRecord, LeafCall
 from divtrace.plan.checks import patterns
 from divtrace.record.lineage import Origin
 from divtrace.record.oplineage import op_outputs, per_sample
-from divtrace.record.rows import StoredRows
+from divtrace.record.stored import StoredRows
 
 if TYPE_CHECKING:
     from divtrace.report.comparison import Comparison

@@ -13,7 +13,8 @@ from divtrace.explain.probe import Context, Probe, TableView
 from divtrace.measure.figures import site_figures
 from divtrace.measure.host import Deferred
 from divtrace.plan.checks import whole_number
-from divtrace.record.rows import RowStore, StoredRows
+from divtrace.record.rows import RowStore
+from divtrace.record.stored import StoredRows
 
 if TYPE_CHECKING:
     from divtrace.report.comparison import Comparison

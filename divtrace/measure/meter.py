@@ -26,7 +26,9 @@ from divtrace.measure.stats import (
 from divtrace.record.lineage import InputPart, Origin, input_parts
 from divtrace.record.oplineage import per_sample
 from divtrace.record.recorder import Sink, Tracker
-from divtrace.record.rows import RowStore, StoredRows, runs_of
+from divtrace.record.repeats import LastTensor
+from divtrace.record.rows import RowStore
+from divtrace.record.stored import StoredRows, runs_of
 
 __all__ = ["CallRecord", "CallWatcher", "LeafCall", "Measured", "Meter", "SiteWatcher"]
 
@@ -127,8 +129,15 @@ class Meter(Sink):
         self._fused = FusedQueue(self.host, budget)
         self._runs = runs_of(self.store.samples)
         self._budget = max(_MIN_BLOCK, int(_TEMP_SHARE * self.store.stored_bytes / _TEMP_BYTES))
+        self._last: LastTensor[Measured] = LastTensor()
+        self._tracker: Tracker | None = None
 
     # -- the sink ---------------------------------------------------------------------
+
+    def begin_chunk(self, start: int, stop: int, tracker: Tracker) -> None:
+        """A pass begins."""
+        self._tracker = tracker
+        self._last.forget()
 
     def on_tensor(self, site: Site, tensor: torch.Tensor) -> None:
         """Measures one observed tensor (called from its hook)."""
@@ -177,20 +186,38 @@ class Meter(Sink):
         stored = self.store.rows.get(site.key)
         if status != Status.OK or stored is None or stored.rows is None:
             return measured
+        wrote = self._tracker.writes_to(tensor) if self._tracker is not None else 0
+        earlier = self._repeated(site.key, tensor, wrote)
         rows = self.store.rows_on(stored, tensor.device)
-        measured.stats, picked = self._queued(tensor, rows)
-        if measured.stats is None:
-            measured.stats = self.host.add(self.stats(tensor, rows))
+        picked: torch.Tensor | None = None
+        if earlier is not None:  # the same rows in both runs: the same figures
+            measured.stats, measured.flips, measured.kept = (
+                earlier.stats, earlier.flips, earlier.kept)
+        else:
+            measured.stats, picked = self._queued(tensor, rows)
+            if measured.stats is None:
+                measured.stats = self.host.add(self.stats(tensor, rows))
+        self._last.note(site.key, tensor, wrote, measured)
         for watcher in self.site_watchers:
             watcher(measured, tensor, rows)
-        if site.is_output and tensor.dim() == 2 and tensor.is_floating_point():
+        if (measured.flips is None and site.is_output and tensor.dim() == 2
+                and tensor.is_floating_point()):
             picked = self.store.pick(tensor) if picked is None else picked
             measured.flips = self.host.add((_argmax(picked) != _argmax(rows)).double())
-        if self.keep:
+        if self.keep and measured.kept is None:
             picked = self.store.pick(tensor) if picked is None else picked
             measured.kept = picked.to(stored.rows.device).contiguous()
         self.store.measured(site.key)  # stream: released unless still needed
         return measured
+
+    def _repeated(self, key: str, tensor: torch.Tensor, wrote: int) -> Measured | None:
+        """The last measured site, when this site hands on its very tensor, unchanged,
+        in this run and shared its rows in the reference run
+        (:mod:`~divtrace.record.repeats`); else None."""
+        shared = self.store.aliases.get(key)
+        if shared is None or shared != self._last.repeats(tensor, wrote):
+            return None
+        return self._last.payload
 
     def real_parts(self, tensor: torch.Tensor, shapes: list[torch.Size]
                    ) -> list[torch.Tensor] | None:

@@ -13,7 +13,8 @@ from divtrace.measure.fields import FIELDS
 from divtrace.measure.meter import Measured, Meter
 from divtrace.plan.prompts import Layout
 from divtrace.record.oplineage import per_sample
-from divtrace.record.rows import RowStore, StoredRows
+from divtrace.record.rows import RowStore
+from divtrace.record.stored import StoredRows
 
 __all__ = ["RaggedMeter"]
 

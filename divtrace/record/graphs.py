@@ -307,8 +307,9 @@ class GraphedRun:
                           memory=isinstance(exc, torch.OutOfMemoryError)) from exc
         if missing:
             raise _Failed(f"the graph could not be captured: site '{missing[0]}' is not a "
-                          f"batched tensor on the input's device, or the first pass did "
-                          f"not show it")
+                          f"batched tensor on the input's device, the first pass did not "
+                          f"show it, or it no longer hands on the tensor of the site "
+                          f"before it")
 
 
 def _fed(batch: BatchedInput, start: int, stop: int, feed: Callable[[Any], Any] | None

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from divtrace.record.cudagraph import Graph
-from divtrace.record.rows import StoredRows
+from divtrace.record.stored import StoredRows
 
 __all__ = ["Captured", "Lane", "first_difference", "rows_of"]
 

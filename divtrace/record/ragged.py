@@ -11,7 +11,8 @@ from divtrace.align.sites import Site
 from divtrace.align.status import Status, comparable
 from divtrace.plan.prompts import Layout, RaggedInput
 from divtrace.record.recorder import Tracker
-from divtrace.record.rows import RowStore, StoredRows
+from divtrace.record.rows import RowStore
+from divtrace.record.stored import StoredRows
 
 __all__ = ["RaggedStore"]
 

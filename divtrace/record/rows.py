@@ -16,52 +16,10 @@ from divtrace.compat import foreach_copy, version
 from divtrace.record.cudagraph import slot_copy
 from divtrace.record.lineage import InputPart, Origin, input_parts, tensor_inputs
 from divtrace.record.recorder import Sink, Tracker
+from divtrace.record.repeats import LastTensor
+from divtrace.record.stored import StoredRows, runs_of
 
-__all__ = ["RowStore", "StoredRows", "runs_of"]
-
-
-def runs_of(indices: list[int]) -> list[tuple[int, int, int]]:
-    """Contiguous runs of sorted indices as ``(position in list, first index, length)``."""
-    runs: list[tuple[int, int, int]] = []
-    for pos, index in enumerate(indices):
-        if runs and runs[-1][1] + runs[-1][2] == index:
-            first_pos, first, length = runs[-1]
-            runs[-1] = (first_pos, first, length + 1)
-        else:
-            runs.append((pos, index, 1))
-    return runs
-
-
-@dataclass
-class StoredRows:
-    """What one run produced at one site for the compared samples.
-
-    ``rows`` is ``[samples, *row_shape]`` with the batch dimension moved to the front;
-    ``filled`` counts the sample slots written. ``status`` is OK unless the site could
-    not be recorded.
-    """
-
-    site: Site
-    shape: tuple[int, ...]
-    rows: torch.Tensor | None
-    row_shape: tuple[int, ...]
-    dtype: torch.dtype
-    filled: int = 0
-    status: Status = Status.OK
-    #: one tensor per compared sample, for rows of different shapes (prompts of different
-    #: lengths: each prompt's real tokens); then ``rows`` is None
-    parts: list[torch.Tensor | None] | None = None
-
-    @property
-    def held(self) -> bool:
-        """Whether the rows are still there (not released, not dropped)."""
-        return self.rows is not None or self.parts is not None
-
-    def drop(self, status: Status | None = None) -> None:
-        """Releases the rows (and the views into them); optionally marks the site."""
-        self.rows, self.parts = None, None
-        if status is not None:
-            self.status = status
+__all__ = ["RowStore"]
 
 
 @dataclass
@@ -107,6 +65,10 @@ class RowStore(Sink):
     _slots: torch.Tensor | None = None
     _captured: list[StoredRows] = field(default_factory=list)
     _uncapturable: list[str] = field(default_factory=list)
+    #: per site that hands on the very tensor of the site before it (a container and its
+    #: last child): that site's key; the two share one rows tensor, copied once
+    aliases: dict[str, str] = field(default_factory=dict)
+    _last: LastTensor[None] = field(default_factory=LastTensor)
 
     # -- the recorded run -------------------------------------------------------------
 
@@ -123,6 +85,7 @@ class RowStore(Sink):
         self._whole = (first_slot, self._chunk_len) if whole else None
         self._pending.clear()
         self._touched.clear()
+        self._last.forget()
 
     def end_chunk(self) -> bool:
         """Finishes the chunk. False if it must run again: an op changed a tensor in place
@@ -210,17 +173,21 @@ class RowStore(Sink):
             stored.drop(Status.UNBATCHED)
             return
         row_shape = tuple(shape[:dim] + shape[dim + 1:])
+        wrote = self._tracker.writes_to(tensor) if self._tracker is not None else 0
+        if stored is not None and (row_shape != stored.row_shape
+                                   or tensor.dtype != stored.dtype):
+            stored.drop(Status.SHAPE_MISMATCH)
+        elif self._shares(site, stored, tensor, row_shape, wrote):
+            return
         if stored is None:
             stored = self._first(site, tensor, row_shape)
-        elif row_shape != stored.row_shape or tensor.dtype != stored.dtype:
-            stored.drop(Status.SHAPE_MISMATCH)
         rows = stored.rows
         if rows is None:
             return
         self._touched.append(stored)
+        self._last.note(site.key, tensor, wrote)
         if self._whole is not None and dim == 0:
             target = rows.narrow(0, self._whole[0], self._whole[1])
-            wrote = self._tracker.writes_to(tensor) if self._tracker is not None else 0
             if self.offload or site.key in self._eager or not self._learnt:
                 target.copy_(tensor, self.offload)
                 if not self._learnt and not self.offload:
@@ -231,6 +198,31 @@ class RowStore(Sink):
         for slot, row, n in self._runs:
             rows.narrow(0, slot, n).copy_(tensor.narrow(dim, row, n).movedim(dim, 0),
                                           self.offload)
+
+    def _shares(self, site: Site, stored: StoredRows | None, tensor: torch.Tensor,
+                row_shape: tuple[int, ...], wrote: int) -> bool:
+        """Whether the site's rows are the last site's, written by that site's copy: the
+        site hands on its very tensor, unchanged (:mod:`~divtrace.record.repeats`), now
+        and in every chunk before. A site that shared rows and stops handing the tensor
+        on gets rows of its own (the chunks so far copied from the shared ones)."""
+        earlier = self._last.repeats(tensor, wrote)
+        held = self.rows[earlier].rows if earlier is not None else None
+        if stored is None:
+            if held is None:
+                return False
+            stored = self.rows[site.key] = StoredRows(site, tuple(tensor.shape), held,
+                                                      row_shape, tensor.dtype)
+            self.aliases[site.key] = earlier  # type: ignore[assignment]
+        elif site.key not in self.aliases:
+            return False
+        elif held is None or self.aliases[site.key] != earlier or stored.rows is not held:
+            del self.aliases[site.key]
+            if stored.rows is not None:
+                stored.rows = stored.rows.clone()
+            return False
+        self._touched.append(stored)
+        self._last.note(site.key, tensor, wrote)
+        return True
 
     def _first(self, site: Site, tensor: torch.Tensor, row_shape: tuple[int, ...]
                ) -> StoredRows:
@@ -249,6 +241,7 @@ class RowStore(Sink):
         before each replay. Every row of such a pass is compared."""
         self._slots, self._tracker, self._chunk_len = slots, tracker, len(slots)
         self._captured, self._uncapturable = [], []
+        self._last.forget()
 
     def end_capture(self) -> tuple[list[StoredRows], list[str]]:
         """The sites the captured pass copies, in order; the sites it could not take (a
@@ -273,7 +266,14 @@ class RowStore(Sink):
                 or tuple(shape[:dim] + shape[dim + 1:]) != stored.row_shape):
             self._uncapturable.append(site.key)
             return
-        slot_copy(stored.rows, slots, tensor.movedim(dim, 0))
+        wrote = self._tracker.writes_to(tensor) if self._tracker is not None else 0
+        shared = self.aliases.get(site.key)
+        if shared is None:
+            slot_copy(stored.rows, slots, tensor.movedim(dim, 0))
+        elif shared != self._last.repeats(tensor, wrote):  # its rows are another site's
+            self._uncapturable.append(site.key)
+            return
+        self._last.note(site.key, tensor, wrote)
         self._captured.append(stored)
 
     # -- reading ------------------------------------------------------------------------
@@ -287,13 +287,14 @@ class RowStore(Sink):
         """The same rows, read as a batch of their own: sample ``i`` is row ``i``."""
         count = len(self.samples)
         return RowStore(list(range(count)), 0, False, rows=self.rows,
-                        lineage=self.lineage, _unseen=self._unseen)
+                        lineage=self.lineage, _unseen=self._unseen, aliases=self.aliases)
 
     @property
     def stored_bytes(self) -> int:
-        """Bytes held by the recorded rows."""
-        return sum(stored.rows.numel() * stored.rows.element_size()
-                   for stored in self.rows.values() if stored.rows is not None)
+        """Bytes held by the recorded rows (rows two sites share counted once)."""
+        held = {id(stored.rows): stored.rows for stored in self.rows.values()
+                if stored.rows is not None}
+        return sum(rows.numel() * rows.element_size() for rows in held.values())
 
     def complete(self, stored: StoredRows) -> bool:
         """Whether every compared sample's rows were recorded at this site."""
