@@ -93,12 +93,11 @@ class StatsQueue(_Queue):
         return device.type == "cpu" and 0 < width <= min(QUEUE_WIDTH, single)
 
     def add(self, b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> Deferred:
-        """Queues the pair (see :class:`_Queue`); ``r`` is copied, so that the stored rows
-        are freed as soon as they were measured, as the per-site path frees them."""
+        """Queues the pair (see :class:`_Queue`)."""
         # bit-identical sites apart: their block takes block_stats' one-pass path, as
         # each of them alone would (and the others the full one, as alone)
         same = b.dtype != torch.complex32 and torch.equal(b, r)
-        return self._add((b.dtype, rtol, atol, b.shape[1], same), b, r.clone())
+        return self._add((b.dtype, rtol, atol, b.shape[1], same), b, r)
 
     def _measure(self, key: tuple[Any, ...], pairs: _Pairs) -> None:
         _dtype, rtol, atol, width, _same = key
