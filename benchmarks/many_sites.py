@@ -4,10 +4,13 @@ mobilenet_v3_small, efficientnet_b0 and resnet18 (random weights), batch 16 of 3
 per sample with samples [0, 1] (the split run's two passes, then the batched pass; with
 ``--chunk 2`` one split pass of both), in one process, interleaved, medians. With
 ``--old DIR`` an older checkout of divtrace is timed beside this one (imported as
-``divtrace_old``).
+``divtrace_old``). ``--floor`` also times the same passes with the least a recorder made
+of module hooks must do: a forward hook on every module that only keeps the output
+("hooks"), and one that copies the compared rows ("hooks + copies": the split passes'
+rows, the batched pass's rows 0 and 1).
 
     python benchmarks/many_sites.py [--device cuda] [--chunk 2] [--repeats 7] [--old DIR]
-        [--json out]
+        [--floor] [--json out]
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--chunk", type=int, default=1, choices=[1, 2])
     parser.add_argument("--old", type=Path, help="an older checkout to time beside")
+    parser.add_argument("--floor", action="store_true",
+                        help="also time bare passes with hooks that keep or copy outputs")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -69,6 +74,9 @@ def main() -> int:
         ways: dict[str, Callable[[], object]] = {"bare": bare, "new": run(divtrace)}
         if old is not None:
             ways["old"] = run(old)
+        if args.floor:
+            ways["hooks"] = hooked(model, bare, copy=False)
+            ways["hooks + copies"] = hooked(model, bare, copy=True)
         for fn in ways.values():
             fn()
         times: dict[str, list[float]] = {way: [] for way in ways}
@@ -81,15 +89,44 @@ def main() -> int:
                "ratio": median["new"] / median["bare"]}
         if old is not None:
             row["ratio_old"] = median["old"] / median["bare"]
+        if args.floor:
+            row["ratio_hooks"] = median["hooks"] / median["bare"]
+            row["ratio_hooks_copies"] = median["hooks + copies"] / median["bare"]
         rows.append(row)
         old_text = f", older {row['ratio_old']:.2f}×" if old is not None else ""
+        floor_text = (f"; hooks alone {row['ratio_hooks']:.2f}×, hooks + copies "
+                      f"{row['ratio_hooks_copies']:.2f}×" if args.floor else "")
         print(f"{name}: {sites} sites, bare {median['bare'] * 1e3:.1f} ms, compare "
-              f"{row['ratio']:.2f}×{old_text}")
+              f"{row['ratio']:.2f}×{old_text}{floor_text}")
     if args.json:
         args.json.write_text(json.dumps({"torch": torch.__version__, "device": str(device),
                                          "threads": args.threads, "chunk": args.chunk,
                                          "results": rows}, indent=1))
     return 0
+
+
+def hooked(model: torch.nn.Module, bare: Callable[[], None], copy: bool
+           ) -> Callable[[], None]:
+    """``bare`` with a forward hook on every module that keeps each output, or a copy of
+    its compared rows (rows 0 and 1)."""
+    kept: list[object] = []
+
+    def keep(_module: torch.nn.Module, _args: object, output: object) -> None:
+        if copy and isinstance(output, torch.Tensor) and output.dim():
+            kept.append(output[:2].clone())
+        else:
+            kept.append(output)
+
+    def run() -> None:
+        handles = [module.register_forward_hook(keep) for module in model.modules()]
+        try:
+            bare()
+        finally:
+            for handle in handles:
+                handle.remove()
+            kept.clear()
+
+    return run
 
 
 if __name__ == "__main__":
