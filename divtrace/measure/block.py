@@ -83,6 +83,7 @@ class Block:
     def __init__(self, b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> None:
         self.b, self.r, self.rtol, self.atol = b, r, rtol, atol
         self.host = b.device.type == "cpu"
+        self._row_max: torch.Tensor | None = None  # per row max |b - r|, all finite
 
     @cached_property
     def bf(self) -> torch.Tensor:
@@ -98,9 +99,13 @@ class Block:
     def _diff(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, bool]:
         difference = self.bf - self.rf
         absdiff = difference.abs() if difference.is_complex() else difference.abs_()
-        if self.host and absdiff.numel() and bool(absdiff.amax() < math.inf):
-            # every pair finite (amax is NaN or inf otherwise): no mask to make or count
-            return absdiff, None, torch.zeros(absdiff.shape[0], dtype=F64), False
+        if self.host and absdiff.numel():
+            row_max = absdiff.amax(1)
+            if bool(row_max.amax() < math.inf):
+                # every pair finite (a maximum is NaN or inf otherwise): no mask to make
+                # or count, and the rows' maxima are max_abs
+                self._row_max = row_max
+                return absdiff, None, torch.zeros(absdiff.shape[0], dtype=F64), False
         # false where either run is NaN or infinite (as isfinite on a magnitude, in one op)
         finite = absdiff < math.inf
         nonfinite = (absdiff.shape[1] - finite.sum(1)).to(F64)
@@ -147,7 +152,9 @@ class Block:
 
     @cached_property
     def max_abs(self) -> torch.Tensor:
-        return self.absdiff.amax(1).to(F64)
+        absdiff = self.absdiff  # (made first: it may find the rows' maxima)
+        row_max = self._row_max
+        return (absdiff.amax(1) if row_max is None else row_max).to(F64)
 
     @cached_property
     def _same(self) -> tuple[torch.Tensor, bool]:
