@@ -40,13 +40,19 @@ _RECORD = 7
 if AVAILABLE:
 
     @triton.jit
-    def _fields(b, r, inside, rtol, atol, base, BITS: tl.constexpr,
+    def _fields(b_ptr, r_ptr, out_ptr, row, blk, n_cols, stride_b, stride_r, n_blocks,
+                rtol, atol, BLOCK: tl.constexpr, BITS: tl.constexpr, N_FIELDS: tl.constexpr,
                 MISMATCH: tl.constexpr, NONFINITE: tl.constexpr, EXCEED: tl.constexpr,
                 MAX_ABS: tl.constexpr, SUM_ABS: tl.constexpr, SQ_DIFF: tl.constexpr,
                 SQ_REF: tl.constexpr, SQ_OUT: tl.constexpr, DOT: tl.constexpr,
                 MAX_ULP: tl.constexpr):
-        """One block of a row (``b``, ``r``; ``inside``: the columns in the row): its
-        fields written from ``base``. The one body of both kernels."""
+        """Block ``blk`` of row ``row`` of both runs' rows, loaded, and its fields written
+        to its place in ``out_ptr``. The one body of both kernels."""
+        cols = blk * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < n_cols  # the columns in the row
+        b = tl.load(b_ptr + row * stride_b + cols, mask=inside, other=0)
+        r = tl.load(r_ptr + row * stride_r + cols, mask=inside, other=0)
+        base = out_ptr + (row * n_blocks + blk) * N_FIELDS
         if BITS == 64:
             bf = b.to(tl.float64)
             rf = r.to(tl.float64)
@@ -105,15 +111,9 @@ if AVAILABLE:
                       MAX_ABS: tl.constexpr, SUM_ABS: tl.constexpr, SQ_DIFF: tl.constexpr,
                       SQ_REF: tl.constexpr, SQ_OUT: tl.constexpr, DOT: tl.constexpr,
                       MAX_ULP: tl.constexpr):
-        row = tl.program_id(0)
-        blk = tl.program_id(1)
-        cols = blk * BLOCK + tl.arange(0, BLOCK)
-        inside = cols < n_cols
-        b = tl.load(b_ptr + row * stride_b + cols, mask=inside, other=0)
-        r = tl.load(r_ptr + row * stride_r + cols, mask=inside, other=0)
-        _fields(b, r, inside, rtol, atol, out_ptr + (row * n_blocks + blk) * N_FIELDS, BITS,
-                MISMATCH, NONFINITE, EXCEED, MAX_ABS, SUM_ABS, SQ_DIFF, SQ_REF, SQ_OUT, DOT,
-                MAX_ULP)
+        _fields(b_ptr, r_ptr, out_ptr, tl.program_id(0), tl.program_id(1), n_cols, stride_b,
+                stride_r, n_blocks, rtol, atol, BLOCK, BITS, N_FIELDS, MISMATCH, NONFINITE,
+                EXCEED, MAX_ABS, SUM_ABS, SQ_DIFF, SQ_REF, SQ_OUT, DOT, MAX_ULP)
 
     @triton.jit
     def _many_kernel(sites_ptr, site_of_ptr, local_of_ptr, rtol, atol, BLOCK: tl.constexpr,
@@ -151,13 +151,8 @@ if AVAILABLE:
             stride_r = tl.multiple_of(stride_r, 16)
         if COLS16:
             n_cols = tl.multiple_of(n_cols, 16)
-        row = local // n_blocks
-        blk = (local % n_blocks).to(tl.int32)
-        cols = blk * BLOCK + tl.arange(0, BLOCK)
-        inside = cols < n_cols
-        b = tl.load(b_ptr + row * stride_b + cols, mask=inside, other=0)
-        r = tl.load(r_ptr + row * stride_r + cols, mask=inside, other=0)
-        _fields(b, r, inside, rtol, atol, out_ptr + (row * n_blocks + blk) * N_FIELDS, BITS,
+        _fields(b_ptr, r_ptr, out_ptr, local // n_blocks, (local % n_blocks).to(tl.int32),
+                n_cols, stride_b, stride_r, n_blocks, rtol, atol, BLOCK, BITS, N_FIELDS,
                 MISMATCH, NONFINITE, EXCEED, MAX_ABS, SUM_ABS, SQ_DIFF, SQ_REF, SQ_OUT, DOT,
                 MAX_ULP)
 
