@@ -188,7 +188,11 @@ class Meter(Sink):
             return measured
         wrote = self._tracker.writes_to(tensor) if self._tracker is not None else 0
         earlier = self._repeated(site.key, tensor, wrote)
-        rows = self.store.rows_on(stored, tensor.device)
+        flips = (site.is_output and tensor.dim() == 2 and tensor.is_floating_point()
+                 and (earlier is None or earlier.flips is None))
+        # the stored rows on this device (a copy when offloaded), only where they are read
+        rows = (self.store.rows_on(stored, tensor.device)
+                if earlier is None or flips or self.site_watchers else stored.rows)
         picked: torch.Tensor | None = None
         if earlier is not None:  # the same rows in both runs: the same figures
             measured.stats, measured.flips, measured.kept = (
@@ -200,8 +204,7 @@ class Meter(Sink):
         self._last.note(site.key, tensor, wrote, measured)
         for watcher in self.site_watchers:
             watcher(measured, tensor, rows)
-        if (measured.flips is None and site.is_output and tensor.dim() == 2
-                and tensor.is_floating_point()):
+        if flips:
             picked = self.store.pick(tensor) if picked is None else picked
             measured.flips = self.host.add((_argmax(picked) != _argmax(rows)).double())
         if self.keep and measured.kept is None:

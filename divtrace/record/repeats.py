@@ -6,6 +6,11 @@ same tensor object, unchanged, that the child's hook saw just before. Its rows a
 site's rows, bit for bit, in that run; when both runs hand the tensor on alike, its
 figures are that site's figures. The row store and the meter use this to copy and to
 measure such a tensor once (in mobilenet_v3_small, 84 of 209 sites hand their tensor on).
+
+:meth:`~divtrace.record.recorder.Tracker.producer` answers a wider question for the
+lineage (which site made any tensor), but only while the tracker notes the lineage (the
+row store's first chunk) and without the recorder's count of writes; the sinks need the
+answer in every pass, for the one tensor they took last.
 """
 
 from __future__ import annotations

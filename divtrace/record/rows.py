@@ -206,13 +206,13 @@ class RowStore(Sink):
         and in every chunk before. A site that shared rows and stops handing the tensor
         on gets rows of its own (the chunks so far copied from the shared ones)."""
         earlier = self._last.repeats(tensor, wrote)
-        held = self.rows[earlier].rows if earlier is not None else None
+        held = None if earlier is None else self.rows[earlier].rows
         if stored is None:
-            if held is None:
+            if earlier is None or held is None:
                 return False
             stored = self.rows[site.key] = StoredRows(site, tuple(tensor.shape), held,
                                                       row_shape, tensor.dtype)
-            self.aliases[site.key] = earlier  # type: ignore[assignment]
+            self.aliases[site.key] = earlier
         elif site.key not in self.aliases:
             return False
         elif held is None or self.aliases[site.key] != earlier or stored.rows is not held:
