@@ -4,7 +4,7 @@ releases, and this is the one file to mend when they do."""
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 
 import torch
@@ -15,8 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.module_tracker import ModuleTracker
 
 __all__ = ["BATCH_NORM", "DROPOUT", "TorchDispatchMode", "cuda_driver", "default_tolerances",
-           "foreach_copy", "generator_kept", "impl", "modes_off", "module_tracker", "pytree",
-           "version"]
+           "foreach_copy", "forward_hooks", "generator_kept", "impl", "modes_off",
+           "module_tracker", "pytree", "version"]
 
 #: The base classes of BatchNorm and of Dropout layers (they mix samples, or draw random
 #: numbers, in train mode).
@@ -37,6 +37,36 @@ impl: Callable[[torch.Tensor], int] = operator.attrgetter("_cdata")
 def foreach_copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     """Copies each source into its target, launched together."""
     torch._foreach_copy_(targets, sources)
+
+
+@contextmanager
+def forward_hooks(hooks: Sequence[tuple[nn.Module, Callable[..., object]]]) -> Iterator[None]:
+    """Forward hooks that take the call's kwargs, on many modules, while inside: added as
+    ``register_forward_hook(hook, with_kwargs=True)`` adds them (after the modules' own,
+    with ids from the same counter), without a handle object per hook, and removed on
+    exit, also when the body raised."""
+    counter = torch.utils.hooks.RemovableHandle
+    plain = nn.Module.register_forward_hook
+    added: list[tuple[nn.Module, int]] = []
+    handles: list[torch.utils.hooks.RemovableHandle] = []
+    try:
+        for module, hook in hooks:
+            if type(module).register_forward_hook is not plain:  # its own rules (a
+                # ScriptModule refuses hooks): asked the public way
+                handles.append(module.register_forward_hook(hook, with_kwargs=True))
+                continue
+            key = counter.next_id
+            counter.next_id += 1
+            module._forward_hooks[key] = hook
+            module._forward_hooks_with_kwargs[key] = True
+            added.append((module, key))
+        yield
+    finally:
+        for module, key in added:
+            module._forward_hooks.pop(key, None)
+            module._forward_hooks_with_kwargs.pop(key, None)
+        for handle in handles:
+            handle.remove()
 
 
 def cuda_driver() -> int | None:

@@ -138,7 +138,7 @@ def execute(plan: Plan, model: nn.Module) -> Comparison:
     reference = Runner.of(plan.reference, model, plan.modules, plan.output_only, plan.name("a"),
                           plan.recorder)
     compared = Runner.of(plan.compared, model, plan.modules, plan.output_only, plan.name("b"),
-                         plan.recorder)
+                         plan.recorder, beside=reference)
     host = Host()
     probes = copy.deepcopy(plan.probes)  # fresh ones: this run's findings are their own
     devices = cuda_devices((model, reference.model, compared.model), plan.batch.leaves)

@@ -158,7 +158,8 @@ class GraphedRun:
                 reason, tried = str(failed), failed.tried
         if graphed is None:
             self._eager(len(chunks), reason, tried)
-            run(chunks[1:])
+            if len(chunks) > 1:  # (no pass left: the hooks are not attached for nothing)
+                run(chunks[1:])
             return kind
         try:
             self._replay(graphed, chunks, fits, run, batch, feed, step, slot)

@@ -13,6 +13,7 @@ from torch.autograd.profiler import record_function
 
 from divtrace.align.sites import Site, flatten_output, site_key
 from divtrace.align.status import Status
+from divtrace.compat import forward_hooks
 from divtrace.record.recorder import Recorder, Sink, Tracker
 
 __all__ = ["ModuleHooks"]
@@ -28,6 +29,8 @@ class ModuleHooks(Recorder):
 
     def __init__(self, modules: dict[str, nn.Module]) -> None:
         self.modules = modules
+        self._target = _Target()
+        self._hooks: list[tuple[nn.Module, Callable[..., None]]] | None = None
 
     def observe(self, sink: Sink) -> AbstractContextManager[Tracker]:
         return self.attach(sink, Tracker())
@@ -35,15 +38,17 @@ class ModuleHooks(Recorder):
     @contextmanager
     def attach(self, sink: Sink, tracker: Tracker) -> Iterator[Tracker]:
         """Observes with the given ``tracker`` (one that another recorder shares)."""
-        handles: list[torch.utils.hooks.RemovableHandle] = []
+        if self._target.sink is not None:
+            raise RuntimeError("this recorder is already observing a run")
+        if self._hooks is None:  # made once: every run of the comparison uses them
+            self._hooks = [(module, _hook(name, module, self._target))
+                           for name, module in self.modules.items()]
+        self._target.bind(sink, tracker)
         try:
-            for name, module in self.modules.items():
-                hook = _hook(name, module, sink, tracker)
-                handles.append(module.register_forward_hook(hook, with_kwargs=True))
-            yield tracker
+            with forward_hooks(self._hooks):
+                yield tracker
         finally:
-            for handle in handles:
-                handle.remove()
+            self._target.bind(None, None)
 
     @contextmanager
     def ranges(self, prefix: str, rows: int = 0) -> Iterator[None]:
@@ -75,28 +80,43 @@ class ModuleHooks(Recorder):
                 handle.remove()
 
 
-def _hook(name: str, module: nn.Module, sink: Sink, tracker: Tracker) -> Callable[..., None]:
+class _Target:
+    """The sink and tracker the hooks of a :class:`ModuleHooks` hand to, while it
+    observes (the hooks are made once, the target set for each run)."""
+
+    __slots__ = ("on_call", "on_tensor", "sink", "tracker")
+
+    def __init__(self) -> None:
+        self.bind(None, None)
+
+    def bind(self, sink: Sink | None, tracker: Tracker | None) -> None:
+        self.sink, self.tracker = sink, tracker
+        self.on_call = None if sink is None else sink.on_call
+        self.on_tensor = None if sink is None else sink.on_tensor
+
+
+def _hook(name: str, module: nn.Module, target: _Target) -> Callable[..., None]:
     """The forward hook of one module (kept lean: it runs for every module call)."""
     module_type = type(module).__name__
     leaf = next(module.children(), None) is None
-    sites: dict[tuple[int, str], Site] = {}
-    on_call = sink.on_call if leaf else None
-    on_tensor = sink.on_tensor
+    sites: dict[tuple[int, str, Status | None], Site] = {}
 
     def site(call: int, path: str, opaque: Status | None = None) -> Site:
-        found = sites.get((call, path))
+        found = sites.get((call, path, opaque))
         if found is None:
-            found = sites[call, path] = Site(site_key(name, call, path), name, module_type,
-                                             call, path, leaf, opaque=opaque)
+            found = sites[call, path, opaque] = Site(site_key(name, call, path), name,
+                                                     module_type, call, path, leaf,
+                                                     opaque=opaque)
         return found
 
     def hook(mod: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if tracker.replaying:
+        tracker, on_tensor = target.tracker, target.on_tensor
+        if tracker is None or on_tensor is None or tracker.replaying:
             return
         call = tracker.calls[name]
         tracker.calls[name] = call + 1
-        if on_call is not None:
-            on_call(site(call, ""), mod, args, kwargs, output, tracker)
+        if leaf and target.on_call is not None:
+            target.on_call(site(call, ""), mod, args, kwargs, output, tracker)
         if isinstance(output, torch.Tensor):  # the common case, kept cheap
             here = site(call, "")
             tracker.last_site = here.key

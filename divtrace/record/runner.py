@@ -44,9 +44,16 @@ class Runner:
 
     @classmethod
     def of(cls, run: Run, model: nn.Module, modules: Any, output_only: bool, name: str,
-           recorder: RecorderFactory = module_hooks) -> Runner:
-        """The runner of ``run`` on ``model``, observing ``modules`` (or only the output)."""
+           recorder: RecorderFactory = module_hooks, beside: Runner | None = None
+           ) -> Runner:
+        """The runner of ``run`` on ``model``, observing ``modules`` (or only the output).
+
+        ``beside``: a runner of the same comparison (the same selection); when this run
+        runs the very model it runs, its modules and recorder serve this run too.
+        """
         mine = run.model(model)
+        if beside is not None and beside.model is mine:
+            return cls(run, mine, beside.modules, beside.recorder, name)
         selected = {ROOT: mine} if output_only else select_modules(mine, modules)
         return cls(run, mine, selected, recorder(mine, selected), name)
 
