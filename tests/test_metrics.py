@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from divtrace.measure.block import nonzero_count
 from divtrace.measure.fields import FIELDS
 from divtrace.measure.figures import site_figures
 from divtrace.measure.stats import block_stats, blocks, combine, ulp_ordered
@@ -119,3 +120,15 @@ def test_rel_l2_of_one_site_is_numpys_division() -> None:
         for got in (rel_l2(diff, ref), rel_l2(np.float64(diff), np.float64(ref))):
             assert np.array_equal(np.array([got]), np.array([expected]), equal_nan=True)
             assert math.copysign(1.0, got) == math.copysign(1.0, expected) or math.isnan(got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_nonzero_count_is_count_nonzero(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    magnitudes = torch.rand(3, 70_001, generator=generator, dtype=dtype)
+    magnitudes[magnitudes < 0.4] = 0
+    magnitudes[1, ::5] = torch.finfo(dtype).tiny / 4  # subnormal
+    magnitudes[2] = 0
+    expected = torch.count_nonzero(magnitudes, dim=1).double()
+    assert torch.equal(nonzero_count(magnitudes), expected)
+    assert expected[2] == 0 and expected[0] > 0

@@ -7,7 +7,8 @@ from functools import cached_property
 
 import torch
 
-__all__ = ["INT_VIEW", "Block", "bit_equal", "max_ulp", "norm_square", "true_count"]
+__all__ = ["INT_VIEW", "Block", "bit_equal", "max_ulp", "nonzero_count", "norm_square",
+           "true_count"]
 
 F64 = torch.float64
 
@@ -56,6 +57,19 @@ def true_count(mask: torch.Tensor) -> torch.Tensor:
     """Per row: the True elements of a boolean mask, in float64 (exact: counted as
     integers, without casting the whole mask to float64 first)."""
     return mask.sum(1).to(F64)
+
+
+#: Below this many elements in a row, a float32 sum of zeros and ones is an exact count.
+_EXACT_F32 = 1 << 24
+
+
+def nonzero_count(magnitudes: torch.Tensor) -> torch.Tensor:
+    """Per row: the nonzero elements of a tensor of magnitudes (no NaN, none negative), in
+    float64. Counted as a float32 sum of their signs where that is exact (a third of
+    ``count_nonzero``'s time on the CPU), else as integers."""
+    if magnitudes.shape[1] < _EXACT_F32 and magnitudes.dtype == torch.float32:
+        return magnitudes.sign().sum(1).to(F64)
+    return torch.count_nonzero(magnitudes, dim=1).to(F64)
 
 
 def norm_square(t: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,15 @@ from typing import Literal
 
 import torch
 
-from divtrace.measure.block import F64, INT_VIEW, Block, max_ulp, norm_square, true_count
+from divtrace.measure.block import (
+    F64,
+    INT_VIEW,
+    Block,
+    max_ulp,
+    nonzero_count,
+    norm_square,
+    true_count,
+)
 
 __all__ = ["FIELDS", "INDEX", "MAX_FIELDS", "MAX_SLICE", "Field"]
 
@@ -45,7 +53,7 @@ class Field:
 
 
 def _mismatch(block: Block) -> torch.Tensor:
-    count = torch.count_nonzero(block.absdiff, dim=1).to(F64)  # b - r == 0 iff b == r
+    count = nonzero_count(block.absdiff)  # b - r == 0 iff b == r
     if block.odd:  # non-finite pairs: inf == inf matches, NaN vs NaN matches too
         both_nan = block.b.isnan() & block.r.isnan()
         count += true_count(block.differ & ~both_nan)
