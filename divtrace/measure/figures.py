@@ -135,8 +135,7 @@ def many_site_figures(stats: list[np.ndarray], elements: list[int | np.ndarray],
     stack = np.stack(stats)  # [sites, samples, fields]
     totals = np.ascontiguousarray(stack.transpose(0, 2, 1)).sum(-1)
     maxima = stack.max(1)
-    counts = np.stack([np.broadcast_to(np.asarray(e, dtype=float), (stack.shape[1],))
-                       for e in elements])
+    counts = _counts(elements, stack.shape[1])
     numels = counts.sum(1).astype(np.int64).tolist()  # exact: counts are whole numbers
     found = []
     for i, (array, e) in enumerate(zip(stats, elements, strict=True)):
@@ -147,6 +146,14 @@ def many_site_figures(stats: list[np.ndarray], elements: list[int | np.ndarray],
     rel = np.asarray(rel_l2(np.sqrt(stack[:, :, INDEX["sq_diff"]]),
                             np.sqrt(stack[:, :, INDEX["sq_ref"]])), dtype=float)
     return found, mismatch, rel.reshape(counts.shape), stack[:, :, INDEX["max_abs"]]
+
+
+def _counts(elements: list[int | np.ndarray], samples: int) -> np.ndarray:
+    """``[sites, samples]``: each site's compared elements per sample, as floats."""
+    if all(isinstance(e, int) for e in elements):  # one count per site: one array
+        return np.repeat(np.array(elements, dtype=float)[:, None], samples, axis=1)
+    return np.stack([np.broadcast_to(np.asarray(e, dtype=float), (samples,))
+                     for e in elements])
 
 
 def sample_figures(stats: np.ndarray, elements_per_sample: int | np.ndarray

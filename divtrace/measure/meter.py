@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,7 +69,7 @@ class Measured:
         """The compared elements of each sample (one number when all are equal)."""
         if self.elements is not None:
             return np.asarray(self.elements)
-        return int(np.prod(self.shape)) // batch
+        return math.prod(self.shape) // batch
 
 
 @dataclass

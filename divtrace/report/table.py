@@ -3,6 +3,7 @@ synchronisation happens here)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 from typing import Any
@@ -46,14 +47,24 @@ def columns(figures: tuple[Figure, ...], probes: tuple[type[Probe], ...]) -> tup
 COLUMNS = columns(FIGURES, tuple(p for p in PROBES if not p.option))
 
 
-def _site_row(site: Measured, figures: tuple[Figure, ...]) -> dict[str, Any]:
+def _site_row(site: Measured, figures: tuple[Figure, ...] | dict[str, float]
+              ) -> dict[str, Any]:
+    """A site's row, its figures NaN (``figures``: the figures, or those NaN already)."""
     info = site.site
-    return {
+    row = {
         "site": info.key, "module": info.module, "module_type": info.module_type,
         "call": info.call, "path": info.path, "op": info.op, "scope": info.scope,
         "leaf": info.leaf, "status": site.status.value,
-        "shape": str(site.shape), "dtype": str(site.dtype).removeprefix("torch."),
-    } | dict.fromkeys((f.name for f in figures), math.nan)
+        "shape": str(site.shape), "dtype": _dtype_name(site.dtype),
+    }
+    row.update(figures if isinstance(figures, dict)
+               else dict.fromkeys((f.name for f in figures), math.nan))
+    return row
+
+
+@functools.cache
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _measured_rows(plan: Plan, sites: list[Measured]
@@ -62,7 +73,8 @@ def _measured_rows(plan: Plan, sites: list[Measured]
     """Per measured site: its row, its fields and its argmax flips; and the per-sample
     table (figures computed for all sites at once, columns built as arrays)."""
     batch, samples = plan.batch.batch_size, plan.samples
-    rows = [_site_row(site, plan.figures) for site in sites]
+    blank = dict.fromkeys((f.name for f in plan.figures), math.nan)
+    rows = [_site_row(site, blank) for site in sites]
     fields: dict[str, tuple[np.ndarray, int]] = {}
     flips = {site.site.key: tuple(site.flips.get().astype(bool).tolist())
              for site in sites if site.flips is not None}
@@ -74,7 +86,8 @@ def _measured_rows(plan: Plan, sites: list[Measured]
         found, mismatch, rel, max_abs = many_site_figures(arrays, elements, plan.figures)
         for (i, site), array, counts, figures in zip(measured, arrays, elements, found,
                                                      strict=True):
-            fields[site.site.key] = (array, int(np.broadcast_to(counts, len(samples)).sum()))
+            fields[site.site.key] = (array, counts * len(samples) if isinstance(counts, int)
+                                     else int(counts.sum()))
             rows[i] |= figures
         keys = np.repeat(np.array([site.site.key for _, site in measured], dtype=object),
                          len(samples))
