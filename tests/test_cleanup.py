@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import divtrace
+from divtrace import compat
 from tests import models
 
 
@@ -136,3 +137,34 @@ def test_repeated_calls_do_not_grow_memory() -> None:
         result = divtrace.compare(model, x, progress=False)
         del result
     assert live_tensors() <= before
+
+
+def test_hooks_are_removed_when_a_pass_raises_and_follow_the_users_own() -> None:
+    model = models.variant_mlp()
+    seen: list[torch.Tensor] = []
+
+    def replace(_m: nn.Module, _a: object, out: torch.Tensor) -> torch.Tensor:
+        return out * 0  # the user's hook replaces the output: that is what is observed
+
+    def ours(_m: nn.Module, _a: object, _k: object, out: torch.Tensor) -> None:
+        seen.append(out)
+
+    handle = model.register_forward_hook(replace)
+    before = hook_counts(model)
+    kwargs_hooks: list[int] = []
+
+    def run() -> None:
+        with compat.forward_hooks([(model, ours)]):
+            kwargs_hooks.append(len(model._forward_hooks_with_kwargs))
+            model(torch.randn(2, 16))
+            raise ValueError("inside")
+
+    with pytest.raises(ValueError, match="inside"):
+        run()
+    assert kwargs_hooks == [1]
+    handle.remove()
+    assert len(seen) == 1
+    assert not seen[0].any()
+    assert hook_counts(model) == [h - (m is model) for h, m in zip(before, model.modules(),
+                                                                   strict=True)]
+    assert not model._forward_hooks_with_kwargs
