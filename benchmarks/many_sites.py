@@ -34,6 +34,8 @@ from versions import load_old
 import divtrace
 
 MODELS = ("mobilenet_v3_small", "efficientnet_b0", "resnet18")
+#: The modules ``--selections`` observes besides the model's output.
+SELECTED = (torch.nn.Conv2d, torch.nn.Linear)
 
 
 def main() -> int:
@@ -48,6 +50,8 @@ def main() -> int:
     parser.add_argument("--old", type=Path, help="an older checkout to time beside")
     parser.add_argument("--floor", action="store_true",
                         help="also time bare passes with hooks that keep or copy outputs")
+    parser.add_argument("--selections", action="store_true",
+                        help="also time compare() observing fewer modules")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -66,10 +70,10 @@ def main() -> int:
                     model(x[start:start + args.chunk])
                 model(x)
 
-        def run(package: Any, model: torch.nn.Module = model, x: torch.Tensor = x
-                ) -> Callable[[], object]:
+        def run(package: Any, model: torch.nn.Module = model, x: torch.Tensor = x,
+                **options: Any) -> Callable[[], object]:
             return lambda: package.compare(model, x, samples=[0, 1], chunk=args.chunk,
-                                           progress=False)
+                                           progress=False, **options)
 
         ways: dict[str, Callable[[], object]] = {"bare": bare, "new": run(divtrace)}
         if old is not None:
@@ -77,6 +81,9 @@ def main() -> int:
         if args.floor:
             ways["hooks"] = hooked(model, bare, copy=False)
             ways["hooks + copies"] = hooked(model, bare, copy=True)
+        if args.selections:
+            ways["conv + linear"] = run(divtrace, modules=list(SELECTED))
+            ways["output only"] = run(divtrace, modules=[])
         for fn in ways.values():
             fn()
         times: dict[str, list[float]] = {way: [] for way in ways}
@@ -92,12 +99,21 @@ def main() -> int:
         if args.floor:
             row["ratio_hooks"] = median["hooks"] / median["bare"]
             row["ratio_hooks_copies"] = median["hooks + copies"] / median["bare"]
+        selected_text = ""
+        if args.selections:
+            row["sites_selected"] = len(divtrace.compare(
+                model, x, samples=[0, 1], progress=False, modules=list(SELECTED)).table)
+            row["ratio_selected"] = median["conv + linear"] / median["bare"]
+            row["ratio_output"] = median["output only"] / median["bare"]
+            selected_text = (f"; conv + linear ({row['sites_selected']} sites) "
+                             f"{row['ratio_selected']:.2f}×, output only "
+                             f"{row['ratio_output']:.2f}×")
         rows.append(row)
         old_text = f", older {row['ratio_old']:.2f}×" if old is not None else ""
         floor_text = (f"; hooks alone {row['ratio_hooks']:.2f}×, hooks + copies "
                       f"{row['ratio_hooks_copies']:.2f}×" if args.floor else "")
         print(f"{name}: {sites} sites, bare {median['bare'] * 1e3:.1f} ms, compare "
-              f"{row['ratio']:.2f}×{old_text}{floor_text}")
+              f"{row['ratio']:.2f}×{old_text}{floor_text}{selected_text}")
     if args.json:
         args.json.write_text(json.dumps({"torch": torch.__version__, "device": str(device),
                                          "threads": args.threads, "chunk": args.chunk,
