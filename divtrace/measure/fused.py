@@ -25,7 +25,7 @@ try:  # Triton ships with PyTorch's CUDA builds; without it the eager path is us
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 
-__all__ = ["AVAILABLE", "fused_many", "fused_stats", "supports"]
+__all__ = ["AVAILABLE", "fused_many", "fused_many_placed", "fused_stats", "supports"]
 
 AVAILABLE = triton is not None
 _BLOCK = 2048
@@ -195,11 +195,19 @@ def fused_stats(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> t
 
 def fused_many(pairs: list[tuple[torch.Tensor, torch.Tensor]], rtol: float, atol: float
                ) -> list[torch.Tensor]:
+    """:func:`fused_stats` of many pairs (see :func:`fused_many_placed`), one tensor each."""
+    return [fields if rows is None else fields[rows[0]:rows[1]]
+            for fields, rows in fused_many_placed(pairs, rtol, atol)]
+
+
+def fused_many_placed(pairs: list[tuple[torch.Tensor, torch.Tensor]], rtol: float,
+                      atol: float) -> list[tuple[torch.Tensor, tuple[int, int] | None]]:
     """:func:`fused_stats` of many pairs of one dtype on one device, in one launch per
     kind of layout; each pair's fields exactly as :func:`fused_stats` gives them alone
     (the same kernel body on the same blocks, laid out alike; a row of several blocks
     combined as there). Rows of one element are not taken (:func:`fused_stats` compiles
-    them apart).
+    them apart). Each pair's fields come as a tensor and the range of its rows they take
+    (None: all of it): the pairs of one block per row share one tensor, not sliced here.
 
     The caller keeps every tensor alive until the launch has run (it is stream-ordered).
     """
@@ -210,16 +218,21 @@ def fused_many(pairs: list[tuple[torch.Tensor, torch.Tensor]], rtol: float, atol
     single = sum(rows for rows, _, blocks in shapes if blocks == 1)
     shared = torch.empty((single, len(FIELDS)), dtype=torch.float64, device=device)
     outs: list[torch.Tensor] = []
+    spans: list[tuple[int, int] | None] = []
     kinds: dict[tuple[bool, ...], list[int]] = {}
     records, at = [], 0
+    row_bytes = len(FIELDS) * shared.element_size()
     for index, ((b, r), (rows, cols, blocks)) in enumerate(zip(pairs, shapes, strict=True)):
-        if blocks == 1:  # one row of fields per row: a part of the shared buffer
-            out = shared[at:at + rows]
+        if blocks == 1:  # one row of fields per row: rows of the shared buffer
+            out, address = shared, shared.data_ptr() + at * row_bytes
+            spans.append((at, at + rows))
             at += rows
         else:  # its own partial block, combined below as fused_stats combines it
             out = torch.empty((rows, blocks, len(FIELDS)), dtype=torch.float64, device=device)
+            address = out.data_ptr()
+            spans.append(None)
         outs.append(out)
-        records.append((b.data_ptr(), r.data_ptr(), out.data_ptr(), cols, b.stride(0),
+        records.append((b.data_ptr(), r.data_ptr(), address, cols, b.stride(0),
                         r.stride(0), blocks))
         kinds.setdefault((b.data_ptr() % 16 == 0, r.data_ptr() % 16 == 0,
                           b.stride(0) % 16 == 0, r.stride(0) % 16 == 0, cols % 16 == 0),
@@ -227,7 +240,8 @@ def fused_many(pairs: list[tuple[torch.Tensor, torch.Tensor]], rtol: float, atol
     for kind, members in kinds.items():
         _launch([records[i] for i in members], [shapes[i][0] * shapes[i][2] for i in members],
                 kind, device, dtype, rtol, atol)
-    return [out if out.dim() == 2 else reduce_blocks(out, 1) for out in outs]
+    return [(out, span) if span is not None else (reduce_blocks(out, 1), None)
+            for out, span in zip(outs, spans, strict=True)]
 
 
 def _launch(records: list[tuple[int, ...]], programs: list[int], kind: tuple[bool, ...],

@@ -33,13 +33,15 @@ class Host:
     transfer (one synchronisation) per device."""
 
     def __init__(self) -> None:
-        self._tensors: list[torch.Tensor | None] = []
+        # per place: a tensor, and the range of its first dimension the place holds (None:
+        # all of it); places that share a tensor are carried over together, sliced after
+        self._tensors: list[tuple[torch.Tensor, tuple[int, int] | None] | None] = []
         self._arrays: list[np.ndarray] | None = None
         self._before: list[Callable[[], None]] = []
 
     def add(self, tensor: torch.Tensor) -> Deferred:
         """Schedules ``tensor`` for the transfer."""
-        self._tensors.append(tensor)
+        self._tensors.append((tensor, None))
         return Deferred(self, len(self._tensors) - 1)
 
     def reserve(self) -> Deferred:
@@ -47,9 +49,12 @@ class Host:
         self._tensors.append(None)
         return Deferred(self, len(self._tensors) - 1)
 
-    def put(self, deferred: Deferred, tensor: torch.Tensor) -> None:
-        """Fills a place :meth:`reserve` made."""
-        self._tensors[deferred.index] = tensor
+    def put(self, deferred: Deferred, tensor: torch.Tensor,
+            rows: tuple[int, int] | None = None) -> None:
+        """Fills a place :meth:`reserve` made with ``tensor``, or with rows
+        ``start:stop`` of it (no slice made on the device: many places may share one
+        tensor)."""
+        self._tensors[deferred.index] = (tensor, rows)
 
     def before_fetch(self, work: Callable[[], None]) -> None:
         """Runs ``work`` (e.g. statistics computed together) first when fetching."""
@@ -62,19 +67,23 @@ class Host:
         missing = [i for i, t in enumerate(self._tensors) if t is None]
         if missing:
             raise RuntimeError(f"{len(missing)} reserved tensor(s) were never put")
-        ready: list[torch.Tensor] = [t for t in self._tensors if t is not None]
-        by_device: dict[torch.device, list[int]] = defaultdict(list)
-        for i, t in enumerate(ready):
-            by_device[t.device].append(i)
-        arrays: list[np.ndarray] = [np.empty(0)] * len(ready)
-        for indices in by_device.values():
-            flat = torch.cat([ready[i].reshape(-1) for i in indices]).cpu().numpy()
+        placed = [t for t in self._tensors if t is not None]
+        bases: dict[int, torch.Tensor] = {}  # each tensor once, by id
+        for tensor, _ in placed:
+            bases.setdefault(id(tensor), tensor)
+        by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        for tensor in bases.values():
+            by_device[tensor.device].append(tensor)
+        held: dict[int, np.ndarray] = {}
+        for tensors in by_device.values():
+            flat = torch.cat([t.reshape(-1) for t in tensors]).cpu().numpy()
             offset = 0
-            for i in indices:
-                size = ready[i].numel()
-                arrays[i] = flat[offset:offset + size].reshape(tuple(ready[i].shape))
+            for t in tensors:
+                size = t.numel()
+                held[id(t)] = flat[offset:offset + size].reshape(tuple(t.shape))
                 offset += size
-        self._arrays = arrays
+        self._arrays = [held[id(tensor)] if rows is None else held[id(tensor)][rows[0]:rows[1]]
+                        for tensor, rows in placed]
         self._tensors = []
 
     def array(self, index: int) -> np.ndarray:

@@ -107,7 +107,7 @@ class StatsQueue(_Queue):
             fields = block_stats(measured, reference, rtol, atol)
             at = 0
             for place, b, _ in part:
-                self.host.put(place, fields[at:at + len(b)])
+                self.host.put(place, fields, (at, at + len(b)))
                 at += len(b)
 
 
@@ -147,6 +147,6 @@ class FusedQueue(_Queue):
 
     def _measure(self, key: tuple[Any, ...], pairs: _Pairs) -> None:
         _device, _dtype, rtol, atol = key
-        found = fused.fused_many([(b, r) for _, b, r in pairs], rtol, atol)
-        for (place, _, _), fields in zip(pairs, found, strict=True):
-            self.host.put(place, fields)
+        found = fused.fused_many_placed([(b, r) for _, b, r in pairs], rtol, atol)
+        for (place, _, _), (fields, rows) in zip(pairs, found, strict=True):
+            self.host.put(place, fields, rows)

@@ -79,23 +79,23 @@ def _measured_rows(plan: Plan, sites: list[Measured]
     flips = {site.site.key: tuple(site.flips.get().astype(bool).tolist())
              for site in sites if site.flips is not None}
     measured = [(i, site) for i, site in enumerate(sites) if site.stats is not None]
-    per_sample = pd.DataFrame(columns=list(SAMPLE_COLUMNS))
-    if measured:
-        arrays = [site.stats.get() for _, site in measured if site.stats is not None]
-        elements = [site.per_sample(batch) for _, site in measured]
-        found, mismatch, rel, max_abs = many_site_figures(arrays, elements, plan.figures)
-        for (i, site), array, counts, figures in zip(measured, arrays, elements, found,
-                                                     strict=True):
-            fields[site.site.key] = (array, counts * len(samples) if isinstance(counts, int)
-                                     else int(counts.sum()))
-            rows[i] |= figures
-        keys = np.repeat(np.array([site.site.key for _, site in measured], dtype=object),
-                         len(samples))
-        per_sample = pd.DataFrame({
-            "site": pd.array(keys, dtype="str"),
-            "sample": np.tile(np.asarray(samples, dtype=np.int64), len(measured)),
-            "mismatch": mismatch.reshape(-1), "rel_l2": rel.reshape(-1),
-            "max_abs": max_abs.reshape(-1)}, columns=list(SAMPLE_COLUMNS))
+    if not measured:
+        return rows, pd.DataFrame(columns=list(SAMPLE_COLUMNS)), fields, flips
+    arrays = [site.stats.get() for _, site in measured if site.stats is not None]
+    elements = [site.per_sample(batch) for _, site in measured]
+    found, mismatch, rel, max_abs = many_site_figures(arrays, elements, plan.figures)
+    for (i, site), array, counts, figures in zip(measured, arrays, elements, found,
+                                                 strict=True):
+        fields[site.site.key] = (array, counts * len(samples) if isinstance(counts, int)
+                                 else int(counts.sum()))
+        rows[i] |= figures
+    keys = np.repeat(np.array([site.site.key for _, site in measured], dtype=object),
+                     len(samples))
+    per_sample = pd.DataFrame({
+        "site": pd.array(keys, dtype="str"),
+        "sample": np.tile(np.asarray(samples, dtype=np.int64), len(measured)),
+        "mismatch": mismatch.reshape(-1), "rel_l2": rel.reshape(-1),
+        "max_abs": max_abs.reshape(-1)}, columns=list(SAMPLE_COLUMNS))
     return rows, per_sample, fields, flips
 
 
