@@ -182,9 +182,10 @@ class Meter(Sink):
         if isinstance(usable, Status):  # reported, never compared
             return Measured(site, usable, (), tensor.dtype)
         tensor = usable
-        status = self.status(site.key, tensor)
-        measured = Measured(site, status, tuple(tensor.shape), tensor.dtype)
         stored = self.store.rows.get(site.key)
+        status = status_of(stored, tensor, self.batch, self.store.batch_dim,
+                           stored is not None and self.store.complete(stored))
+        measured = Measured(site, status, tuple(tensor.shape), tensor.dtype)
         if status != Status.OK or stored is None or stored.rows is None:
             return measured
         wrote = self._tracker.writes_to(tensor) if self._tracker is not None else 0

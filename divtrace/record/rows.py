@@ -312,7 +312,8 @@ class RowStore(Sink):
     def pick(self, tensor: torch.Tensor) -> torch.Tensor:
         """The compared samples' rows of a whole-batch tensor, batch dimension first."""
         dim = self.batch_dim % tensor.dim()
-        return tensor.index_select(dim, self.samples_on(tensor.device)).movedim(dim, 0)
+        picked = tensor.index_select(dim, self.samples_on(tensor.device))
+        return picked.movedim(dim, 0) if dim else picked
 
     @staticmethod
     def rows_on(stored: StoredRows, device: torch.device) -> torch.Tensor:
