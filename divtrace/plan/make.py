@@ -120,8 +120,9 @@ def _runs(a: Run | None, b: Run | None, chunk: int, size: int) -> tuple[Run, Run
     return whole[0], whole[1]
 
 
-def _check_train_mode(model: nn.Module, allow_train: bool) -> tuple[str, ...]:
-    mixing = mixing_modules(model)
+def _check_train_mode(named: list[tuple[str, nn.Module]], allow_train: bool
+                      ) -> tuple[str, ...]:
+    mixing = mixing_modules(named)
     if mixing and not allow_train:
         raise BatchMixingError(
             f"the model is in train mode and these modules mix samples or draw random "
@@ -192,12 +193,13 @@ def _graph_obstacle(graphs: GraphMode, devices: set[torch.device], batch: Batche
     return obstacle
 
 
-def _dispatched(model: nn.Module) -> bool:
+def _dispatched(modules: list[nn.Module]) -> bool:
     """Whether accelerate placed the model (its hooks move weights and inputs per call)."""
-    return any(hasattr(m, "_hf_hook") for m in model.modules())
+    return any(hasattr(m, "_hf_hook") for m in modules)
 
 
-def _check_materialised(model: nn.Module, batch: BatchedInput, dispatched: bool) -> None:
+def _check_materialised(tensors: list[tuple[str, torch.Tensor]], batch: BatchedInput,
+                        dispatched: bool) -> None:
     """Tensors on the meta device have no values: nothing could be compared."""
     inputs = [name for name, leaf in zip(batch.names, batch.leaves, strict=True)
               if isinstance(leaf, torch.Tensor) and leaf.is_meta]
@@ -207,8 +209,7 @@ def _check_materialised(model: nn.Module, batch: BatchedInput, dispatched: bool)
             f"values; pass real tensors")
     if dispatched:
         return  # accelerate supplies offloaded weights at call time
-    empty = [name for name, t in (*model.named_parameters(), *model.named_buffers())
-             if t.is_meta]
+    empty = [name for name, t in tensors if t.is_meta]
     if empty:
         raise DivtraceValueError(
             f"the model's {', '.join(empty[:4])}{' and more' if len(empty) > 4 else ''} lie "
@@ -220,11 +221,11 @@ def _check_materialised(model: nn.Module, batch: BatchedInput, dispatched: bool)
 _CONV: dict[type[nn.Module], int] = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
 
 
-def _check_input(model: nn.Module, x: Any, batch: BatchedInput, runs: tuple[Run, Run],
-                 dispatched: bool, devices: set[torch.device]) -> None:
+def _check_input(modules: list[nn.Module], x: Any, batch: BatchedInput,
+                 runs: tuple[Run, Run], dispatched: bool, devices: set[torch.device]) -> None:
     """Mistakes that the model would only report deep inside, caught before it runs."""
     if isinstance(x, torch.Tensor):
-        conv = next((m for m in model.modules() if type(m) in _CONV), None)
+        conv = next((m for m in modules if type(m) in _CONV), None)
         if conv is not None and x.dim() == _CONV[type(conv)] + 1 and (
                 x.shape[0] == conv.in_channels):
             raise DivtraceValueError(
@@ -259,13 +260,16 @@ def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
     batch = (_prompts_input(x, batch_dim)
              if isinstance(x, Prompts | RaggedInput) else prepare_input(x, batch_dim,
                                                                           stacklevel=4))
-    dispatched = _dispatched(model)
-    _check_materialised(model, batch, dispatched)
+    named = list(model.named_modules())  # the model walked once for all the checks
+    walked = [module for _, module in named]
+    parameters = list(model.named_parameters())
+    dispatched = _dispatched(walked)
+    _check_materialised([*parameters, *model.named_buffers()], batch, dispatched)
     rows = prepare_samples(samples, batch.batch_size)
     size = batch.batch_size
     ref, test = _runs(a, b, chunk, size)
-    devices = {p.device for p in model.parameters()}  # the parameters' devices, once
-    _check_input(model, x, batch, (ref, test), dispatched, devices)
+    devices = {p.device for _, p in parameters}
+    _check_input(walked, x, batch, (ref, test), dispatched, devices)
     needing = [probe.option for probe in probes if probe.whole_batch]
     if isinstance(batch, RaggedInput) and test.chunk is not None:
         raise DivtraceValueError(
@@ -275,7 +279,7 @@ def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
         raise DivtraceValueError(
             f"{', '.join(needing)} need(s) run b to take the whole batch in one pass; got "
             f"b=Run(chunk={test.chunk}). Swap a and b, or leave {', '.join(needing)} out")
-    train_mode = _check_train_mode(model, allow_train)
+    train_mode = _check_train_mode(named, allow_train)
     output_only = bool(ref.compile or test.compile)
     ops = _check_ops(ops, (ref, test))
     graphs = check_graphs(graphs)

@@ -73,10 +73,11 @@ def select_modules(model: nn.Module, modules: ModuleSpec) -> dict[str, nn.Module
     return {ROOT: model} | {name: mod for name, mod in named if name in chosen}
 
 
-def mixing_modules(model: nn.Module) -> list[str]:
-    """Modules that, in train mode, mix samples (BatchNorm) or draw random numbers (Dropout)."""
+def mixing_modules(named: Iterable[tuple[str, nn.Module]]) -> list[str]:
+    """Modules that, in train mode, mix samples (BatchNorm) or draw random numbers (Dropout),
+    among ``named`` (a model's ``named_modules()``)."""
     found = []
-    for name, module in model.named_modules():
+    for name, module in named:
         if not module.training or not isinstance(module, _MIXING):
             continue
         if isinstance(module, DROPOUT) and getattr(module, "p", None) == 0:
