@@ -214,7 +214,7 @@ def fused_many_placed(pairs: list[tuple[torch.Tensor, torch.Tensor]], rtol: floa
     device, dtype = pairs[0][0].device, pairs[0][0].dtype
     pairs = [(b if b.stride(1) == 1 else b.contiguous(), r if r.stride(1) == 1
               else r.contiguous()) for b, r in pairs]
-    shapes = [(len(b), b.shape[1], max(1, triton.cdiv(b.shape[1], _BLOCK))) for b, _ in pairs]
+    shapes = [(b.shape[0], b.shape[1], max(1, triton.cdiv(b.shape[1], _BLOCK))) for b, _ in pairs]
     single = sum(rows for rows, _, blocks in shapes if blocks == 1)
     shared = torch.empty((single, len(FIELDS)), dtype=torch.float64, device=device)
     outs: list[torch.Tensor] = []

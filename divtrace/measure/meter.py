@@ -270,7 +270,7 @@ class Meter(Sink):
         """The site's fields, queued to be computed with other small sites', and the copy
         of its compared rows the queue holds; ``(None, None)`` when it is measured on its
         own."""
-        n = len(rows)
+        n = rows.shape[0] if rows.dim() else 0
         if tensor.dtype != rows.dtype or not n:
             return None, None
         queue: StatsQueue | FusedQueue
@@ -291,7 +291,7 @@ class Meter(Sink):
         for slot, row, n in self._runs:
             b = tensor if n == self.batch else tensor.narrow(dim, row, n)
             b = (b.movedim(dim, 0) if dim else b).reshape(n, -1)
-            r = (rows if n == len(rows) else rows.narrow(0, slot, n)).reshape(n, -1)
+            r = (rows if n == rows.shape[0] else rows.narrow(0, slot, n)).reshape(n, -1)
             per_run.append(self.pair_stats(b, r))
         return per_run[0] if len(per_run) == 1 else torch.cat(per_run)
 

@@ -107,8 +107,8 @@ class StatsQueue(_Queue):
             fields = block_stats(measured, reference, rtol, atol)
             at = 0
             for place, b, _ in part:
-                self.host.put(place, fields, (at, at + len(b)))
-                at += len(b)
+                self.host.put(place, fields, (at, at + b.shape[0]))
+                at += b.shape[0]
 
 
 def _parts(pairs: _Pairs, width: int) -> list[_Pairs]:
@@ -121,12 +121,12 @@ def _parts(pairs: _Pairs, width: int) -> list[_Pairs]:
     parts: list[_Pairs] = []
     rows = 0
     for pair in pairs:
-        if parts and (rows + len(pair[1])) * width <= _FLUSH_ELEMENTS:
+        if parts and (rows + pair[1].shape[0]) * width <= _FLUSH_ELEMENTS:
             parts[-1].append(pair)
-            rows += len(pair[1])
+            rows += pair[1].shape[0]
         else:
             parts.append([pair])
-            rows = len(pair[1])
+            rows = pair[1].shape[0]
     return parts
 
 
@@ -138,7 +138,7 @@ class FusedQueue(_Queue):
     @staticmethod
     def takes(rows: torch.Tensor) -> bool:
         """Whether a site whose compared rows are like ``rows`` is one to queue."""
-        width = rows.numel() // max(len(rows), 1)
+        width = rows.numel() // max(rows.shape[0] if rows.dim() else 0, 1)
         return width > 1 and rows.numel() <= FUSED_ELEMENTS and fused.supports(rows)
 
     def add(self, b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> Deferred:

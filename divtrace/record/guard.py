@@ -44,6 +44,13 @@ def _restore(buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
             foreach_copy([b for b, _ in pairs], [s for _, s in pairs])
 
 
+def _snapshot(buffers: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each buffer with a copy of it, the copies launched together per device."""
+    saved = [torch.empty_like(buf, memory_format=torch.preserve_format) for buf in buffers]
+    _restore(list(zip(saved, buffers, strict=True)))  # the copies, the other way round
+    return list(zip(buffers, saved, strict=True))
+
+
 @contextmanager
 def untouched(model: nn.Module, devices: list[int]) -> Iterator[None]:
     """Runs with grad and inference mode off; afterwards the modules' training flags, the
@@ -51,7 +58,7 @@ def untouched(model: nn.Module, devices: list[int]) -> Iterator[None]:
     parameter changed in place cannot be restored (a copy of every parameter would cost
     as much memory as the model): that is a warning."""
     modes = [(module, module.training) for module in model.modules()]
-    buffers = [(buf, buf.detach().clone()) for buf in model.buffers()]
+    buffers = _snapshot(list(model.buffers()))
     params = [(name, p, _version(p)) for name, p in model.named_parameters()]
     try:  # inference mode off (it turns grad mode on: no_grad after it), since its
         # tensors track no version and lineage needs them

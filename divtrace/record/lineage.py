@@ -15,7 +15,7 @@ from divtrace.record.recorder import Tracker
 
 __all__ = ["InputPart", "Origin", "input_parts", "tensor_inputs"]
 
-_PLAIN = (torch.Tensor, int, float, bool, str, type(None))
+_SCALARS = (int, float, bool, str, type(None))
 
 
 class Origin(StrEnum):
@@ -37,8 +37,15 @@ class InputPart:
 
 def tensor_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The tensors among a call's arguments, in order."""
-    if not kwargs and all(isinstance(a, _PLAIN) for a in args):  # the common case, cheap
-        return [a for a in args if isinstance(a, torch.Tensor)]
+    if not kwargs:  # the common case (tensors and scalars), cheap: no tree walked
+        tensors = []
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                tensors.append(arg)
+            elif not isinstance(arg, _SCALARS):
+                break
+        else:
+            return tensors
     return [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
 
 
