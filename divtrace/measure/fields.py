@@ -26,7 +26,7 @@ from divtrace.measure.block import (
     true_count,
 )
 
-__all__ = ["FIELDS", "INDEX", "MAX_FIELDS", "MAX_SLICE", "Field"]
+__all__ = ["FIELDS", "INDEX", "MAX_FIELDS", "Field"]
 
 Compute = Callable[[Block], torch.Tensor]
 
@@ -119,18 +119,3 @@ FIELDS: tuple[Field, ...] = (
 INDEX: dict[str, int] = {f.name: i for i, f in enumerate(FIELDS)}
 #: The columns that combine by maximum.
 MAX_FIELDS: tuple[int, ...] = tuple(i for i, f in enumerate(FIELDS) if f.reduce == "max")
-
-
-def _as_slice(indices: tuple[int, ...]) -> slice | None:
-    """The indices as one slice (one indexing op, no index tensor), if they are evenly
-    spaced."""
-    if not indices:
-        return None
-    step = indices[1] - indices[0] if len(indices) > 1 else 1
-    whole = slice(indices[0], indices[-1] + 1, step)
-    return whole if step > 0 and tuple(range(*whole.indices(indices[-1] + 1))) == indices else (
-        None)
-
-
-#: :data:`MAX_FIELDS` as one slice, when they are evenly spaced (else None).
-MAX_SLICE: slice | None = _as_slice(MAX_FIELDS)

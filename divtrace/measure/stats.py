@@ -13,7 +13,7 @@ import torch
 
 from divtrace.compat import default_tolerances
 from divtrace.measure.block import F64, INT_VIEW, Block, max_ulp
-from divtrace.measure.fields import FIELDS, INDEX, MAX_FIELDS, MAX_SLICE
+from divtrace.measure.fields import FIELDS, INDEX, MAX_FIELDS
 
 __all__ = ["block_stats", "blocks", "combine", "lower_precision", "mixed_stats",
            "reduce_blocks", "tolerances", "ulp_ordered"]
@@ -76,14 +76,22 @@ def mixed_stats(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> t
 
 def reduce_blocks(stacked: torch.Tensor, dim: int) -> torch.Tensor:
     """Combines statistics of column blocks stacked along ``dim`` (the fields last): the
-    sums add up, the maxima take the largest."""
-    total = stacked.sum(dim)
-    if MAX_SLICE is not None:  # a slice, not an index tensor: nothing to copy to a device
-        total[..., MAX_SLICE] = stacked[..., MAX_SLICE].amax(dim)
-        return total
-    for field in MAX_FIELDS:
-        total[..., field] = stacked[..., field].amax(dim)
-    return total
+    sums add up, the maxima take the largest (three ops, whatever the fields)."""
+    return torch.where(_max_mask(stacked.device), stacked.amax(dim), stacked.sum(dim))
+
+
+_MASKS: dict[torch.device, torch.Tensor] = {}
+
+
+def _max_mask(device: torch.device) -> torch.Tensor:
+    """Per field, whether it combines by maximum, on ``device`` (made once per device)."""
+    mask = _MASKS.get(device)
+    if mask is None:
+        mask = torch.tensor([i in MAX_FIELDS for i in range(len(FIELDS))])
+        # on CUDA from pinned memory: the host does not wait for the GPU's queued work
+        mask = _MASKS[device] = (mask.pin_memory().to(device, non_blocking=True)
+                                 if device.type == "cuda" else mask.to(device))
+    return mask
 
 
 def combine(parts: list[torch.Tensor]) -> torch.Tensor:
