@@ -99,17 +99,18 @@ def _measured_rows(plan: Plan, sites: list[Measured]
     return rows, per_sample, fields, flips
 
 
-def _growth(table: pd.DataFrame) -> pd.Series:
+def _growth(rel_l2: list[float], leaf: list[bool], mismatch: list[float], op: list[str]
+            ) -> list[float]:
     """rel_l2 over that of the nearest preceding divergent leaf site (NaN if none); module
     sites and op sites each among their own kind."""
     growth = []
     previous = {False: math.nan, True: math.nan}
-    for rel, leaf, mismatch, op in zip(table["rel_l2"], table["leaf"], table["mismatch"],
-                                       table["op"] != "", strict=True):
-        growth.append(rel / previous[op] if previous[op] > 0 else math.nan)
-        if leaf and mismatch > 0 and rel > 0:
-            previous[op] = rel
-    return pd.Series(growth, index=table.index, dtype=float)
+    for rel, is_leaf, share, name in zip(rel_l2, leaf, mismatch, op, strict=True):
+        kind = name != ""
+        growth.append(rel / previous[kind] if previous[kind] > 0 else math.nan)
+        if is_leaf and share > 0 and rel > 0:
+            previous[kind] = rel
+    return growth
 
 
 def _in_order(rows: list[dict[str, Any]], store: RowStore, probes: tuple[Probe, ...],
@@ -140,11 +141,14 @@ def build(plan: Plan, probes: tuple[Probe, ...], meter: Meter, meta: Meta, host:
         probe.fill(rows, view)
     rows = _in_order(rows, meter.store, probes, plan.figures)
     names = columns(plan.figures, tuple(type(p) for p in probes))
-    table = pd.DataFrame(rows, columns=[c for c in names if c != "growth"])
-    for count in _COUNTS:
-        if count in table:
-            table[count] = table[count].astype("Int64")
-    table.insert(names.index("growth"), "growth", _growth(table))
+    data: dict[str, Any] = {c: [row.get(c, math.nan) for row in rows]
+                            for c in names if c != "growth"}
+    data["growth"] = np.asarray(
+        _growth(data["rel_l2"], data["leaf"], data["mismatch"], data["op"]), dtype=float)
+    for count in _COUNTS:  # counts, missing where a site was not compared
+        if count in data:
+            data[count] = pd.array(data[count], dtype="Int64")
+    table = pd.DataFrame({c: data[c] for c in names}, columns=list(names))
     pairs: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {
         s.site.key: (s.kept, meter.store.rows[s.site.key].rows)
         for s in meter.sites if s.kept is not None}
