@@ -322,8 +322,8 @@ def test_split_rows_are_released_as_soon_as_measured(
 
     original = rows_module.RowStore._first
 
-    def first(self, site, tensor, row_shape):  # type: ignore[no-untyped-def]
-        ref = original(self, site, tensor, row_shape)
+    def first(self, site, tensor, row_shape, *args):  # type: ignore[no-untyped-def]
+        ref = original(self, site, tensor, row_shape, *args)
         if site.key == "0":
             watched.append(weakref.ref(ref.rows))
         return ref

@@ -179,17 +179,20 @@ class RowStore(Sink):
             stored.drop(Status.SHAPE_MISMATCH)
         elif self._shares(site, stored, tensor, row_shape, wrote):
             return
+        made = stored is None and self._whole == (0, len(self.samples)) and dim == 0 and (
+            not self.offload)  # the chunk's rows are all the compared rows: copied at once
         if stored is None:
-            stored = self._first(site, tensor, row_shape)
+            stored = self._first(site, tensor, row_shape, made)
         rows = stored.rows
         if rows is None:
             return
         self._touched.append(stored)
         self._last.note(site.key, tensor, wrote)
         if self._whole is not None and dim == 0:
-            target = rows.narrow(0, self._whole[0], self._whole[1])
-            if self.offload or site.key in self._eager or not self._learnt:
-                target.copy_(tensor, self.offload)
+            target = None if made else rows.narrow(0, self._whole[0], self._whole[1])
+            if target is None or self.offload or site.key in self._eager or not self._learnt:
+                if target is not None:  # (else a copy of the tensor made the rows)
+                    target.copy_(tensor, self.offload)
                 if not self._learnt and not self.offload:
                     self._watched.append((tensor, version(tensor), wrote, site.key))
             else:
@@ -224,11 +227,16 @@ class RowStore(Sink):
         self._last.note(site.key, tensor, wrote)
         return True
 
-    def _first(self, site: Site, tensor: torch.Tensor, row_shape: tuple[int, ...]
-               ) -> StoredRows:
-        device = torch.device("cpu") if self.offload else tensor.device
-        rows = torch.empty((len(self.samples), *row_shape), dtype=tensor.dtype,
-                           device=device, pin_memory=self.offload and tensor.is_cuda)
+    def _first(self, site: Site, tensor: torch.Tensor, row_shape: tuple[int, ...],
+               whole: bool = False) -> StoredRows:
+        """The site's rows: empty, or (``whole``: the tensor holds every compared row, in
+        order) a copy of the tensor, in one op."""
+        if whole:
+            rows = tensor.clone(memory_format=torch.contiguous_format)
+        else:
+            device = torch.device("cpu") if self.offload else tensor.device
+            rows = torch.empty((len(self.samples), *row_shape), dtype=tensor.dtype,
+                               device=device, pin_memory=self.offload and tensor.is_cuda)
         stored = StoredRows(site, tuple(tensor.shape), rows, row_shape, tensor.dtype)
         self.rows[site.key] = stored
         return stored
