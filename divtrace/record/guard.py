@@ -35,11 +35,13 @@ def _restore(buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Copies every buffer back from its snapshot. All of them: a kernel may update a
     buffer without moving its version (BatchNorm's running statistics on the CPU do), and
     comparing would cost a host synchronisation per buffer; the copies are launched
-    together, per device."""
-    by_device: dict[tuple[torch.device, bool], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    together, per device and dtype (a list of one dtype takes the fused path)."""
+    groups: dict[tuple[torch.device, torch.dtype, bool],
+                 list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for buf, saved in buffers:
-        by_device.setdefault((buf.device, buf.is_inference()), []).append((buf, saved))
-    for (_device, inference), pairs in by_device.items():
+        groups.setdefault((buf.device, buf.dtype, buf.is_inference()), []).append(
+            (buf, saved))
+    for (_device, _dtype, inference), pairs in groups.items():
         with torch.inference_mode(inference), torch.no_grad():  # inference tensors: inside
             foreach_copy([b for b, _ in pairs], [s for _, s in pairs])
 
@@ -67,7 +69,8 @@ def untouched(model: nn.Module, devices: list[int]) -> Iterator[None]:
             yield
     finally:
         for module, mode in modes:
-            module.training = mode
+            if module.training != mode:  # (setting it goes through Module.__setattr__)
+                module.training = mode
         _restore(buffers)
         changed = [name for name, p, seen in params if seen is not None and version(p) != seen]
         if changed:
