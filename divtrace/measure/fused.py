@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from divtrace.measure.fields import FIELDS, INDEX
+from divtrace.measure.host import upload
 from divtrace.measure.stats import reduce_blocks
 
 try:  # Triton ships with PyTorch's CUDA builds; without it the eager path is used
@@ -253,8 +254,7 @@ def _launch(records: list[tuple[int, ...]], programs: list[int], kind: tuple[boo
         np.cumsum(counts) - counts, counts)
     table = torch.from_numpy(np.concatenate(
         [np.array(records, dtype=np.int64).reshape(-1), site_of, local_of]))
-    if device.type == "cuda":  # from pinned memory: the host does not wait for the copy
-        table = table.pin_memory().to(device, non_blocking=True)
+    table = upload(table, device)
     n = len(records) * _RECORD
     aligned_b, aligned_r, stride_b16, stride_r16, cols16 = kind
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():

@@ -270,7 +270,7 @@ class Meter(Sink):
         """The site's fields, queued to be computed with other small sites', and the copy
         of its compared rows the queue holds; ``(None, None)`` when it is measured on its
         own."""
-        n = rows.shape[0] if rows.dim() else 0
+        n = rows.shape[0]  # (stored rows: the compared samples first)
         if tensor.dtype != rows.dtype or not n:
             return None, None
         queue: StatsQueue | FusedQueue

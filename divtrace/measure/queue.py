@@ -138,7 +138,7 @@ class FusedQueue(_Queue):
     @staticmethod
     def takes(rows: torch.Tensor) -> bool:
         """Whether a site whose compared rows are like ``rows`` is one to queue."""
-        width = rows.numel() // max(rows.shape[0] if rows.dim() else 0, 1)
+        width = rows.numel() // max(rows.shape[0], 1)
         return width > 1 and rows.numel() <= FUSED_ELEMENTS and fused.supports(rows)
 
     def add(self, b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> Deferred:

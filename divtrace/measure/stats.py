@@ -14,6 +14,7 @@ import torch
 from divtrace.compat import default_tolerances
 from divtrace.measure.block import F64, INT_VIEW, Block, max_ulp
 from divtrace.measure.fields import FIELDS, INDEX, MAX_FIELDS
+from divtrace.measure.host import upload
 
 __all__ = ["block_stats", "blocks", "combine", "lower_precision", "mixed_stats",
            "reduce_blocks", "tolerances", "ulp_ordered"]
@@ -87,10 +88,8 @@ def _max_mask(device: torch.device) -> torch.Tensor:
     """Per field, whether it combines by maximum, on ``device`` (made once per device)."""
     mask = _MASKS.get(device)
     if mask is None:
-        mask = torch.tensor([i in MAX_FIELDS for i in range(len(FIELDS))])
-        # on CUDA from pinned memory: the host does not wait for the GPU's queued work
-        mask = _MASKS[device] = (mask.pin_memory().to(device, non_blocking=True)
-                                 if device.type == "cuda" else mask.to(device))
+        mask = _MASKS[device] = upload(
+            torch.tensor([i in MAX_FIELDS for i in range(len(FIELDS))]), device)
     return mask
 
 

@@ -13,6 +13,7 @@ from torch import nn
 from divtrace.align.sites import Site, input_site
 from divtrace.align.status import Status, comparable
 from divtrace.compat import foreach_copy, version
+from divtrace.measure.host import upload
 from divtrace.record.cudagraph import slot_copy
 from divtrace.record.lineage import InputPart, Origin, input_parts, tensor_inputs
 from divtrace.record.recorder import Sink, Tracker
@@ -189,14 +190,14 @@ class RowStore(Sink):
         self._touched.append(stored)
         self._last.note(site.key, tensor, wrote)
         if self._whole is not None and dim == 0:
-            target = None if made else rows.narrow(0, self._whole[0], self._whole[1])
-            if target is None or self.offload or site.key in self._eager or not self._learnt:
-                if target is not None:  # (else a copy of the tensor made the rows)
-                    target.copy_(tensor, self.offload)
-                if not self._learnt and not self.offload:
-                    self._watched.append((tensor, version(tensor), wrote, site.key))
-            else:
+            if not (made or self.offload or site.key in self._eager or not self._learnt):
+                target = rows.narrow(0, self._whole[0], self._whole[1])
                 self._pending.append((target, tensor, version(tensor), wrote, site.key))
+                return
+            if not made:  # copied at once (else a copy of the tensor made the rows)
+                rows.narrow(0, self._whole[0], self._whole[1]).copy_(tensor, self.offload)
+            if not self._learnt and not self.offload:
+                self._watched.append((tensor, version(tensor), wrote, site.key))
             return
         for slot, row, n in self._runs:
             rows.narrow(0, slot, n).copy_(tensor.narrow(dim, row, n).movedim(dim, 0),
@@ -312,9 +313,7 @@ class RowStore(Sink):
         """The compared samples' indices as a tensor on ``device`` (made once; copied to a
         GPU from pinned memory, so the host does not wait for the GPU's queued work)."""
         if device not in self._index:
-            index = torch.tensor(self.samples)
-            self._index[device] = (index.pin_memory().to(device, non_blocking=True)
-                                   if device.type == "cuda" else index.to(device))
+            self._index[device] = upload(torch.tensor(self.samples), device)
         return self._index[device]
 
     def pick(self, tensor: torch.Tensor) -> torch.Tensor:

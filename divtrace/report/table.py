@@ -47,19 +47,20 @@ def columns(figures: tuple[Figure, ...], probes: tuple[type[Probe], ...]) -> tup
 COLUMNS = columns(FIGURES, tuple(p for p in PROBES if not p.option))
 
 
-def _site_row(site: Measured, figures: tuple[Figure, ...] | dict[str, float]
-              ) -> dict[str, Any]:
-    """A site's row, its figures NaN (``figures``: the figures, or those NaN already)."""
+def _site_row(site: Measured, blank: dict[str, Any]) -> dict[str, Any]:
+    """A site's row: what it is, then ``blank`` (its figures NaN; blank probe columns)."""
     info = site.site
-    row = {
+    return {
         "site": info.key, "module": info.module, "module_type": info.module_type,
         "call": info.call, "path": info.path, "op": info.op, "scope": info.scope,
         "leaf": info.leaf, "status": site.status.value,
         "shape": str(site.shape), "dtype": _dtype_name(site.dtype),
-    }
-    row.update(figures if isinstance(figures, dict)
-               else dict.fromkeys((f.name for f in figures), math.nan))
-    return row
+    } | blank
+
+
+def _blank(figures: tuple[Figure, ...]) -> dict[str, float]:
+    """Each figure NaN (a site not compared)."""
+    return dict.fromkeys((f.name for f in figures), math.nan)
 
 
 @functools.cache
@@ -73,7 +74,7 @@ def _measured_rows(plan: Plan, sites: list[Measured]
     """Per measured site: its row, its fields and its argmax flips; and the per-sample
     table (figures computed for all sites at once, columns built as arrays)."""
     batch, samples = plan.batch.batch_size, plan.samples
-    blank = dict.fromkeys((f.name for f in plan.figures), math.nan)
+    blank = _blank(plan.figures)
     rows = [_site_row(site, blank) for site in sites]
     fields: dict[str, tuple[np.ndarray, int]] = {}
     flips = {site.site.key: tuple(site.flips.get().astype(bool).tolist())
@@ -117,7 +118,7 @@ def _in_order(rows: list[dict[str, Any]], store: RowStore, probes: tuple[Probe, 
               figures: tuple[Figure, ...]) -> list[dict[str, Any]]:
     """The rows with those of the sites only the reference run reached, in order."""
     reference = [key for key, stored in store.rows.items() if stored.site.input is None]
-    blank = {k: v for probe in probes for k, v in probe.blank.items()}
+    blank = _blank(figures) | {k: v for probe in probes for k, v in probe.blank.items()}
     ordered: list[dict[str, Any]] = []
     measured, seen = iter(rows), {row["site"] for row in rows}
     for key in merge([row["site"] for row in rows], reference):
@@ -126,7 +127,7 @@ def _in_order(rows: list[dict[str, Any]], store: RowStore, probes: tuple[Probe, 
             continue
         stored = store.rows[key]
         missing = Measured(stored.site, Status.MISSING_IN_BATCHED, stored.shape, stored.dtype)
-        ordered.append(_site_row(missing, figures) | blank)
+        ordered.append(_site_row(missing, blank))
     return ordered
 
 
