@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,11 +41,12 @@ class Comparison:
 
     __slots__ = ("_meta", "_pairs", "_probes", "_samples", "_table")
 
-    def __init__(self, table: pd.DataFrame, samples: pd.DataFrame, meta: Meta,
+    def __init__(self, table: pd.DataFrame,
+                 samples: pd.DataFrame | Callable[[], pd.DataFrame], meta: Meta,
                  pairs: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]],
                  probes: tuple[type[Probe], ...] = ()) -> None:
         self._table = table
-        self._samples = samples
+        self._samples = samples  # or how to make it, on first use
         self._meta = meta
         self._pairs = pairs
         self._probes = probes  # what explains the table: their sentences, their columns
@@ -55,7 +57,12 @@ class Comparison:
 
     @property
     def samples(self) -> pd.DataFrame:
-        return self._samples.copy()
+        return self._sample_table().copy()
+
+    def _sample_table(self) -> pd.DataFrame:
+        if not isinstance(self._samples, pd.DataFrame):  # made once, when first asked for
+            self._samples = self._samples()
+        return self._samples
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -78,7 +85,8 @@ class Comparison:
         if status is not None:
             keep &= self._table["status"] == status
         table = self._table[keep].reset_index(drop=True)
-        samples = self._samples[self._samples["site"].isin(table["site"])]
+        samples = self._sample_table()
+        samples = samples[samples["site"].isin(table["site"])]
         pairs = {k: v for k, v in self._pairs.items() if k in set(table["site"])}
         return Comparison(table, samples.reset_index(drop=True), self._meta, pairs,
                           self._probes)

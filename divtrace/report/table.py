@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -69,10 +71,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _measured_rows(plan: Plan, sites: list[Measured]
-                   ) -> tuple[list[dict[str, Any]], pd.DataFrame,
+                   ) -> tuple[list[dict[str, Any]], Callable[[], pd.DataFrame],
                               dict[str, tuple[np.ndarray, int]], dict[str, tuple[bool, ...]]]:
-    """Per measured site: its row, its fields and its argmax flips; and the per-sample
-    table (figures computed for all sites at once, columns built as arrays)."""
+    """Per measured site: its row, its fields and its argmax flips; and how to make the
+    per-sample table (figures computed for all sites at once; the table made only when
+    it is asked for)."""
     batch, samples = plan.batch.batch_size, plan.samples
     blank = _blank(plan.figures)
     rows = [_site_row(site, blank) for site in sites]
@@ -81,7 +84,7 @@ def _measured_rows(plan: Plan, sites: list[Measured]
              for site in sites if site.flips is not None}
     measured = [(i, site) for i, site in enumerate(sites) if site.stats is not None]
     if not measured:
-        return rows, pd.DataFrame(columns=list(SAMPLE_COLUMNS)), fields, flips
+        return rows, partial(pd.DataFrame, columns=list(SAMPLE_COLUMNS)), fields, flips
     arrays = [site.stats.get() for _, site in measured if site.stats is not None]
     elements = [site.per_sample(batch) for _, site in measured]
     found, mismatch, rel, max_abs = many_site_figures(arrays, elements, plan.figures)
@@ -90,14 +93,18 @@ def _measured_rows(plan: Plan, sites: list[Measured]
         fields[site.site.key] = (array, counts * len(samples) if isinstance(counts, int)
                                  else int(counts.sum()))
         rows[i] |= figures
-    keys = np.repeat(np.array([site.site.key for _, site in measured], dtype=object),
-                     len(samples))
-    per_sample = pd.DataFrame({
-        "site": pd.array(keys, dtype="str"),
-        "sample": np.tile(np.asarray(samples, dtype=np.int64), len(measured)),
+    keys = [site.site.key for _, site in measured]
+    return rows, partial(_per_sample, keys, samples, mismatch, rel, max_abs), fields, flips
+
+
+def _per_sample(keys: list[str], samples: tuple[int, ...], mismatch: np.ndarray,
+                rel: np.ndarray, max_abs: np.ndarray) -> pd.DataFrame:
+    """The per-sample table: a row per measured site and compared sample."""
+    return pd.DataFrame({
+        "site": pd.array(np.repeat(np.array(keys, dtype=object), len(samples)), dtype="str"),
+        "sample": np.tile(np.asarray(samples, dtype=np.int64), len(keys)),
         "mismatch": mismatch.reshape(-1), "rel_l2": rel.reshape(-1),
         "max_abs": max_abs.reshape(-1)}, columns=list(SAMPLE_COLUMNS))
-    return rows, per_sample, fields, flips
 
 
 def _growth(rel_l2: list[float], leaf: list[bool], mismatch: list[float], op: list[str]
