@@ -7,10 +7,14 @@ per sample with samples [0, 1] (the split run's two passes, then the batched pas
 ``divtrace_old``). ``--floor`` also times the same passes with the least a recorder made
 of module hooks must do: a forward hook on every module that only keeps the output
 ("hooks"), and one that copies the compared rows ("hooks + copies": the split passes'
-rows, the batched pass's rows 0 and 1).
+rows, the batched pass's rows 0 and 1). ``--selections`` also times ``compare()``
+observing fewer modules, and only the output (``modules=[]``: the cost of a call without
+sites). With both, "least with every module hooked" is that call's ratio plus the hooks'
+share: no ``compare()`` that hooks every module can cost less. "µs per site" is
+``compare()``'s time beyond the bare passes over its sites.
 
     python benchmarks/many_sites.py [--device cuda] [--chunk 2] [--repeats 7] [--old DIR]
-        [--floor] [--json out]
+        [--floor] [--selections] [--json out]
 """
 
 from __future__ import annotations
@@ -93,7 +97,8 @@ def main() -> int:
         median = {way: statistics.median(t) for way, t in times.items()}
         sites = len(divtrace.compare(model, x, samples=[0, 1], progress=False).table)
         row = {"model": name, "sites": sites, "bare_s": median["bare"],
-               "ratio": median["new"] / median["bare"]}
+               "ratio": median["new"] / median["bare"],
+               "per_site_us": (median["new"] - median["bare"]) / sites * 1e6}
         if old is not None:
             row["ratio_old"] = median["old"] / median["bare"]
         if args.floor:
@@ -108,12 +113,16 @@ def main() -> int:
             selected_text = (f"; conv + linear ({row['sites_selected']} sites) "
                              f"{row['ratio_selected']:.2f}×, output only "
                              f"{row['ratio_output']:.2f}×")
+            if args.floor:  # a call that observes every module costs at least both
+                row["ratio_least"] = row["ratio_output"] + row["ratio_hooks"] - 1
+                selected_text += f"; least with every module hooked {row['ratio_least']:.2f}×"
         rows.append(row)
         old_text = f", older {row['ratio_old']:.2f}×" if old is not None else ""
         floor_text = (f"; hooks alone {row['ratio_hooks']:.2f}×, hooks + copies "
                       f"{row['ratio_hooks_copies']:.2f}×" if args.floor else "")
         print(f"{name}: {sites} sites, bare {median['bare'] * 1e3:.1f} ms, compare "
-              f"{row['ratio']:.2f}×{old_text}{floor_text}{selected_text}")
+              f"{row['ratio']:.2f}× ({row['per_site_us']:.0f} µs per site)"
+              f"{old_text}{floor_text}{selected_text}")
     if args.json:
         args.json.write_text(json.dumps({"torch": torch.__version__, "device": str(device),
                                          "threads": args.threads, "chunk": args.chunk,
