@@ -1,0 +1,152 @@
+"""The floor under a recorder, with and without module hooks.
+
+The passes ``compare()`` makes in ``benchmarks/many_sites.py``'s setting (mobilenet_v3_small,
+efficientnet_b0, resnet18, random weights, batch 16 of 3×64×64, samples [0, 1] one at a
+time, then the batched pass), timed in one process, interleaved, medians, as ratios to
+the bare passes:
+
+- "hooks": a forward hook on every module that keeps its output (what module hooks cost
+  before a recorder does anything);
+- "hooks + copies": the same hook copying rows 0 and 1 of the output;
+- "traced": the model traced with ``torch.fx`` and run as the generated code, with a call
+  after every leaf module's call that keeps its output; no module hook runs. The traced
+  code calls the leaf modules but not the containers, so it observes fewer sites (the
+  number is printed);
+- "traced + copies": the same call copying rows 0 and 1.
+
+No divtrace code runs here: these are what a recorder built either way would pay before
+any of its own work. The traced output is checked to be bit-identical to the model's.
+
+    python benchmarks/recorder_floor.py [--device cuda] [--repeats 15] [--json out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from overhead import timed, use_seed_settings
+
+MODELS = ("mobilenet_v3_small", "efficientnet_b0", "resnet18")
+KEPT: list[object] = []
+
+
+def keep(tensor: torch.Tensor) -> torch.Tensor:
+    """Keeps a leaf call's output (the traced code calls this after every leaf call)."""
+    KEPT.append(tensor)
+    return tensor
+
+
+def copy_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """Keeps a copy of rows 0 and 1 of a leaf call's output."""
+    KEPT.append(tensor[:2].clone())
+    return tensor
+
+
+torch.fx.wrap("keep")
+torch.fx.wrap("copy_rows")
+
+
+def traced(model: nn.Module, after: Callable[[torch.Tensor], torch.Tensor]
+           ) -> tuple[torch.fx.GraphModule, int]:
+    """``model`` traced, with ``after`` called on every leaf module call's output; and
+    the number of those calls in one pass."""
+    module = torch.fx.symbolic_trace(model)
+    calls = [node for node in module.graph.nodes if node.op == "call_module"]
+    for node in calls:
+        with module.graph.inserting_after(node):
+            wrapped = module.graph.call_function(after, (node,))
+        node.replace_all_uses_with(wrapped, delete_user_cb=lambda user, w=wrapped: user is not w)
+    module.recompile()
+    return module, len(calls)
+
+
+def main() -> int:
+    import torchvision.models
+
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    torch.set_num_threads(args.threads)
+    use_seed_settings(device)
+    rows: list[dict[str, Any]] = []
+    for name in MODELS:
+        torch.manual_seed(0)
+        model = getattr(torchvision.models, name)().eval().to(device)
+        x = torch.rand(16, 3, 64, 64, device=device)
+        kept, leaf_calls = traced(model, keep)
+        copying, _ = traced(model, copy_rows)
+        with torch.no_grad():
+            if not torch.equal(kept(x), model(x)):
+                raise SystemExit(f"{name}: the traced model's output differs")
+
+        def passes(run: nn.Module, x: torch.Tensor = x) -> Callable[[], None]:
+            def go() -> None:
+                with torch.no_grad():
+                    run(x[0:1])
+                    run(x[1:2])
+                    run(x)
+                KEPT.clear()
+            return go
+
+        ways = {"bare": passes(model), "hooks": hooked(model, passes(model), copy=False),
+                "hooks + copies": hooked(model, passes(model), copy=True),
+                "traced": passes(kept), "traced + copies": passes(copying)}
+        for fn in ways.values():
+            fn()
+        times: dict[str, list[float]] = {way: [] for way in ways}
+        for _ in range(args.repeats):
+            for way, fn in ways.items():
+                times[way].append(timed(fn, device))
+        median = {way: statistics.median(t) for way, t in times.items()}
+        row = {"model": name, "modules": len(list(model.modules())),
+               "leaf_calls": leaf_calls, "bare_s": median["bare"],
+               **{f"ratio_{way}": median[way] / median["bare"] for way in ways if way != "bare"}}
+        rows.append(row)
+        print(f"{name}: bare {median['bare'] * 1e3:.1f} ms; hooks on {row['modules']} "
+              f"modules {row['ratio_hooks']:.2f}×, + copies {row['ratio_hooks + copies']:.2f}×; "
+              f"traced, {leaf_calls} leaf calls kept {row['ratio_traced']:.2f}×, + copies "
+              f"{row['ratio_traced + copies']:.2f}×")
+    if args.json:
+        args.json.write_text(json.dumps({"torch": torch.__version__, "device": str(device),
+                                         "threads": args.threads, "results": rows}, indent=1))
+    return 0
+
+
+def hooked(model: nn.Module, bare: Callable[[], None], copy: bool) -> Callable[[], None]:
+    """``bare`` with a forward hook on every module that keeps its output (or a copy of
+    rows 0 and 1)."""
+
+    def hook(_module: nn.Module, _args: object, output: object) -> None:
+        KEPT.append(output[:2].clone() if copy and isinstance(output, torch.Tensor)
+                    and output.dim() else output)
+
+    def run() -> None:
+        handles = [module.register_forward_hook(hook) for module in model.modules()]
+        try:
+            bare()
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    return run
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
