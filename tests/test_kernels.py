@@ -44,7 +44,9 @@ device = sys.argv[1]
 g = torch.Generator().manual_seed(0)
 for dtype in [torch.float32, torch.float16, torch.bfloat16, torch.float64]:
     pairs = []
-    for rows, cols in [(2, 100), (3, 2048), (2, 2049), (1, 5000), (4, 3), (2, 7000), (2, 96)]:
+    for rows, cols in [(2, 100), (3, 2048), (2, 2049), (1, 5000), (4, 3), (2, 7000), (2, 96),
+                       (2, 3000), (2, 4096), (1, 6000),  # (sharing a count of blocks)
+                       (1, 140000), (1, 141000)]:  # (blocks enough to be combined alone)
         b = torch.randn(rows, cols, dtype=torch.float64, generator=g)
         r = b + torch.randn(rows, cols, dtype=torch.float64, generator=g) * 1e-3
         b[0, 0], r[0, 0] = 0.0, -0.0
@@ -119,6 +121,36 @@ def test_sites_queued_for_one_launch_give_the_tables_of_sites_measured_alone() -
 @pytest.mark.cuda
 def test_many_sites_in_one_launch_on_cuda() -> None:
     assert "many == alone" in _run(MANY, "cuda", interpret=False)
+
+
+@pytest.mark.cuda
+def test_partial_blocks_of_many_sites_combine_as_each_sites_alone() -> None:
+    """One reduction over the partial blocks of many sites (as ``fused_many_placed``
+    makes it) gives each site's rows bit for bit what its own reduction gives, whatever
+    the number of sites, rows and blocks."""
+    import torch
+
+    from divtrace.measure.fields import FIELDS
+    from divtrace.measure.stats import reduce_blocks
+
+    g = torch.Generator().manual_seed(0)
+    differ = []
+    for blocks in (2, 3, 5, 8, 9, 17, 33, 64):  # (fused_many_placed shares up to 64)
+        for rows in (1, 2, 3, 8):
+            for sites in (2, 7, 60):
+                # magnitudes over many binades, so that the order of a sum shows
+                shape = (sites * rows, blocks, len(FIELDS))
+                scale = torch.exp2(torch.randint(-40, 40, shape, generator=g).double())
+                partial = (torch.randn(shape, generator=g, dtype=torch.float64) * scale).cuda()
+                together = reduce_blocks(partial, 1)
+                for site in range(sites):
+                    part = slice(site * rows, (site + 1) * rows)
+                    alone = reduce_blocks(partial[part].clone(), 1)
+                    if not torch.equal(together[part].view(torch.int64),
+                                       alone.view(torch.int64)):
+                        differ.append((blocks, rows, sites))
+                        break
+    assert not differ, differ
 
 
 @pytest.mark.cuda

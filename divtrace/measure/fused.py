@@ -37,6 +37,11 @@ _ULP_BITS = {torch.float16: 16, torch.bfloat16: 16, torch.float32: 32, torch.flo
 #: A site's record for :func:`fused_many`: its rows' addresses (measured, reference), its
 #: partial fields' address, the row width, the rows' strides, the blocks per row.
 _RECORD = 7
+#: Pairs of at most this many blocks per row share one reduction of their partial
+#: blocks with the other pairs of as many. On an H200 that reduction gave every row bit
+#: for bit its own reduction's sums for 2 to 69, 80 and 96 blocks (the counts tried);
+#: from 128 blocks on, a pair of at most 4 rows reduced alone summed in another order.
+_SHARED_BLOCKS = 64
 
 if AVAILABLE:
 
@@ -197,18 +202,23 @@ def fused_stats(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> t
 def fused_many(pairs: list[tuple[torch.Tensor, torch.Tensor]], rtol: float, atol: float
                ) -> list[torch.Tensor]:
     """:func:`fused_stats` of many pairs (see :func:`fused_many_placed`), one tensor each."""
-    return [fields if rows is None else fields[rows[0]:rows[1]]
-            for fields, rows in fused_many_placed(pairs, rtol, atol)]
+    return [fields[lo:hi] for fields, (lo, hi) in fused_many_placed(pairs, rtol, atol)]
 
 
 def fused_many_placed(pairs: list[tuple[torch.Tensor, torch.Tensor]], rtol: float,
-                      atol: float) -> list[tuple[torch.Tensor, tuple[int, int] | None]]:
+                      atol: float) -> list[tuple[torch.Tensor, tuple[int, int]]]:
     """:func:`fused_stats` of many pairs of one dtype on one device, in one launch per
     kind of layout; each pair's fields exactly as :func:`fused_stats` gives them alone
-    (the same kernel body on the same blocks, laid out alike; a row of several blocks
-    combined as there). Rows of one element are not taken (:func:`fused_stats` compiles
-    them apart). Each pair's fields come as a tensor and the range of its rows they take
-    (None: all of it): the pairs of one block per row share one tensor, not sliced here.
+    (the same kernel body on the same blocks, laid out alike). Rows of one element are
+    not taken (:func:`fused_stats` compiles them apart).
+
+    Each pair's fields come as a tensor shared with other pairs and the range of its rows
+    in it, not sliced here: the pairs of one block per row share one tensor; the pairs of
+    ``n`` blocks per row (up to :data:`_SHARED_BLOCKS`) write their partial blocks into one
+    buffer for that ``n``, which one reduction combines (three launches for all of them,
+    not three per pair). Every row of that reduction sums its own blocks as
+    :func:`fused_stats`' reduction of one pair does; a CUDA test checks the two bit for bit
+    over many shapes. A pair of more blocks is combined alone.
 
     The caller keeps every tensor alive until the launch has run (it is stream-ordered).
     """
@@ -216,33 +226,35 @@ def fused_many_placed(pairs: list[tuple[torch.Tensor, torch.Tensor]], rtol: floa
     pairs = [(b if b.stride(1) == 1 else b.contiguous(), r if r.stride(1) == 1
               else r.contiguous()) for b, r in pairs]
     shapes = [(b.shape[0], b.shape[1], max(1, triton.cdiv(b.shape[1], _BLOCK))) for b, _ in pairs]
-    single = sum(rows for rows, _, blocks in shapes if blocks == 1)
-    shared = torch.empty((single, len(FIELDS)), dtype=torch.float64, device=device)
-    outs: list[torch.Tensor] = []
-    spans: list[tuple[int, int] | None] = []
+    # each pair's buffer of partial blocks: one per count of blocks, or its own
+    keys = [blocks if blocks <= _SHARED_BLOCKS else -index - 1
+            for index, (_, _, blocks) in enumerate(shapes)]
+    held: dict[int, tuple[int, int]] = {}  # key -> rows of its pairs, blocks per row
+    for key, (rows, _, blocks) in zip(keys, shapes, strict=True):
+        held[key] = (held.get(key, (0, 0))[0] + rows, blocks)
+    outs = {key: torch.empty((rows, blocks, len(FIELDS)), dtype=torch.float64,
+                             device=device) for key, (rows, blocks) in held.items()}
+    taken = dict.fromkeys(outs, 0)
+    spans: list[tuple[int, int, int]] = []  # the pair's buffer, its rows in it
     kinds: dict[tuple[bool, ...], list[int]] = {}
-    records, at = [], 0
-    row_bytes = len(FIELDS) * shared.element_size()
-    for index, ((b, r), (rows, cols, blocks)) in enumerate(zip(pairs, shapes, strict=True)):
-        if blocks == 1:  # one row of fields per row: rows of the shared buffer
-            out, address = shared, shared.data_ptr() + at * row_bytes
-            spans.append((at, at + rows))
-            at += rows
-        else:  # its own partial block, combined below as fused_stats combines it
-            out = torch.empty((rows, blocks, len(FIELDS)), dtype=torch.float64, device=device)
-            address = out.data_ptr()
-            spans.append(None)
-        outs.append(out)
-        records.append((b.data_ptr(), r.data_ptr(), address, cols, b.stride(0),
-                        r.stride(0), blocks))
+    records = []
+    for index, ((b, r), (rows, cols, blocks), key) in enumerate(
+            zip(pairs, shapes, keys, strict=True)):
+        out, at = outs[key], taken[key]
+        taken[key] += rows
+        spans.append((key, at, at + rows))
+        records.append((b.data_ptr(), r.data_ptr(),
+                        out.data_ptr() + at * blocks * len(FIELDS) * out.element_size(),
+                        cols, b.stride(0), r.stride(0), blocks))
         kinds.setdefault((b.data_ptr() % 16 == 0, r.data_ptr() % 16 == 0,
                           b.stride(0) % 16 == 0, r.stride(0) % 16 == 0, cols % 16 == 0),
                          []).append(index)
     for kind, members in kinds.items():
         _launch([records[i] for i in members], [shapes[i][0] * shapes[i][2] for i in members],
                 kind, device, dtype, rtol, atol)
-    return [(out, span) if span is not None else (reduce_blocks(out, 1), None)
-            for out, span in zip(outs, spans, strict=True)]
+    fields = {key: out[:, 0] if key == 1 else reduce_blocks(out, 1)
+              for key, out in outs.items()}
+    return [(fields[key], (lo, hi)) for key, lo, hi in spans]
 
 
 def _launch(records: list[tuple[int, ...]], programs: list[int], kind: tuple[bool, ...],
