@@ -36,9 +36,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from many_sites import MODELS, hooked
 from overhead import timed, use_seed_settings
 
-MODELS = ("mobilenet_v3_small", "efficientnet_b0", "resnet18")
 KEPT: list[object] = []
 
 
@@ -105,7 +105,8 @@ def main() -> int:
                 KEPT.clear()
             return go
 
-        ways = {"bare": passes(model), "hooks": hooked(model, passes(model), copy=False),
+        ways = {"bare": passes(model),  # (the hooks are many_sites.py's --floor's)
+                "hooks": hooked(model, passes(model), copy=False),
                 "hooks + copies": hooked(model, passes(model), copy=True),
                 "traced": passes(kept), "traced + copies": passes(copying)}
         for fn in ways.values():
@@ -127,25 +128,6 @@ def main() -> int:
         args.json.write_text(json.dumps({"torch": torch.__version__, "device": str(device),
                                          "threads": args.threads, "results": rows}, indent=1))
     return 0
-
-
-def hooked(model: nn.Module, bare: Callable[[], None], copy: bool) -> Callable[[], None]:
-    """``bare`` with a forward hook on every module that keeps its output (or a copy of
-    rows 0 and 1)."""
-
-    def hook(_module: nn.Module, _args: object, output: object) -> None:
-        KEPT.append(output[:2].clone() if copy and isinstance(output, torch.Tensor)
-                    and output.dim() else output)
-
-    def run() -> None:
-        handles = [module.register_forward_hook(hook) for module in model.modules()]
-        try:
-            bare()
-        finally:
-            for handle in handles:
-                handle.remove()
-
-    return run
 
 
 if __name__ == "__main__":
