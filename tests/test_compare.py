@@ -57,6 +57,19 @@ def test_table_columns_are_stable() -> None:
     assert list(result.samples.columns) == ["site", "sample", "mismatch", "rel_l2", "max_abs"]
 
 
+def test_the_per_sample_table_is_the_same_made_early_or_late() -> None:
+    # it is made when first asked for: through select() first, or on its own
+    x = torch.randn(6, 16)
+    late, early = (run(models.variant_mlp(), x, samples=[0, 3]) for _ in range(2))
+    whole = early.samples
+    leaves = late.select(leaf=True).samples
+    assert len(whole) == 2 * len(early.table)
+    assert 0 < len(leaves) < len(whole)
+    assert leaves.equals(whole[whole["site"].isin(late.select(leaf=True).table["site"])]
+                         .reset_index(drop=True))
+    assert late.samples.equals(whole)
+
+
 def test_figures_agree_with_a_direct_computation() -> None:
     model = models.variant_mlp()
     x = torch.randn(6, 16)

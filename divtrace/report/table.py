@@ -7,7 +7,6 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import replace
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -84,7 +83,7 @@ def _measured_rows(plan: Plan, sites: list[Measured]
              for site in sites if site.flips is not None}
     measured = [(i, site) for i, site in enumerate(sites) if site.stats is not None]
     if not measured:
-        return rows, partial(pd.DataFrame, columns=list(SAMPLE_COLUMNS)), fields, flips
+        return rows, functools.partial(pd.DataFrame, columns=list(SAMPLE_COLUMNS)), fields, flips
     arrays = [site.stats.get() for _, site in measured if site.stats is not None]
     elements = [site.per_sample(batch) for _, site in measured]
     found, mismatch, rel, max_abs = many_site_figures(arrays, elements, plan.figures)
@@ -94,7 +93,8 @@ def _measured_rows(plan: Plan, sites: list[Measured]
                                  else int(counts.sum()))
         rows[i] |= figures
     keys = [site.site.key for _, site in measured]
-    return rows, partial(_per_sample, keys, samples, mismatch, rel, max_abs), fields, flips
+    per_sample = functools.partial(_per_sample, keys, samples, mismatch, rel, max_abs)
+    return rows, per_sample, fields, flips
 
 
 def _per_sample(keys: list[str], samples: tuple[int, ...], mismatch: np.ndarray,
