@@ -26,7 +26,7 @@ from divtrace.measure.stats import (
 )
 from divtrace.record.lineage import InputPart, Origin, input_parts
 from divtrace.record.oplineage import per_sample
-from divtrace.record.recorder import Sink, Tracker
+from divtrace.record.recorder import Sink, Tracker, writes
 from divtrace.record.repeats import LastTensor
 from divtrace.record.rows import RowStore
 from divtrace.record.stored import StoredRows, runs_of
@@ -170,9 +170,8 @@ class Meter(Sink):
 
     # -- measuring --------------------------------------------------------------------
 
-    def status(self, key: str, tensor: torch.Tensor) -> Status:
-        """Whether ``tensor`` lines up with the stored rows of the site ``key``."""
-        stored = self.store.rows.get(key)
+    def status(self, stored: StoredRows | None, tensor: torch.Tensor) -> Status:
+        """Whether ``tensor`` lines up with ``stored``, a site's stored rows."""
         complete = stored is not None and self.store.complete(stored)
         return status_of(stored, tensor, self.batch, self.store.batch_dim, complete)
 
@@ -183,12 +182,11 @@ class Meter(Sink):
             return Measured(site, usable, (), tensor.dtype)
         tensor = usable
         stored = self.store.rows.get(site.key)
-        status = status_of(stored, tensor, self.batch, self.store.batch_dim,
-                           stored is not None and self.store.complete(stored))
+        status = self.status(stored, tensor)
         measured = Measured(site, status, tuple(tensor.shape), tensor.dtype)
         if status != Status.OK or stored is None or stored.rows is None:
             return measured
-        wrote = self._tracker.writes_to(tensor) if self._tracker is not None else 0
+        wrote = writes(self._tracker, tensor)
         earlier = self._repeated(site.key, tensor, wrote)
         flips = (site.is_output and tensor.dim() == 2 and tensor.is_floating_point()
                  and (earlier is None or earlier.flips is None))
@@ -238,7 +236,7 @@ class Meter(Sink):
         """Per-sample statistics of ``tensor`` (of the whole batch) against the stored rows
         of the site ``key``, or None when they do not line up (nothing is recorded)."""
         stored = self.store.rows.get(key)
-        if stored is None or stored.rows is None or self.status(key, tensor) != Status.OK:
+        if stored is None or stored.rows is None or self.status(stored, tensor) != Status.OK:
             return None
         return self.stats(tensor, self.store.rows_on(stored, tensor.device))
 

@@ -25,7 +25,7 @@ from divtrace.compat import version
 if TYPE_CHECKING:
     from divtrace.record.lineage import InputPart
 
-__all__ = ["OP_RANGE", "Recorder", "Sink", "Tracker"]
+__all__ = ["OP_RANGE", "Recorder", "Sink", "Tracker", "writes"]
 
 #: Between the prefix and the key in the name of an op call's profiler range (an op
 #: runs inside its module call's range; the kernels it launches count for both).
@@ -73,6 +73,11 @@ class Tracker:
         if version(tensor) != entry[2] and not in_place:
             return None
         return entry[1]
+
+
+def writes(tracker: Tracker | None, tensor: torch.Tensor) -> int:
+    """:meth:`Tracker.writes_to` of ``tensor`` (0 before a pass gave a tracker)."""
+    return 0 if tracker is None else tracker.writes_to(tensor)
 
 
 class Sink:

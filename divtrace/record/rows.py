@@ -16,7 +16,7 @@ from divtrace.compat import foreach_copy, version
 from divtrace.measure.host import upload
 from divtrace.record.cudagraph import slot_copy
 from divtrace.record.lineage import InputPart, Origin, input_parts, tensor_inputs
-from divtrace.record.recorder import Sink, Tracker
+from divtrace.record.recorder import Sink, Tracker, writes
 from divtrace.record.repeats import LastTensor
 from divtrace.record.stored import StoredRows, runs_of
 
@@ -174,7 +174,7 @@ class RowStore(Sink):
             stored.drop(Status.UNBATCHED)
             return
         row_shape = tuple(shape[:dim] + shape[dim + 1:])
-        wrote = self._tracker.writes_to(tensor) if self._tracker is not None else 0
+        wrote = writes(self._tracker, tensor)
         if stored is not None and (row_shape != stored.row_shape
                                    or tensor.dtype != stored.dtype):
             stored.drop(Status.SHAPE_MISMATCH)
@@ -275,7 +275,7 @@ class RowStore(Sink):
                 or tuple(shape[:dim] + shape[dim + 1:]) != stored.row_shape):
             self._uncapturable.append(site.key)
             return
-        wrote = self._tracker.writes_to(tensor) if self._tracker is not None else 0
+        wrote = writes(self._tracker, tensor)
         shared = self.aliases.get(site.key)
         if shared is None:
             slot_copy(stored.rows, slots, tensor.movedim(dim, 0))
