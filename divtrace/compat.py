@@ -16,7 +16,7 @@ from torch.utils.module_tracker import ModuleTracker
 
 __all__ = ["BATCH_NORM", "DROPOUT", "TorchDispatchMode", "cuda_driver", "default_tolerances",
            "foreach_copy", "forward_hooks", "generator_kept", "impl", "modes_off",
-           "module_tracker", "pytree", "version"]
+           "module_tracker", "own_tensors", "pytree", "version"]
 
 #: The base classes of BatchNorm and of Dropout layers (they mix samples, or draw random
 #: numbers, in train mode).
@@ -32,6 +32,14 @@ version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
 #: pass a tensor may have no Python object at all (and gets a new one, with a new id(),
 #: each time Python sees it), so lineage across ops is keyed by this address.
 impl: Callable[[torch.Tensor], int] = operator.attrgetter("_cdata")
+
+
+def own_tensors(module: nn.Module
+                ) -> tuple[Mapping[str, torch.Tensor | None], Mapping[str, torch.Tensor | None]]:
+    """A module's own parameters and buffers (not its children's), by name, as
+    ``named_parameters`` and ``named_buffers`` read them: the module's private dicts, read
+    directly, since the public way starts a walk of its own per module."""
+    return module._parameters, module._buffers
 
 
 def foreach_copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:

@@ -15,6 +15,7 @@ from divtrace.plan.checks import whole_number
 from divtrace.plan.prompts import Prompts
 from divtrace.plan.samples import check_chunk, chunks_for, prepare_samples
 from divtrace.plan.selection import ModuleSpec
+from divtrace.plan.walk import Walk
 from divtrace.progress import Progress
 from divtrace.record.guard import cuda_devices, untouched
 
@@ -112,8 +113,9 @@ def compare_generate(
     chunks = list(chunks_for(rows, chunk, size))
     settings: dict[str, Any] = {"pad_token_id": int(pad_token_id),
                                 "eos_token_id": eos or None}
-    devices = cuda_devices((model,), list(padded.prompts))
-    with Progress(1 + len(chunks), progress) as bar, untouched(model, devices):
+    walk = Walk.of(model)
+    devices = cuda_devices((walk,), list(padded.prompts))
+    with Progress(1 + len(chunks), progress) as bar, untouched(walk, devices):
         bar.stage("batched run (generate)")
         batched = decode(model, padded, [(0, size)], new_tokens, settings, set(eos),
                          bar.advance)

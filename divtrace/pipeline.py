@@ -23,6 +23,7 @@ from divtrace.measure.meter import Meter
 from divtrace.measure.ragged import RaggedMeter
 from divtrace.plan.make import Plan
 from divtrace.plan.prompts import RaggedInput
+from divtrace.plan.walk import Walk
 from divtrace.progress import Progress
 from divtrace.record.graphs import GraphedRun
 from divtrace.record.guard import RandomDraws, cuda_devices, untouched
@@ -135,14 +136,15 @@ def _meter(plan: Plan, ctx: Context, host: Host, probes: tuple[Probe, ...]) -> M
 
 def execute(plan: Plan, model: nn.Module) -> Comparison:
     """Carries out ``plan`` on ``model``; the model comes back untouched."""
+    walk = plan.walk if plan.walk is not None and plan.walk.model is model else Walk.of(model)
     reference = Runner.of(plan.reference, model, plan.modules, plan.output_only, plan.name("a"),
-                          plan.recorder)
+                          plan.recorder, walk=walk)
     compared = Runner.of(plan.compared, model, plan.modules, plan.output_only, plan.name("b"),
-                         plan.recorder, beside=reference)
+                         plan.recorder, beside=reference, walk=walk)
     host = Host()
     probes = copy.deepcopy(plan.probes)  # fresh ones: this run's findings are their own
-    devices = cuda_devices((model, reference.model, compared.model), plan.batch.leaves)
-    with Progress(plan.passes, plan.progress) as progress, untouched(model, devices):
+    devices = cuda_devices((walk, reference.model, compared.model), plan.batch.leaves)
+    with Progress(plan.passes, plan.progress) as progress, untouched(walk, devices):
         draws = RandomDraws(devices)
         ctx = Context(plan, model, reference, compared, host, progress,
                       check=_random_check(plan, draws), copies=InputCopies(plan.batch))

@@ -168,3 +168,57 @@ def test_hooks_are_removed_when_a_pass_raises_and_follow_the_users_own() -> None
     assert hook_counts(model) == [h - (m is model) for h, m in zip(before, model.modules(),
                                                                    strict=True)]
     assert not model._forward_hooks_with_kwargs
+
+
+class _Tied(nn.Module):
+    """Shared submodule and weight, a parameter set to None, a non-persistent buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 4)
+        self.head = nn.Linear(4, 5, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.again = self.head  # the same module under a second name
+        self.norm = nn.BatchNorm1d(4)
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+        self.register_parameter("unused", None)
+
+
+class _OwnListing(_Tied):
+    """Lists its parameters its own way (as wrappers such as FSDP do)."""
+
+    def named_parameters(self, *args: object, **kwargs: object):  # type: ignore[no-untyped-def,override]
+        return iter([("only", self.embed.weight)])
+
+
+@pytest.mark.parametrize("model", [_Tied(), _OwnListing(), models.ReusedActivation()],
+                         ids=["tied", "own-listing", "reused"])
+def test_the_walk_lists_what_torchs_walks_list(model: nn.Module) -> None:
+    from divtrace.plan.walk import Walk
+    walk = Walk.of(model)
+    assert [(n, id(m)) for n, m in walk.named] == [
+        (n, id(m)) for n, m in model.named_modules()]
+    assert [(n, id(p)) for n, p in walk.parameters] == [
+        (n, id(p)) for n, p in model.named_parameters()]
+    assert [(n, id(b)) for n, b in walk.buffers] == [
+        (n, id(b)) for n, b in model.named_buffers()]
+    assert walk.modules == list(model.modules())
+
+
+def test_a_tied_model_comes_back_untouched() -> None:
+    model = _Tied().eval()
+    x = torch.randint(0, 5, (6, 3))
+    state, hooks = snapshot(model), hook_counts(model)
+    training = [m.training for m in model.modules()]
+    with torch.no_grad():
+        model.scratch.fill_(2.0)
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        model.scratch.add_(1.0)  # a buffer the pass changes in place
+        return model.again(model.norm(model.embed(ids).transpose(1, 2)).transpose(1, 2))
+
+    model.forward = forward  # type: ignore[method-assign]
+    divtrace.compare(model, x, progress=False)
+    assert model.scratch.tolist() == [2.0, 2.0, 2.0]
+    del model.forward
+    assert_untouched(model, state, hooks, training)

@@ -20,6 +20,7 @@ from divtrace.plan.prompts import Prompts, RaggedInput, ragged_input
 from divtrace.plan.runs import Run
 from divtrace.plan.samples import check_chunk, chunks_for, prepare_samples
 from divtrace.plan.selection import ModuleSpec, check_modules, mixing_modules
+from divtrace.plan.walk import Walk
 from divtrace.record.graphs import GraphMode, check_graphs
 from divtrace.record.ops import OpRecorder
 from divtrace.record.recorder import Recorder
@@ -54,6 +55,7 @@ class Plan:
             hook inside the model), or none (False).
         graphs: Chunked runs replayed from a CUDA graph: ``"auto"``, True or False.
         graph_obstacle: Why no run of this comparison can be graphed (None: they may be).
+        walk: The model's modules, parameters and buffers, as the checks found them.
     """
 
     batch: BatchedInput
@@ -79,6 +81,7 @@ class Plan:
     ops: bool | str = False
     graphs: GraphMode = False
     graph_obstacle: str | None = None
+    walk: Walk | None = None
 
     @property
     def passes(self) -> int:
@@ -195,7 +198,7 @@ def _graph_obstacle(graphs: GraphMode, devices: set[torch.device], batch: Batche
 
 def _dispatched(modules: list[nn.Module]) -> bool:
     """Whether accelerate placed the model (its hooks move weights and inputs per call)."""
-    return any(hasattr(m, "_hf_hook") for m in modules)
+    return any("_hf_hook" in vars(m) for m in modules)  # (set as a plain attribute)
 
 
 def _check_materialised(tensors: list[tuple[str, torch.Tensor]], batch: BatchedInput,
@@ -260,11 +263,10 @@ def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
     batch = (_prompts_input(x, batch_dim)
              if isinstance(x, Prompts | RaggedInput) else prepare_input(x, batch_dim,
                                                                           stacklevel=4))
-    named = list(model.named_modules())  # the model walked once for all the checks
-    walked = [module for _, module in named]
-    parameters = list(model.named_parameters())
+    walk = Walk.of(model)  # the model walked once for all the checks
+    named, walked, parameters = list(walk.named), walk.modules, walk.parameters
     dispatched = _dispatched(walked)
-    _check_materialised([*parameters, *model.named_buffers()], batch, dispatched)
+    _check_materialised([*parameters, *walk.buffers], batch, dispatched)
     rows = prepare_samples(samples, batch.batch_size)
     size = batch.batch_size
     ref, test = _runs(a, b, chunk, size)
@@ -287,10 +289,11 @@ def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
         batch=batch, samples=tuple(rows), reference=ref, compared=test,
         reference_chunks=tuple(chunks_for(rows, ref.chunk or size, size)),
         compared_chunks=tuple(chunks_for(rows, test.chunk, size)) if test.chunk else (),
-        modules=check_modules(model, modules),
+        modules=check_modules(model, modules, walk.named),
         output_only=output_only, rtol=rtol, atol=atol, keep=keep, offload=offload,
         progress=progress, train_mode=train_mode, probes=probes, allow_train=allow_train,
         options=options, default_pair=a is None and b is None, ops=ops, graphs=graphs,
         graph_obstacle=_graph_obstacle(graphs, devices, batch, (ref, test), ops, offload,
                                       dispatched),
-        recorder=_recorder(ops, modules, batch.batch_dim, bool(options.get("local"))))
+        recorder=_recorder(ops, modules, batch.batch_dim, bool(options.get("local"))),
+        walk=walk)

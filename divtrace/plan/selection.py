@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from torch import nn
 
@@ -23,8 +23,11 @@ def _describe(spec: object) -> str:
     return spec.__name__ if isinstance(spec, type) else repr(spec)
 
 
-def check_modules(model: nn.Module, modules: ModuleSpec) -> tuple[str | type, ...] | None:
-    """Validates ``modules=`` against ``model``: every entry must match some module."""
+def check_modules(model: nn.Module, modules: ModuleSpec,
+                  walked: Sequence[tuple[str, nn.Module]] | None = None
+                  ) -> tuple[str | type, ...] | None:
+    """Validates ``modules=`` against ``model``: every entry must match some module.
+    ``walked``: the model's ``named_modules()``, when already listed."""
     if modules is None:
         return None
     if not isinstance(modules, str | type | Iterable):
@@ -37,7 +40,7 @@ def check_modules(model: nn.Module, modules: ModuleSpec) -> tuple[str | type, ..
             raise DivtraceTypeError(
                 f"modules must hold glob patterns (str) or module types; got {spec!r}"
             )
-    named = [(name, mod) for name, mod in model.named_modules() if name]
+    named = [(name, mod) for name, mod in walked or model.named_modules() if name]
     for spec in specs:
         if not _matching(named, spec):
             names = [name for name, _ in named]
@@ -57,16 +60,18 @@ def _matching(named: list[tuple[str, nn.Module]], spec: str | type
             or (isinstance(spec, type) and isinstance(mod, spec))]
 
 
-def select_modules(model: nn.Module, modules: ModuleSpec) -> dict[str, nn.Module]:
+def select_modules(model: nn.Module, modules: ModuleSpec,
+                   walked: Sequence[tuple[str, nn.Module]] | None = None
+                   ) -> dict[str, nn.Module]:
     """The modules to observe, by qualified name, in registration order.
 
     ``modules`` holds glob patterns matched against qualified names (``features.*``) and
     module types (``nn.Conv2d``); ``None`` selects every module. The model itself is
     always observed, under the name :data:`~divtrace.align.sites.ROOT`, so that its final
-    output is compared.
+    output is compared. ``walked``: the model's ``named_modules()``, when already listed.
     """
-    named = [(name, mod) for name, mod in model.named_modules() if name]
-    specs = check_modules(model, modules)
+    named = [(name, mod) for name, mod in walked or model.named_modules() if name]
+    specs = check_modules(model, modules, walked)
     if specs is None:
         return {ROOT: model} | dict(named)
     chosen = {name for spec in specs for name, _ in _matching(named, spec)}

@@ -11,6 +11,7 @@ from torch import nn
 
 from divtrace.compat import foreach_copy, version
 from divtrace.errors import DivtraceWarning
+from divtrace.plan.walk import Walk
 
 __all__ = ["RandomDraws", "cuda_devices", "untouched"]
 
@@ -20,13 +21,19 @@ def _version(tensor: torch.Tensor) -> int | None:
     return None if tensor.is_inference() else version(tensor)
 
 
-def cuda_devices(models: Iterable[nn.Module], tensors: Iterable[object]) -> list[int]:
-    """The CUDA devices the models' parameters and buffers and the tensors live on."""
+def cuda_devices(models: Iterable[nn.Module | Walk], tensors: Iterable[object]) -> list[int]:
+    """The CUDA devices the models' parameters and buffers and the tensors live on (a
+    model given as its :class:`~divtrace.plan.walk.Walk` is not walked again; the first
+    one given of a model is read)."""
     if not torch.cuda.is_available():
         return []
-    unique = {id(m): m for m in models}.values()  # the runs often share the user's model
-    found = {t.device.index or 0 for m in unique for t in (*m.parameters(), *m.buffers())
-             if t.is_cuda}
+    unique: dict[int, Walk] = {}
+    for model in models:  # the runs often share the user's model
+        key = id(model.model if isinstance(model, Walk) else model)
+        if key not in unique:
+            unique[key] = model if isinstance(model, Walk) else Walk.of(model)
+    found = {t.device.index or 0 for walk in unique.values()
+             for _, t in (*walk.parameters, *walk.buffers) if t.is_cuda}
     found |= {t.device.index or 0 for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda}
     return sorted(found)
 
@@ -54,14 +61,14 @@ def _snapshot(buffers: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Ten
 
 
 @contextmanager
-def untouched(model: nn.Module, devices: list[int]) -> Iterator[None]:
-    """Runs with grad and inference mode off; afterwards the modules' training flags, the
-    buffers and the random generators of the CPU and of ``devices`` are as before. A
-    parameter changed in place cannot be restored (a copy of every parameter would cost
-    as much memory as the model): that is a warning."""
-    modes = [(module, module.training) for module in model.modules()]
-    buffers = _snapshot(list(model.buffers()))
-    params = [(name, p, _version(p)) for name, p in model.named_parameters()]
+def untouched(walk: Walk, devices: list[int]) -> Iterator[None]:
+    """Runs with grad and inference mode off; afterwards the training flags, the buffers
+    of the walked model and the random generators of the CPU and of ``devices`` are as
+    before. A parameter changed in place cannot be restored (a copy of every parameter
+    would cost as much memory as the model): that is a warning."""
+    modes = [(module, module.training) for _, module in walk.named]
+    buffers = _snapshot([buffer for _, buffer in walk.buffers])
+    params = [(name, p, _version(p)) for name, p in walk.parameters]
     try:  # inference mode off (it turns grad mode on: no_grad after it), since its
         # tensors track no version and lineage needs them
         with torch.random.fork_rng(devices=devices), torch.inference_mode(False), (

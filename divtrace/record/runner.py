@@ -13,6 +13,7 @@ from divtrace.compat import pytree
 from divtrace.plan.inputs import BatchedInput
 from divtrace.plan.runs import Run
 from divtrace.plan.selection import select_modules
+from divtrace.plan.walk import Walk
 from divtrace.record.graphs import GraphedRun
 from divtrace.record.hooks import ModuleHooks
 from divtrace.record.loop import InputCopies, drive
@@ -44,17 +45,19 @@ class Runner:
 
     @classmethod
     def of(cls, run: Run, model: nn.Module, modules: Any, output_only: bool, name: str,
-           recorder: RecorderFactory = module_hooks, beside: Runner | None = None
-           ) -> Runner:
+           recorder: RecorderFactory = module_hooks, beside: Runner | None = None,
+           walk: Walk | None = None) -> Runner:
         """The runner of ``run`` on ``model``, observing ``modules`` (or only the output).
 
         ``beside``: a runner of the same comparison (the same selection); when this run
         runs the very model it runs, its modules and recorder serve this run too.
+        ``walk``: a walk of ``model`` already made (used when the run runs ``model``).
         """
         mine = run.model(model)
         if beside is not None and beside.model is mine:
             return cls(run, mine, beside.modules, beside.recorder, name)
-        selected = {ROOT: mine} if output_only else select_modules(mine, modules)
+        walked = walk.named if walk is not None and walk.model is mine else None
+        selected = {ROOT: mine} if output_only else select_modules(mine, modules, walked)
         return cls(run, mine, selected, recorder(mine, selected), name)
 
     def feed(self, args: tuple[Any, ...], kwargs: dict[str, Any]
