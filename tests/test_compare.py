@@ -326,8 +326,7 @@ def test_split_rows_are_released_as_soon_as_measured(
     # small sites wait in a queue, their rows with them, until it holds its budget of
     # bytes: here one byte, so that it is measured (and lets go) after every site
     monkeypatch.setattr(meter, "budget_for", lambda *args, **kwargs: 1)
-    if not views:
-        monkeypatch.setattr(views_module, "VIEW_BYTES", 0)
+    monkeypatch.setattr(views_module, "VIEW_DEVICES", frozenset({"cpu"} if views else ()))
 
     model = models.variant_mlp()
     alive: list[bool] = []

@@ -8,11 +8,17 @@ import torch
 from torch import nn
 
 import divtrace
-from divtrace.measure import queue
+from divtrace.measure import queue, views
 from divtrace.measure.views import PassViews
 from tests import models
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+@pytest.fixture(autouse=True)
+def _views_on_the_cpu_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Views are taken on CUDA only by default; here on the CPU too."""
+    monkeypatch.setattr(views, "VIEW_DEVICES", frozenset({"cpu", "cuda"}))
 
 
 class ChangesInBatch(nn.Module):
@@ -95,9 +101,14 @@ def test_a_viewed_tensor_changed_in_place_measures_the_pass_again(
     assert fc1["mismatch"] > 0
 
 
-def test_no_views_for_rows_that_are_not_one_run(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("where", ["not one run", "on the CPU", "over the bytes"])
+def test_no_views(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    if where == "on the CPU":
+        monkeypatch.setattr(views, "VIEW_DEVICES", frozenset({"cuda"}))
+    if where == "over the bytes":  # rows of 8 × 16 float32 at the first site
+        monkeypatch.setattr(views, "VIEW_BYTES", 8 * 16 * 4 - 1)
     seen = _counted(monkeypatch)
-    divtrace.compare(models.variant_mlp(), torch.randn(8, 16), samples=[1, 3],
-                     progress=False)
+    divtrace.compare(models.variant_mlp(), torch.randn(8, 16),
+                     samples=[1, 3] if where == "not one run" else [0, 1], progress=False)
     assert seen
     assert not any(seen)

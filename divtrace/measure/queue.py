@@ -79,9 +79,8 @@ class Queue:
         place = self.host.reserve()
         self._groups[key].append((place, b, r))
         self._bytes += 2 * b.numel() * b.element_size()
-        if viewed is not None:  # the view holds the whole tensor
+        if viewed is not None:  # (its whole tensor held is counted by the views)
             self._viewed.append(viewed)
-            self._bytes += viewed[0].numel() * viewed[0].element_size()
         if self._bytes > self.budget:
             self.flush()
         return place

@@ -25,10 +25,14 @@ from divtrace.record.recorder import Tracker, writes
 from divtrace.record.rows import RowStore
 from divtrace.record.stored import runs_of
 
-__all__ = ["VIEW_BYTES", "PassViews"]
+__all__ = ["VIEW_BYTES", "VIEW_DEVICES", "PassViews"]
 
-#: Views are taken while the stored rows hold at most this many bytes.
+#: Views are taken while the stored rows hold at most this many bytes, and while the
+#: tensors they hold (whole, all rows) hold at most as many in the pass.
 VIEW_BYTES = 64 << 20
+#: The devices where views are taken: on a CPU a copy of a few rows costs no more than
+#: the view's checks, and memory held longer costs fresh pages.
+VIEW_DEVICES = frozenset({"cuda"})
 
 
 @dataclass
@@ -45,6 +49,7 @@ class PassViews:
     _mark: tuple[int, int] = (0, 0)  # the host's places and the sites, at the pass start
     _calls: dict[str, Any] = field(default_factory=dict)
     _later: list[str] = field(default_factory=list)  # sites whose rows wait for the end
+    _held: int = 0  # bytes of the tensors viewed in the pass
 
     def __post_init__(self) -> None:
         runs = runs_of(list(self.store.samples))
@@ -53,10 +58,12 @@ class PassViews:
     def begin(self, allowed: bool, tracker: Tracker, sites: int, calls: dict[str, Any]
               ) -> None:
         """A pass begins (``allowed``: nothing else needs the rows copied)."""
+        device = next((stored.rows.device.type for stored in self.store.rows.values()
+                       if stored.rows is not None), None)
         self.on = (allowed and not self.off and self._first is not None
-                   and bool(self.store.steady) and self.store.batch_dim == 0
-                   and self.store.stored_bytes <= VIEW_BYTES)
-        self._tracker = tracker
+                   and device in VIEW_DEVICES and bool(self.store.steady)
+                   and self.store.batch_dim == 0 and self.store.stored_bytes <= VIEW_BYTES)
+        self._tracker, self._held = tracker, 0
         if self.on:
             self._mark = (self.host.mark(), sites)
             self._calls = dict(calls)
@@ -65,11 +72,14 @@ class PassViews:
              ) -> tuple[torch.Tensor, Viewed] | None:
         """The compared rows of ``tensor`` (batch first) as a view, and what to check
         before it is read; None where they must be copied."""
-        if not self.on or key not in self.store.steady or self._first is None:
+        if (not self.on or key not in self.store.steady or self._first is None
+                or tensor.device.type not in VIEW_DEVICES):
             return None
         rows = tensor.narrow(0, self._first, len(self.store.samples))
-        if not rows.is_contiguous():
+        size = tensor.numel() * tensor.element_size()
+        if not rows.is_contiguous() or self._held + size > VIEW_BYTES:
             return None
+        self._held += size
         return rows, (tensor, version(tensor), wrote)
 
     def unchanged(self, viewed: list[Viewed]) -> bool:
