@@ -11,7 +11,8 @@ rows, the batched pass's rows 0 and 1). ``--selections`` also times ``compare()`
 observing fewer modules, and only the output (``modules=[]``: the cost of a call without
 sites). With both, "least with every module hooked" is that call's ratio plus the hooks'
 share: no ``compare()`` that hooks every module can cost less. "µs per site" is
-``compare()``'s time beyond the bare passes over its sites.
+``compare()``'s time beyond the bare passes over its sites. On CUDA it also prints the
+extra peak memory over the bare passes' peak, per byte of the stored rows.
 
     python benchmarks/many_sites.py [--device cuda] [--chunk 2] [--repeats 7] [--old DIR]
         [--floor] [--selections] [--json out]
@@ -32,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from overhead import timed, use_seed_settings
+from overhead import cuda_peak, timed, use_seed_settings
 from versions import load_old
 
 import divtrace
@@ -116,13 +117,22 @@ def main() -> int:
             if args.floor:  # a call that observes every module costs at least both
                 row["ratio_least"] = row["ratio_output"] + row["ratio_hooks"] - 1
                 selected_text += f"; least with every module hooked {row['ratio_least']:.2f}×"
+        memory_text = ""
+        if device.type == "cuda":  # the extra peak over the bare passes, per stored byte
+            bare_peak, _ = cuda_peak(bare, device)
+            for way in ("new", "old") if old is not None else ("new",):
+                peak, result = cuda_peak(ways[way], device)
+                stored = result.meta["stored_bytes"]  # type: ignore[attr-defined]
+                row[f"extra_over_stored_{way}"] = (peak - bare_peak) / stored
+            memory_text = f"; extra peak / stored {row['extra_over_stored_new']:.2f}" + (
+                f" (older {row['extra_over_stored_old']:.2f})" if old is not None else "")
         rows.append(row)
         old_text = f", older {row['ratio_old']:.2f}×" if old is not None else ""
         floor_text = (f"; hooks alone {row['ratio_hooks']:.2f}×, hooks + copies "
                       f"{row['ratio_hooks_copies']:.2f}×" if args.floor else "")
         print(f"{name}: {sites} sites, bare {median['bare'] * 1e3:.1f} ms, compare "
               f"{row['ratio']:.2f}× ({row['per_site_us']:.0f} µs per site)"
-              f"{old_text}{floor_text}{selected_text}")
+              f"{old_text}{floor_text}{selected_text}{memory_text}")
     if args.json:
         args.json.write_text(json.dumps({"torch": torch.__version__, "device": str(device),
                                          "threads": args.threads, "chunk": args.chunk,

@@ -64,15 +64,6 @@ class Host:
         tensor)."""
         self._tensors[deferred.index] = (tensor, rows)
 
-    def mark(self) -> int:
-        """Where the places stand now (for :meth:`rollback`)."""
-        return len(self._tensors)
-
-    def rollback(self, mark: int) -> None:
-        """Forgets every place made since :meth:`mark` gave ``mark`` (a pass measured
-        again: its first measurement is dropped)."""
-        del self._tensors[mark:]
-
     def before_fetch(self, work: Callable[[], None]) -> None:
         """Runs ``work`` (e.g. statistics computed together) first when fetching."""
         self._before.append(work)

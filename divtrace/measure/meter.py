@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,7 +24,6 @@ from divtrace.measure.stats import (
     mixed_stats,
     tolerances,
 )
-from divtrace.measure.views import PassViews
 from divtrace.record.lineage import InputPart, Origin, input_parts
 from divtrace.record.oplineage import per_sample
 from divtrace.record.recorder import Sink, Tracker, writes
@@ -124,8 +123,6 @@ class Meter(Sink):
     sites: list[Measured] = field(default_factory=list)
     calls: dict[str, CallRecord] = field(default_factory=dict)
     _tol: dict[torch.dtype, tuple[float, float]] = field(default_factory=dict)
-    #: Whether queued sites may hold views of the rows (:mod:`~divtrace.measure.views`)
-    views: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         budget = budget_for(self.store.stored_bytes)
@@ -135,8 +132,6 @@ class Meter(Sink):
         self._budget = max(_MIN_BLOCK, int(_TEMP_SHARE * self.store.stored_bytes / _TEMP_BYTES))
         self._last: LastTensor[Measured] = LastTensor()
         self._tracker: Tracker | None = None
-        self._views = PassViews(self.store, self.host)
-        self._queue.unchanged = self._fused.unchanged = self._views.unchanged
 
     # -- the sink ---------------------------------------------------------------------
 
@@ -144,13 +139,6 @@ class Meter(Sink):
         """A pass begins."""
         self._tracker = tracker
         self._last.forget()
-        allowed = self.views and not (self.keep or self.site_watchers or self.call_watchers)
-        self._views.begin(allowed, tracker, len(self.sites), self.calls)
-
-    def end_chunk(self) -> bool:
-        """A pass ended. False when a tensor whose rows were viewed changed: the pass is
-        measured again, with copies (:mod:`~divtrace.measure.views`)."""
-        return self._views.end((self._queue, self._fused), self.sites, self.calls)
 
     def on_tensor(self, site: Site, tensor: torch.Tensor) -> None:
         """Measures one observed tensor (called from its hook)."""
@@ -210,7 +198,7 @@ class Meter(Sink):
             measured.stats, measured.flips, measured.kept = (
                 earlier.stats, earlier.flips, earlier.kept)
         else:
-            measured.stats, picked = self._queued(site.key, tensor, rows, wrote)
+            measured.stats, picked = self._queued(tensor, rows)
             if measured.stats is None:
                 measured.stats = self.host.add(self.stats(tensor, rows))
         self._last.note(site.key, tensor, wrote, measured)
@@ -222,7 +210,7 @@ class Meter(Sink):
         if self.keep and measured.kept is None:
             picked = self.store.pick(tensor) if picked is None else picked
             measured.kept = picked.to(stored.rows.device).contiguous()
-        self._views.measured(site.key)  # stream: released unless still needed
+        self.store.measured(site.key)  # stream: released unless still needed
         return measured
 
     def _repeated(self, key: str, tensor: torch.Tensor, wrote: int) -> Measured | None:
@@ -275,11 +263,11 @@ class Meter(Sink):
             self._tol[dtype] = tolerances(dtype, self.rtol, self.atol)
         return self._tol[dtype]
 
-    def _queued(self, key: str, tensor: torch.Tensor, rows: torch.Tensor, wrote: int
+    def _queued(self, tensor: torch.Tensor, rows: torch.Tensor
                 ) -> tuple[Deferred | None, torch.Tensor | None]:
         """The site's fields, queued to be computed with other small sites', and the copy
-        (or checked view) of its compared rows the queue holds; ``(None, None)`` when it
-        is measured on its own."""
+        of its compared rows the queue holds; ``(None, None)`` when it is measured on its
+        own."""
         n = rows.shape[0]  # (stored rows: the compared samples first)
         if tensor.dtype != rows.dtype or not n:
             return None, None
@@ -290,12 +278,9 @@ class Meter(Sink):
             queue = self._fused
         else:
             return None, None
-        view = self._views.view(key, tensor, wrote)
-        # a copy, which later ops cannot change, or a view checked unchanged before use
-        picked = self.store.pick(tensor) if view is None else view[0]
+        picked = self.store.pick(tensor)  # a copy: later ops cannot change it
         rtol, atol = self._tolerances(tensor.dtype)
-        return queue.add(picked.reshape(n, -1), rows.reshape(n, -1), rtol, atol,
-                         None if view is None else view[1]), picked
+        return queue.add(picked.reshape(n, -1), rows.reshape(n, -1), rtol, atol), picked
 
     def stats(self, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Per-sample statistics of the compared rows of ``tensor`` against ``rows``."""

@@ -13,7 +13,6 @@ are reduced along the row alone, so they are exactly those of the site measured 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,8 +22,7 @@ from divtrace.measure import fused
 from divtrace.measure.host import Deferred, Host
 from divtrace.measure.stats import block_stats
 
-__all__ = ["FUSED_ELEMENTS", "QUEUE_WIDTH", "FusedQueue", "Queue", "StatsQueue", "Viewed",
-           "budget_for"]
+__all__ = ["FUSED_ELEMENTS", "QUEUE_WIDTH", "FusedQueue", "StatsQueue", "budget_for"]
 
 #: Rows wider than this are measured at once, as before (their work is not overhead).
 QUEUE_WIDTH = 1 << 14
@@ -41,9 +39,6 @@ _FLUSH_ELEMENTS = 1 << 18
 FUSED_ELEMENTS = 1 << 20
 
 _Pairs = list[tuple[Deferred, torch.Tensor, torch.Tensor]]
-#: A tensor of the measured run whose rows a queued block views: with its version and
-#: its memory's write count when queued
-Viewed = tuple[torch.Tensor, int, int]
 
 
 def budget_for(stored_bytes: int, share: float = 0.1) -> int:
@@ -52,56 +47,42 @@ def budget_for(stored_bytes: int, share: float = 0.1) -> int:
 
 
 @dataclass
-class Queue:
+class _Queue:
     """Pairs of ``[rows, elements]`` blocks (the measured run's compared rows, the
     reference run's) waiting in groups; flushed when they hold ``budget`` bytes, and
     before the host fetches. Neither block of a pair may change until then: ``b`` is a
-    copy of the measured run's rows, or a view of them (``viewed``), checked unchanged
-    by ``unchanged`` before it is read (else the queue turns :attr:`stale` and measures
-    nothing); ``r`` the reference run's rows (never written once recorded) or a copy."""
+    copy of the measured run's rows; ``r`` the reference run's rows (never written once
+    recorded) or a copy of them."""
 
     host: Host
     budget: int = _MIN_BUDGET  # bytes held before a flush
-    #: Whether the viewed tensors are as they were when queued
-    unchanged: Callable[[list[Viewed]], bool] | None = None
-    #: A viewed tensor changed before its block was measured: nothing was measured since
-    stale: bool = False
     _groups: defaultdict[tuple[Any, ...], _Pairs] = field(
         default_factory=lambda: defaultdict(list))
-    _viewed: list[Viewed] = field(default_factory=list)
     _bytes: int = 0
 
     def __post_init__(self) -> None:
         self.host.before_fetch(self.flush)
 
-    def _add(self, key: tuple[Any, ...], b: torch.Tensor, r: torch.Tensor,
-             viewed: Viewed | None) -> Deferred:
+    def _add(self, key: tuple[Any, ...], b: torch.Tensor, r: torch.Tensor) -> Deferred:
         place = self.host.reserve()
         self._groups[key].append((place, b, r))
         self._bytes += 2 * b.numel() * b.element_size()
-        if viewed is not None:  # (its whole tensor held is counted by the views)
-            self._viewed.append(viewed)
         if self._bytes > self.budget:
             self.flush()
         return place
 
     def flush(self) -> None:
-        """Measures every queued pair and hands the fields to the host (none if a viewed
-        tensor changed: the queue turns stale)."""
-        if self._viewed and not self.stale:
-            self.stale = self.unchanged is None or not self.unchanged(self._viewed)
-        if not self.stale:
-            for key, pairs in self._groups.items():
-                self._measure(key, pairs)
+        """Measures every queued pair and hands the fields to the host."""
+        for key, pairs in self._groups.items():
+            self._measure(key, pairs)
         self._groups.clear()
-        self._viewed.clear()
         self._bytes = 0
 
     def _measure(self, key: tuple[Any, ...], pairs: _Pairs) -> None:
         raise NotImplementedError
 
 
-class StatsQueue(Queue):
+class StatsQueue(_Queue):
     """Small CPU sites, measured by one ``block_stats`` per dtype, tolerance and row width
     (in parts of whole sites)."""
 
@@ -111,13 +92,12 @@ class StatsQueue(Queue):
         ``single`` elements)."""
         return device.type == "cpu" and 0 < width <= min(QUEUE_WIDTH, single)
 
-    def add(self, b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float,
-            viewed: Viewed | None = None) -> Deferred:
-        """Queues the pair (see :class:`Queue`)."""
+    def add(self, b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> Deferred:
+        """Queues the pair (see :class:`_Queue`)."""
         # bit-identical sites apart: their block takes block_stats' one-pass path, as
         # each of them alone would (and the others the full one, as alone)
         same = b.dtype != torch.complex32 and torch.equal(b, r)
-        return self._add((b.dtype, rtol, atol, b.shape[1], same), b, r, viewed)
+        return self._add((b.dtype, rtol, atol, b.shape[1], same), b, r)
 
     def _measure(self, key: tuple[Any, ...], pairs: _Pairs) -> None:
         _dtype, rtol, atol, width, _same = key
@@ -150,7 +130,7 @@ def _parts(pairs: _Pairs, width: int) -> list[_Pairs]:
     return parts
 
 
-class FusedQueue(Queue):
+class FusedQueue(_Queue):
     """Small CUDA sites, measured with one launch of the fused kernel per device, dtype
     and tolerance (:func:`~divtrace.measure.fused.fused_many`): each site's fields exactly
     those :func:`~divtrace.measure.fused.fused_stats` gives it alone."""
@@ -161,10 +141,9 @@ class FusedQueue(Queue):
         width = rows.numel() // max(rows.shape[0], 1)
         return width > 1 and rows.numel() <= FUSED_ELEMENTS and fused.supports(rows)
 
-    def add(self, b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float,
-            viewed: Viewed | None = None) -> Deferred:
-        """Queues the pair (see :class:`Queue`)."""
-        return self._add((b.device, b.dtype, rtol, atol), b, r, viewed)
+    def add(self, b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> Deferred:
+        """Queues the pair (see :class:`_Queue`)."""
+        return self._add((b.device, b.dtype, rtol, atol), b, r)
 
     def _measure(self, key: tuple[Any, ...], pairs: _Pairs) -> None:
         _device, _dtype, rtol, atol = key

@@ -4,7 +4,6 @@ against those the reference run recorded (padding is never compared)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
@@ -27,7 +26,6 @@ class RaggedMeter(Meter):
     compared with the reference run's parts, prompt by prompt."""
 
     layout: Layout | None = None
-    views: ClassVar[bool] = False  # the rows are cut per prompt
 
     def measure(self, site: Site, tensor: torch.Tensor) -> Measured:
         stored = self.store.rows.get(site.key)

@@ -46,13 +46,13 @@ class RowStore(Sink):
     _runs: list[tuple[int, int, int]] = field(default_factory=list)
     _whole: tuple[int, int] | None = None  # (slot, rows) when the whole chunk is compared
     _in_chunk: int = 0
-    # Copies are launched together at the end of a chunk (one foreach launch), except for
-    # sites whose output a later op changes in place: copied in their hook. The first
-    # chunk copies every site at once and finds those by the tensors' version counters.
+    # Copies are launched together at the end of a chunk, one foreach launch instead of
+    # one per site, except for sites whose output a later op changes in place: those are
+    # copied in their hook. Such sites are found by the tensors' version counters.
     _eager: set[str] = field(default_factory=set)
-    _learnt: bool = False  # (the first chunk is over)
-    #: Sites whose tensor no later op changed, in any chunk: the other run may view them
-    steady: set[str] = field(default_factory=set)
+    # The first chunk copies every site at once and watches which tensors a later op
+    # changes: those sites are copied at once from then on (no pass runs twice for it).
+    _learnt: bool = False
     _watched: list[tuple[torch.Tensor, int, int, str]] = field(default_factory=list)
     # (target, source, its version, its memory's write count, site key)
     _pending: list[tuple[torch.Tensor, torch.Tensor, int, int, str]] = field(
@@ -61,7 +61,8 @@ class RowStore(Sink):
     _touched: list[StoredRows] = field(default_factory=list)
     _holds: Counter[str] = field(default_factory=Counter)
     _index: dict[torch.device, torch.Tensor] = field(default_factory=dict)
-    # A pass captured as a graph: the slots of its rows (set before each replay), its sites
+    # While a pass is captured as a graph: the device tensor of the slots each row goes
+    # to (set before each replay), the sites captured, and what the capture could not take
     _slots: torch.Tensor | None = None
     _captured: list[StoredRows] = field(default_factory=list)
     _uncapturable: list[str] = field(default_factory=list)
@@ -96,14 +97,12 @@ class RowStore(Sink):
         if not self._learnt:  # the first chunk: copied at once, watched
             self._eager.update(key for src, seen, wrote, key in self._watched
                                if version(src) != seen or writes(src) != wrote)
-            self.steady = {key for *_, key in self._watched} - self._eager
             self._watched.clear()
             self._learnt = True
         changed = [key for _, src, seen, wrote, key in self._pending
                    if version(src) != seen or writes(src) != wrote]
         if changed:
             self._eager.update(changed)
-            self.steady.difference_update(changed)
             self._pending.clear()
             self._touched.clear()
             return False
