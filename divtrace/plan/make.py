@@ -81,7 +81,7 @@ class Plan:
     ops: bool | str = False
     graphs: GraphMode = False
     graph_obstacle: str | None = None
-    walk: Walk | None = None
+    walk: Walk | None = field(default=None, repr=False, compare=False)
 
     @property
     def passes(self) -> int:
