@@ -123,7 +123,7 @@ def _runs(a: Run | None, b: Run | None, chunk: int, size: int) -> tuple[Run, Run
     return whole[0], whole[1]
 
 
-def _check_train_mode(named: list[tuple[str, nn.Module]], allow_train: bool
+def _check_train_mode(named: Iterable[tuple[str, nn.Module]], allow_train: bool
                       ) -> tuple[str, ...]:
     mixing = mixing_modules(named)
     if mixing and not allow_train:
@@ -264,14 +264,13 @@ def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
              if isinstance(x, Prompts | RaggedInput) else prepare_input(x, batch_dim,
                                                                           stacklevel=4))
     walk = Walk.of(model)  # the model walked once for all the checks
-    named, walked, parameters = list(walk.named), walk.modules, walk.parameters
-    dispatched = _dispatched(walked)
-    _check_materialised([*parameters, *walk.buffers], batch, dispatched)
+    dispatched = _dispatched(walk.modules)
+    _check_materialised([*walk.parameters, *walk.buffers], batch, dispatched)
     rows = prepare_samples(samples, batch.batch_size)
     size = batch.batch_size
     ref, test = _runs(a, b, chunk, size)
-    devices = {p.device for _, p in parameters}
-    _check_input(walked, x, batch, (ref, test), dispatched, devices)
+    devices = {p.device for _, p in walk.parameters}
+    _check_input(walk.modules, x, batch, (ref, test), dispatched, devices)
     needing = [probe.option for probe in probes if probe.whole_batch]
     if isinstance(batch, RaggedInput) and test.chunk is not None:
         raise DivtraceValueError(
@@ -281,7 +280,7 @@ def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
         raise DivtraceValueError(
             f"{', '.join(needing)} need(s) run b to take the whole batch in one pass; got "
             f"b=Run(chunk={test.chunk}). Swap a and b, or leave {', '.join(needing)} out")
-    train_mode = _check_train_mode(named, allow_train)
+    train_mode = _check_train_mode(walk.named, allow_train)
     output_only = bool(ref.compile or test.compile)
     ops = _check_ops(ops, (ref, test))
     graphs = check_graphs(graphs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -55,7 +56,7 @@ class Walk:
         return cls(model, named, _members(named, lambda m: own_tensors(m)[0]),
                    _members(named, lambda m: own_tensors(m)[1]))
 
-    @property
+    @cached_property
     def modules(self) -> list[nn.Module]:
         """The modules, the model first (as ``model.modules()``)."""
         return [module for _, module in self.named]
