@@ -10,12 +10,16 @@ output ("hooks"), and one that copies the compared rows ("hooks + copies": the s
 rows, the batched pass's rows 0 and 1). ``--selections`` also times ``compare()``
 observing fewer modules, and only the output (``modules=[]``: the cost of a call without
 sites). With both, "least with every module hooked" is that call's ratio plus the hooks'
-share: no ``compare()`` that hooks every module can cost less. "µs per site" is
+share: no ``compare()`` that hooks every module can cost less. ``--statistics`` also
+times, inside the timed ``compare()`` calls, the calls that compute the sites' fields
+(the queued sites' blocks and the sites measured alone; on CUDA the host's side of them,
+their launches); added to the least above, it is the least a call that hooks every
+module and computes the fields as they are computed now can cost. "µs per site" is
 ``compare()``'s time beyond the bare passes over its sites. On CUDA it also prints the
 extra peak memory over the bare passes' peak, per byte of the stored rows.
 
     python benchmarks/many_sites.py [--device cuda] [--chunk 2] [--repeats 7] [--old DIR]
-        [--floor] [--selections] [--json out]
+        [--floor] [--selections] [--statistics] [--size 64] [--json out]
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import argparse
 import json
 import statistics
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +63,9 @@ def main() -> int:
                         help="also time bare passes with hooks that do nothing or copy rows")
     parser.add_argument("--selections", action="store_true",
                         help="also time compare() observing fewer modules")
+    parser.add_argument("--statistics", action="store_true",
+                        help="also time the fields' computation inside compare()")
+    parser.add_argument("--size", type=int, default=64, help="the input's height and width")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -67,7 +76,7 @@ def main() -> int:
     for name in MODELS:
         torch.manual_seed(0)
         model = getattr(torchvision.models, name)().eval().to(device)
-        x = torch.rand(16, 3, 64, 64, device=device)
+        x = torch.rand(16, 3, args.size, args.size, device=device)
 
         def bare(model: torch.nn.Module = model, x: torch.Tensor = x) -> None:
             with torch.no_grad():
@@ -92,9 +101,13 @@ def main() -> int:
         for fn in ways.values():
             fn()
         times: dict[str, list[float]] = {way: [] for way in ways}
+        stats_time: list[float] = []
         for _ in range(args.repeats):
             for way, fn in ways.items():
-                times[way].append(timed(fn, device))
+                with fields_timed(args.statistics and way == "new") as spent:
+                    times[way].append(timed(fn, device))
+                if args.statistics and way == "new":
+                    stats_time.append(spent[0])
         median = {way: statistics.median(t) for way, t in times.items()}
         sites = len(divtrace.compare(model, x, samples=[0, 1], progress=False).table)
         row = {"model": name, "sites": sites, "bare_s": median["bare"],
@@ -117,6 +130,13 @@ def main() -> int:
             if args.floor:  # a call that observes every module costs at least both
                 row["ratio_least"] = row["ratio_output"] + row["ratio_hooks"] - 1
                 selected_text += f"; least with every module hooked {row['ratio_least']:.2f}×"
+        if args.statistics:
+            row["ratio_statistics"] = statistics.median(stats_time) / median["bare"]
+            selected_text += f"; statistics {row['ratio_statistics']:.2f}×"
+            if "ratio_least" in row:
+                row["ratio_least_statistics"] = row["ratio_least"] + row["ratio_statistics"]
+                selected_text += (f"; least with these statistics "
+                                  f"{row['ratio_least_statistics']:.2f}×")
         memory_text = ""
         if device.type == "cuda":  # the extra peak over the bare passes, per stored byte
             bare_peak, _ = cuda_peak(bare, device)
@@ -138,6 +158,37 @@ def main() -> int:
                                          "threads": args.threads, "chunk": args.chunk,
                                          "results": rows}, indent=1))
     return 0
+
+
+@contextmanager
+def fields_timed(on: bool) -> Iterator[list[float]]:
+    """While on: the seconds spent in the calls that compute sites' fields, summed."""
+    from divtrace.measure.meter import Meter
+    from divtrace.measure.queue import FusedQueue, StatsQueue
+
+    spent = [0.0]
+    if not on:
+        yield spent
+        return
+    originals = [(owner, name, getattr(owner, name)) for owner, name in (
+        (StatsQueue, "_measure"), (FusedQueue, "_measure"), (Meter, "stats"))]
+
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        def timed_call(*args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - began
+        return timed_call
+
+    for owner, name, original in originals:
+        setattr(owner, name, wrap(original))
+    try:
+        yield spent
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
 
 
 def hooked(model: torch.nn.Module, bare: Callable[[], None], copy: bool
