@@ -1,9 +1,11 @@
 """Every table of this version equals an older checkout's, figure for figure (the
 per-site table and the per-sample table, compared with ``DataFrame.equals``): models with
 many small sites and a few large ones, per sample, partial samples, chunk 2, explain
-options, half precision.
+options, half precision. ``--except`` leaves columns out of the comparison (a change
+meant to change them) and says in how many rows each of them differs.
 
     python benchmarks/same_tables.py --old <older checkout> [--device cuda]
+        [--except cosine]
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--old", type=Path, required=True)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--except", dest="left_out", nargs="*", default=[],
+                        help="columns left out of the comparison")
     args = parser.parse_args()
     old = load_old(args.old)
     device = torch.device(args.device)
@@ -51,15 +55,26 @@ def main() -> int:
             net = model.half() if inputs.dtype == torch.half else model
             new_result = divtrace.compare(net, inputs, progress=False, **options)
             old_result = old.compare(net, inputs, progress=False, **options)
-            same = (new_result.table.equals(old_result.table)
-                    and new_result.samples.equals(old_result.samples))
+            new_table, old_table = new_result.table, old_result.table
+            same = (new_table.drop(columns=args.left_out).equals(
+                old_table.drop(columns=args.left_out))
+                and new_result.samples.equals(old_result.samples))
+            differ = "".join(
+                f"; {column} differs in {_differing(new_table[column], old_table[column])}"
+                f" of {len(new_table)} rows" for column in args.left_out)
             print(f"{name} {options}{' fp16' if inputs.dtype == torch.half else ''}: "
-                  f"{'equal' if same else 'DIFFERENT'}", flush=True)
+                  f"{'equal' if same else 'DIFFERENT'}{differ}", flush=True)
             if not same:
                 return 1
             checked += 1
-    print(f"equal tables in {checked} comparisons")
+    left_out = f" ({', '.join(args.left_out)} left out)" if args.left_out else ""
+    print(f"equal tables in {checked} comparisons{left_out}")
     return 0
+
+
+def _differing(new: Any, old: Any) -> int:
+    """Rows where two columns differ (missing in both counts as the same)."""
+    return int((~((new == old) | (new.isna() & old.isna()))).sum())
 
 
 if __name__ == "__main__":
