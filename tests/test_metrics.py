@@ -50,6 +50,50 @@ def test_rel_l2_is_safe_when_both_are_zero_and_infinite_when_only_split_is() -> 
     assert stats(torch.ones(4), zeros)["cosine"] == 0
 
 
+def _exact_one_minus_cosine(b: torch.Tensor, r: torch.Tensor) -> float:
+    """1 − cos of two float rows, from exact rational sums (the square roots to 40 digits)."""
+    from decimal import Decimal, getcontext
+    from fractions import Fraction
+
+    getcontext().prec = 40
+    bs = [Fraction(float(v)) for v in b.double()]
+    rs = [Fraction(float(v)) for v in r.double()]
+    dot = sum((x * y for x, y in zip(bs, rs, strict=True)), Fraction(0))
+    bb, rr = sum(x * x for x in bs), sum(y * y for y in rs)
+
+    def exact(q: Fraction) -> Decimal:
+        return Decimal(q.numerator) / Decimal(q.denominator)
+
+    return float(1 - exact(dot) / (exact(bb).sqrt() * exact(rr).sqrt()))
+
+
+def test_cosine_resolves_rounding_level_divergence() -> None:
+    # rows whose elements differ by a step or two in their last bit, up or down at random
+    # (as float32 rounding differs): 1 − cos is some 1e-15, far below the rounding of a
+    # dot product summed in float32 (about 1e-7), which used to give 0 or about 1e-7
+    generator = torch.Generator().manual_seed(0)
+    r = torch.randn(4096, generator=generator)
+    b = r.clone()
+    for _ in range(2):
+        away = torch.where(torch.rand(4096, generator=generator) < 0.5, -math.inf, math.inf)
+        b = torch.nextafter(b, away)
+    expected = _exact_one_minus_cosine(b, r)
+    assert 1e-15 < expected < 1e-13
+    got = 1 - stats(b, r)["cosine"]
+    spacing = math.ulp(1.0)  # the cosine is a float64 near 1: its steps are this wide
+    assert abs(got - expected) <= 0.05 * expected + spacing
+
+
+def test_cosine_of_unrelated_opposite_and_orthogonal_rows() -> None:
+    generator = torch.Generator().manual_seed(1)
+    b, r = torch.randn(1000, generator=generator), torch.randn(1000, generator=generator)
+    assert stats(b, r)["cosine"] == pytest.approx(1 - _exact_one_minus_cosine(b, r), abs=1e-6)
+    assert stats(-r, r)["cosine"] == -1
+    orthogonal = stats(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]))["cosine"]
+    assert orthogonal == pytest.approx(0, abs=1e-15)  # (the squared norms are rounded)
+    assert stats(r, r)["cosine"] == 1
+
+
 def test_nan_pairs_match_but_are_never_close() -> None:
     b = torch.tensor([math.nan, 1.0, math.inf])
     r = torch.tensor([math.nan, 1.0, math.inf])
