@@ -93,6 +93,25 @@ def test_cuda_statistics_match_the_cpu_path(dtype: torch.dtype) -> None:
     torch.testing.assert_close(gpu, cpu, rtol=1e-5, atol=1e-6)
 
 
+def test_cosine_through_the_fused_kernel_resolves_rounding_level_divergence() -> None:
+    import math
+
+    from divtrace.measure import fused
+    from divtrace.measure.figures import site_figures
+    from tests.test_metrics import _exact_one_minus_cosine
+
+    generator = torch.Generator().manual_seed(0)
+    r = torch.randn(30000, generator=generator)
+    b = r.clone()
+    for _ in range(2):  # a step or two in the last bit, up or down at random
+        away = torch.where(torch.rand(30000, generator=generator) < 0.5, -math.inf, math.inf)
+        b = torch.nextafter(b, away)
+    expected = _exact_one_minus_cosine(b, r)
+    fields = fused.fused_stats(b.cuda()[None], r.cuda()[None], 0.0, 0.0).cpu().numpy()
+    got = 1 - site_figures(fields, b.numel())["cosine"]
+    assert abs(got - expected) <= 0.05 * expected + math.ulp(1.0)
+
+
 def test_explain_options_on_cuda() -> None:
     model = nn.Sequential(*models.variant_mlp(), models.Scale(4.0)).eval().cuda()
     result = divtrace.compare(model, torch.randn(8, 16, device="cuda"), progress=False,

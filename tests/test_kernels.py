@@ -40,6 +40,7 @@ print("fused == eager")
 MANY = r"""
 import math, sys, torch
 from divtrace.measure import fused as kernels
+from divtrace.measure.fields import FIELDS
 device = sys.argv[1]
 g = torch.Generator().manual_seed(0)
 for dtype in [torch.float32, torch.float16, torch.bfloat16, torch.float64]:
@@ -60,7 +61,7 @@ for dtype in [torch.float32, torch.float16, torch.bfloat16, torch.float64]:
     many = kernels.fused_many(pairs, 1e-3, 1e-5)
     for (b, r), got in zip(pairs, many, strict=True):
         alone = kernels.fused_stats(b, r, 1e-3, 1e-5)
-        assert got.shape == alone.shape == (len(b), 10)
+        assert got.shape == alone.shape == (len(b), len(FIELDS))
         assert torch.equal(got.contiguous().view(torch.int64),
                            alone.contiguous().view(torch.int64)), (dtype, b.shape)
     assert many[0][0, 0] > 0 and many[5][1, 1] == 3  # mismatches; NaN, inf, NaN-vs-number
