@@ -12,7 +12,8 @@ repeats:
 
 It then prints, per field, in how many rows the single pass gives divtrace's value bit
 for bit, and the largest relative difference: its sums do not follow torch's reduction
-order, and it sums squares where divtrace squares a float64 norm.
+order, it sums squares where divtrace squares a float64 norm, and it sums the dot product
+(which no figure reads) in float64 where divtrace sums it in the rows' dtype.
 
     python benchmarks/single_pass_fields.py [--model mobilenet_v3_small] [--repeats 41]
 """
@@ -82,7 +83,7 @@ def single_pass(pairs: _Pairs, kernel: Any) -> tuple[float, float, np.ndarray]:
     gathered = time.perf_counter()
     kernel(b, r, starts, widths, rtol, atol, out, INDEX["mismatch"], INDEX["nonfinite"],
            INDEX["exceed"], INDEX["max_abs"], INDEX["sum_abs"], INDEX["sq_diff"],
-           INDEX["sq_ref"], INDEX["sq_out"], INDEX["max_ulp"])
+           INDEX["sq_ref"], INDEX["sq_out"], INDEX["dot"], INDEX["max_ulp"])
     done = time.perf_counter()
     return done - began, done - gathered, out
 
@@ -95,12 +96,12 @@ def compile_kernel() -> Any:
     @njit(parallel=True)  # type: ignore[misc]
     def fields(b: Any, r: Any, starts: Any, widths: Any, rtol: float, atol: float,
                out: Any, MISMATCH: int, NONFINITE: int, EXCEED: int, MAX_ABS: int,
-               SUM_ABS: int, SQ_DIFF: int, SQ_REF: int, SQ_OUT: int,
+               SUM_ABS: int, SQ_DIFF: int, SQ_REF: int, SQ_OUT: int, DOT: int,
                MAX_ULP: int) -> None:
         bits_b, bits_r = b.view(np.int32), r.view(np.int32)
         for row in prange(starts.shape[0]):
             mismatch = nonfinite = exceed = ulp = 0
-            largest = sum_abs = sq_diff = sq_ref = sq_out = 0.0
+            largest = sum_abs = sq_diff = sq_ref = sq_out = dot = 0.0
             for i in range(starts[row], starts[row] + widths[row]):
                 x, y = b[i], r[i]
                 diff = abs(np.float32(x - y))
@@ -117,13 +118,14 @@ def compile_kernel() -> Any:
                 sq_diff += np.float64(diff) * np.float64(diff)
                 sq_ref += np.float64(y) * np.float64(y)
                 sq_out += np.float64(x) * np.float64(x)
+                dot += np.float64(x) * np.float64(y)
                 xb, yb = np.int64(bits_b[i]), np.int64(bits_r[i])
                 distance = ((xb & 0x7FFFFFFF) + (yb & 0x7FFFFFFF) if (xb ^ yb) < 0
                             else abs(xb - yb))
                 ulp = max(ulp, distance)
             out[row, MISMATCH], out[row, NONFINITE], out[row, EXCEED] = mismatch, nonfinite, exceed
             out[row, MAX_ABS], out[row, SUM_ABS], out[row, SQ_DIFF] = largest, sum_abs, sq_diff
-            out[row, SQ_REF], out[row, SQ_OUT] = sq_ref, sq_out
+            out[row, SQ_REF], out[row, SQ_OUT], out[row, DOT] = sq_ref, sq_out, dot
             out[row, MAX_ULP] = ulp
 
     return fields

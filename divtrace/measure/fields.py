@@ -109,6 +109,10 @@ FIELDS: tuple[Field, ...] = (
           doc="sum split^2 over finite pairs"),
     Field("sq_out", "sum", lambda b: norm_square(b.finite_b), lambda b: b.square,
           doc="sum batched^2 over finite pairs"),
+    # No figure reads `dot` (cosine comes from the norms); it stays because without it the
+    # CUDA kernel's other sums compile to another order (rel_l2 moved in its 8th digit).
+    Field("dot", "sum", lambda b: torch.linalg.vecdot(b.finite_b, b.finite_r, dim=1).real.to(F64),
+          lambda b: b.square, doc="sum batched * split over finite pairs (real part)"),
     Field("max_ulp", "max", _max_ulp,
           doc="max distance in units in the last place, in the tensor's own dtype"),
 )

@@ -32,7 +32,7 @@ AVAILABLE = triton is not None
 _BLOCK = 2048
 #: The fields this kernel computes.
 KERNEL_FIELDS = frozenset({"mismatch", "nonfinite", "exceed", "max_abs", "sum_abs", "sq_diff",
-                           "sq_ref", "sq_out", "max_ulp"})
+                           "sq_ref", "sq_out", "dot", "max_ulp"})
 _ULP_BITS = {torch.float16: 16, torch.bfloat16: 16, torch.float32: 32, torch.float64: 64}
 #: A site's record for :func:`fused_many`: its rows' addresses (measured, reference), its
 #: partial fields' address, the row width, the rows' strides, the blocks per row.
@@ -50,7 +50,7 @@ if AVAILABLE:
                 rtol, atol, BLOCK: tl.constexpr, BITS: tl.constexpr, N_FIELDS: tl.constexpr,
                 MISMATCH: tl.constexpr, NONFINITE: tl.constexpr, EXCEED: tl.constexpr,
                 MAX_ABS: tl.constexpr, SUM_ABS: tl.constexpr, SQ_DIFF: tl.constexpr,
-                SQ_REF: tl.constexpr, SQ_OUT: tl.constexpr,
+                SQ_REF: tl.constexpr, SQ_OUT: tl.constexpr, DOT: tl.constexpr,
                 MAX_ULP: tl.constexpr):
         """Block ``blk`` of row ``row`` of both runs' rows, loaded, and its fields written
         to its place in ``out_ptr``. The one body of both kernels."""
@@ -107,6 +107,7 @@ if AVAILABLE:
         tl.store(base + SQ_DIFF, tl.sum(clean * clean, axis=0).to(tl.float64))
         tl.store(base + SQ_REF, tl.sum(rf * rf, axis=0).to(tl.float64))
         tl.store(base + SQ_OUT, tl.sum(bf * bf, axis=0).to(tl.float64))
+        tl.store(base + DOT, tl.sum(bf * rf, axis=0).to(tl.float64))
         tl.store(base + MAX_ULP, tl.max(ulp, axis=0))
 
     @triton.jit
@@ -114,11 +115,11 @@ if AVAILABLE:
                       BLOCK: tl.constexpr, BITS: tl.constexpr, N_FIELDS: tl.constexpr,
                       MISMATCH: tl.constexpr, NONFINITE: tl.constexpr, EXCEED: tl.constexpr,
                       MAX_ABS: tl.constexpr, SUM_ABS: tl.constexpr, SQ_DIFF: tl.constexpr,
-                      SQ_REF: tl.constexpr, SQ_OUT: tl.constexpr,
+                      SQ_REF: tl.constexpr, SQ_OUT: tl.constexpr, DOT: tl.constexpr,
                       MAX_ULP: tl.constexpr):
         _fields(b_ptr, r_ptr, out_ptr, tl.program_id(0), tl.program_id(1), n_cols, stride_b,
                 stride_r, n_blocks, rtol, atol, BLOCK, BITS, N_FIELDS, MISMATCH, NONFINITE,
-                EXCEED, MAX_ABS, SUM_ABS, SQ_DIFF, SQ_REF, SQ_OUT, MAX_ULP)
+                EXCEED, MAX_ABS, SUM_ABS, SQ_DIFF, SQ_REF, SQ_OUT, DOT, MAX_ULP)
 
     @triton.jit
     def _many_kernel(sites_ptr, site_of_ptr, local_of_ptr, rtol, atol, BLOCK: tl.constexpr,
@@ -128,7 +129,7 @@ if AVAILABLE:
                      COLS16: tl.constexpr, N_FIELDS: tl.constexpr,
                      MISMATCH: tl.constexpr, NONFINITE: tl.constexpr, EXCEED: tl.constexpr,
                      MAX_ABS: tl.constexpr, SUM_ABS: tl.constexpr, SQ_DIFF: tl.constexpr,
-                     SQ_REF: tl.constexpr, SQ_OUT: tl.constexpr,
+                     SQ_REF: tl.constexpr, SQ_OUT: tl.constexpr, DOT: tl.constexpr,
                      MAX_ULP: tl.constexpr):
         """One program per (site, row, block): the site's record (see :func:`fused_many`)
         says where its rows and its partial fields are. The flags tell the compiler what
@@ -158,7 +159,7 @@ if AVAILABLE:
             n_cols = tl.multiple_of(n_cols, 16)
         _fields(b_ptr, r_ptr, out_ptr, local // n_blocks, (local % n_blocks).to(tl.int32),
                 n_cols, stride_b, stride_r, n_blocks, rtol, atol, BLOCK, BITS, N_FIELDS,
-                MISMATCH, NONFINITE, EXCEED, MAX_ABS, SUM_ABS, SQ_DIFF, SQ_REF, SQ_OUT,
+                MISMATCH, NONFINITE, EXCEED, MAX_ABS, SUM_ABS, SQ_DIFF, SQ_REF, SQ_OUT, DOT,
                 MAX_ULP)
 
 
