@@ -1,10 +1,12 @@
-"""compare()'s own parts, timed inside its calls: the plan, the split run's recording, the
-batched run's measuring, the statistics computed together at the fetch, the table; beside
-the bare passes (the split passes, the batched pass) and the whole call. Medians of
-interleaved repeats, in one process.
+"""compare()'s own parts, timed inside its calls: the plan, the guard's snapshot of the
+buffers, the split run's recording, the batched run's measuring, the statistics computed
+together at the fetch, the table's figures, the table's DataFrame; beside the bare passes
+(the split passes, the batched pass) and the whole call. Medians of interleaved repeats,
+in one process. ``--output-only``: the call observes only the model's output
+(``modules=[]``), so what it costs beyond the bare passes is the call's own.
 
     python benchmarks/compare_parts.py [--model mobilenet_v3_small] [--chunk 1]
-        [--device cpu] [--repeats 9]
+        [--device cpu] [--repeats 9] [--output-only]
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import divtrace
 from divtrace import pipeline
 from divtrace.measure.host import Host
 from divtrace.plan.samples import chunks_for
+from divtrace.record import guard
 from divtrace.report import table
 
 TIMES: defaultdict[str, list[float]] = defaultdict(list)
@@ -58,6 +61,8 @@ def main() -> int:
     parser.add_argument("--chunk", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--output-only", action="store_true",
+                        help="observe only the model's output (modules=[])")
     args = parser.parse_args()
     device = torch.device(args.device)
     use_seed_settings(device)
@@ -67,12 +72,15 @@ def main() -> int:
     x = torch.rand(16, 3, 64, 64, device=device)
     samples = [0, 1]
     chunks = chunks_for(samples, args.chunk, len(x))
+    selection: dict[str, Any] = {"modules": []} if args.output_only else {}
     entry = importlib.import_module("divtrace.compare")
     for owner, name, label in ((entry, "make_plan", "plan"),
                                (pipeline, "record", "split run, recording"),
                                (pipeline, "_measure", "batched run, measuring"),
                                (Host, "fetch", "statistics together, at the fetch"),
-                               (table, "_measured_rows", "the table's figures")):
+                               (table, "_measured_rows", "the table's figures"),
+                               (guard, "_snapshot", "the guard's snapshot of the buffers"),
+                               (table.pd.DataFrame, "__init__", "the table's DataFrame")):
         _timed(owner, name, label, device)
 
     def split() -> None:
@@ -87,7 +95,7 @@ def main() -> int:
     ways: dict[str, Callable[[], object]] = {
         "bare split passes": split, "bare batched pass": batched,
         "compare()": lambda: divtrace.compare(model, x, samples=samples, chunk=args.chunk,
-                                              progress=False)}
+                                              progress=False, **selection)}
     for fn in ways.values():
         fn()
     TIMES.clear()
@@ -95,7 +103,7 @@ def main() -> int:
         for label, fn in ways.items():
             TIMES[label].append(timed(fn, device))
     print(f"{args.model}, batch 16 of 3x64x64, samples {samples}, chunk {args.chunk}, "
-          f"{args.device}:")
+          f"{args.device}{', output only' if args.output_only else ''}:")
     for label, values in TIMES.items():
         print(f"  {label:36} {statistics.median(values) * 1e3:8.2f} ms")
     return 0
