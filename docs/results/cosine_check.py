@@ -1,6 +1,7 @@
 """The `cosine` column where two runs differ by rounding: 1 − cos beside an exact value.
 
-Two float32 rows a step or two apart in their last bits: 1 − cos from exact rational sums,
+Two float32 rows a step or two apart in their last bits: 1 − cos from exact rational sums
+(the tests' reference),
 and from divtrace's fields (the CPU's eager path; on CUDA the eager path and the fused
 kernel). Then mobilenet_v3_small, batch 16 of 3×64×64, chunk 2, samples [0, 1]: for every
 divergent site, 1 − cosine over 1 − cos of the kept rows summed in float64 with
@@ -14,8 +15,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from decimal import Decimal, getcontext
-from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -27,20 +26,7 @@ import divtrace
 from divtrace.measure import fused
 from divtrace.measure.figures import site_figures
 from divtrace.measure.stats import block_stats
-
-
-def exact_one_minus_cosine(b: torch.Tensor, r: torch.Tensor) -> float:
-    """1 − cos from exact rational sums (the square roots to 40 digits)."""
-    getcontext().prec = 40
-    bs = [Fraction(float(v)) for v in b.double().cpu()]
-    rs = [Fraction(float(v)) for v in r.double().cpu()]
-    dot = sum((x * y for x, y in zip(bs, rs, strict=True)), Fraction(0))
-    bb, rr = sum(x * x for x in bs), sum(y * y for y in rs)
-
-    def exact(q: Fraction) -> Decimal:
-        return Decimal(q.numerator) / Decimal(q.denominator)
-
-    return float(1 - exact(dot) / (exact(bb).sqrt() * exact(rr).sqrt()))
+from tests.test_metrics import _exact_one_minus_cosine as exact_one_minus_cosine
 
 
 def one_minus_cosine(fields: torch.Tensor, numel: int) -> float:
