@@ -15,7 +15,6 @@ import argparse
 import importlib
 import statistics
 import sys
-import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from overhead import timed, use_seed_settings
+from overhead import calls_timed, timed, use_seed_settings
 
 import divtrace
 from divtrace import pipeline
@@ -36,20 +35,6 @@ from divtrace.record import guard
 from divtrace.report import table
 
 TIMES: defaultdict[str, list[float]] = defaultdict(list)
-
-
-def _timed(owner: Any, name: str, label: str, device: torch.device) -> None:
-    original = getattr(owner, name)
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        began = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            TIMES[label].append(time.perf_counter() - began)
-    setattr(owner, name, wrapper)
 
 
 def main() -> int:
@@ -74,14 +59,13 @@ def main() -> int:
     chunks = chunks_for(samples, args.chunk, len(x))
     selection: dict[str, Any] = {"modules": []} if args.output_only else {}
     entry = importlib.import_module("divtrace.compare")
-    for owner, name, label in ((entry, "make_plan", "plan"),
-                               (pipeline, "record", "split run, recording"),
-                               (pipeline, "_measure", "batched run, measuring"),
-                               (Host, "fetch", "statistics together, at the fetch"),
-                               (table, "_measured_rows", "the table's figures"),
-                               (guard, "_snapshot", "the guard's snapshot of the buffers"),
-                               (table.pd.DataFrame, "__init__", "the table's DataFrame")):
-        _timed(owner, name, label, device)
+    parts = ((entry, "make_plan", "plan"),
+             (pipeline, "record", "split run, recording"),
+             (pipeline, "_measure", "batched run, measuring"),
+             (Host, "fetch", "statistics together, at the fetch"),
+             (table, "_measured_rows", "the table's figures"),
+             (guard, "_snapshot", "the guard's snapshot of the buffers"),
+             (table.pd.DataFrame, "__init__", "the table's DataFrame"))
 
     def split() -> None:
         with torch.no_grad():
@@ -96,12 +80,13 @@ def main() -> int:
         "bare split passes": split, "bare batched pass": batched,
         "compare()": lambda: divtrace.compare(model, x, samples=samples, chunk=args.chunk,
                                               progress=False, **selection)}
-    for fn in ways.values():
-        fn()
-    TIMES.clear()
-    for _ in range(args.repeats):
-        for label, fn in ways.items():
-            TIMES[label].append(timed(fn, device))
+    with calls_timed(parts, lambda label, seconds: TIMES[label].append(seconds), device):
+        for fn in ways.values():
+            fn()
+        TIMES.clear()
+        for _ in range(args.repeats):
+            for label, fn in ways.items():
+                TIMES[label].append(timed(fn, device))
     print(f"{args.model}, batch 16 of 3x64x64, samples {samples}, chunk {args.chunk}, "
           f"{args.device}{', output only' if args.output_only else ''}:")
     for label, values in TIMES.items():

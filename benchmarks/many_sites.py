@@ -28,9 +28,7 @@ import argparse
 import json
 import statistics
 import sys
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from overhead import cuda_peak, timed, use_seed_settings
+from overhead import calls_timed, cuda_peak, timed, use_seed_settings
 from versions import load_old
 
 import divtrace
@@ -104,10 +102,13 @@ def main() -> int:
         stats_time: list[float] = []
         for _ in range(args.repeats):
             for way, fn in ways.items():
-                with fields_timed(args.statistics and way == "new") as spent:
+                spent: list[float] = []
+                watched = fields_calls() if args.statistics and way == "new" else ()
+                with calls_timed(watched, lambda _label, seconds, spent=spent: spent.append(
+                        seconds)):
                     times[way].append(timed(fn, device))
-                if args.statistics and way == "new":
-                    stats_time.append(spent[0])
+                if watched:
+                    stats_time.append(sum(spent))
         median = {way: statistics.median(t) for way, t in times.items()}
         sites = len(divtrace.compare(model, x, samples=[0, 1], progress=False).table)
         row = {"model": name, "sites": sites, "bare_s": median["bare"],
@@ -160,35 +161,13 @@ def main() -> int:
     return 0
 
 
-@contextmanager
-def fields_timed(on: bool) -> Iterator[list[float]]:
-    """While on: the seconds spent in the calls that compute sites' fields, summed."""
+def fields_calls() -> tuple[tuple[Any, str, str], ...]:
+    """The calls that compute sites' fields: the queues' blocks, the sites measured alone."""
     from divtrace.measure.meter import Meter
     from divtrace.measure.queue import FusedQueue, StatsQueue
 
-    spent = [0.0]
-    if not on:
-        yield spent
-        return
-    originals = [(owner, name, getattr(owner, name)) for owner, name in (
-        (StatsQueue, "_measure"), (FusedQueue, "_measure"), (Meter, "stats"))]
-
-    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
-        def timed_call(*args: Any, **kwargs: Any) -> Any:
-            began = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                spent[0] += time.perf_counter() - began
-        return timed_call
-
-    for owner, name, original in originals:
-        setattr(owner, name, wrap(original))
-    try:
-        yield spent
-    finally:
-        for owner, name, original in originals:
-            setattr(owner, name, original)
+    return ((StatsQueue, "_measure", "fields"), (FusedQueue, "_measure", "fields"),
+            (Meter, "stats", "fields"))
 
 
 def hooked(model: torch.nn.Module, bare: Callable[[], None], copy: bool

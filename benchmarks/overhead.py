@@ -18,7 +18,8 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,34 @@ def with_divtrace(model: nn.Module, x: torch.Tensor, case: dict[str, Any],
                   options: dict[str, Any] | None = None) -> divtrace.Comparison:
     return divtrace.compare(model, x, chunk=case["chunk"], samples=case["samples"],
                             progress=False, **(options or {}))
+
+
+@contextmanager
+def calls_timed(targets: Iterable[tuple[Any, str, str]], record: Callable[[str, float], object],
+                device: torch.device | None = None) -> Iterator[None]:
+    """While inside, each ``(owner, attribute, label)`` of ``targets`` times its calls and
+    hands ``(label, seconds)`` to ``record`` (on CUDA with ``device``: after a
+    synchronisation, so the seconds hold the call's GPU work); put back on exit."""
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
+
+    def wrap(original: Callable[..., Any], label: str) -> Callable[..., Any]:
+        def timed_call(*args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if device is not None and device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                record(label, time.perf_counter() - began)
+        return timed_call
+
+    for (owner, name, original), (_, _, label) in zip(originals, targets, strict=True):
+        setattr(owner, name, wrap(original, label))
+    try:
+        yield
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
 
 
 def timed(fn: Callable[[], object], device: torch.device) -> float:
