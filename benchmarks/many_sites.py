@@ -14,12 +14,19 @@ share: no ``compare()`` that hooks every module can cost less. ``--statistics`` 
 times, inside the timed ``compare()`` calls, the calls that compute the sites' fields
 (the queued sites' blocks and the sites measured alone; on CUDA the host's side of them,
 their launches); added to the least above, it is the least a call that hooks every
-module and computes the fields as they are computed now can cost. "µs per site" is
-``compare()``'s time beyond the bare passes over its sites. On CUDA it also prints the
-extra peak memory over the bare passes' peak, per byte of the stored rows.
+module and computes the fields as they are computed now can cost. ``--traced`` also
+times the passes traced with ``torch.fx``, copying every leaf call's compared rows (no
+module hook; ``floors.py``), and the same with copies in the split passes only (the
+batched pass's share of the copies is the difference); with ``--selections`` and
+``--statistics``, "least with any recorder" is those passes plus the output-only call's
+own share (less its statistics) plus the statistics: what a call that copies the rows
+and computes the fields as they are computed now costs at least, whatever observes the
+sites. "µs per site" is ``compare()``'s time beyond the bare passes over its sites. On
+CUDA it also prints the extra peak memory over the bare passes' peak, per byte of the
+stored rows.
 
     python benchmarks/many_sites.py [--device cuda] [--chunk 2] [--repeats 7] [--old DIR]
-        [--floor] [--selections] [--statistics] [--size 64] [--json out]
+        [--floor] [--selections] [--statistics] [--traced] [--size 64] [--json out]
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from floors import KEPT, copy_rows, hooked, observe, traced
 from overhead import calls_timed, cuda_peak, timed, use_seed_settings
 from versions import load_old
 
@@ -63,6 +71,8 @@ def main() -> int:
                         help="also time compare() observing fewer modules")
     parser.add_argument("--statistics", action="store_true",
                         help="also time the fields' computation inside compare()")
+    parser.add_argument("--traced", action="store_true",
+                        help="also time the passes traced with torch.fx, copying rows")
     parser.add_argument("--size", type=int, default=64, help="the input's height and width")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -76,11 +86,7 @@ def main() -> int:
         model = getattr(torchvision.models, name)().eval().to(device)
         x = torch.rand(16, 3, args.size, args.size, device=device)
 
-        def bare(model: torch.nn.Module = model, x: torch.Tensor = x) -> None:
-            with torch.no_grad():
-                for start in range(0, 2, args.chunk):
-                    model(x[start:start + args.chunk])
-                model(x)
+        bare = bare_of(model, x, args.chunk)
 
         def run(package: Any, model: torch.nn.Module = model, x: torch.Tensor = x,
                 **options: Any) -> Callable[[], object]:
@@ -93,25 +99,30 @@ def main() -> int:
         if args.floor:
             ways["hooks"] = hooked(model, bare, copy=False)
             ways["hooks + copies"] = hooked(model, bare, copy=True)
+        if args.traced:
+            copying = traced(model, copy_rows)[0]
+            ways["traced + copies"] = bare_of(copying, x, args.chunk)
+            ways["traced, split copies"] = bare_of(copying, x, args.chunk,
+                                                   batched=traced(model, observe)[0])
         if args.selections:
             ways["conv + linear"] = run(divtrace, modules=list(SELECTED))
             ways["output only"] = run(divtrace, modules=[])
         for fn in ways.values():
             fn()
         times: dict[str, list[float]] = {way: [] for way in ways}
-        stats_time: list[float] = []
+        stats_time: dict[str, list[float]] = {"new": [], "output only": []}
         for _ in range(args.repeats):
             for way, fn in ways.items():
                 spent: list[float] = []
-                watched = fields_calls() if args.statistics and way == "new" else ()
-                with calls_timed(watched, lambda _label, seconds, spent=spent: spent.append(
-                        seconds)):
+                watched = fields_calls() if args.statistics and way in stats_time else ()
+                with calls_timed(watched, lambda _label, seconds, into=spent: into.append(
+                        seconds)):  # type: ignore[misc]
                     times[way].append(timed(fn, device))
                 if watched:
-                    stats_time.append(sum(spent))
+                    stats_time[way].append(sum(spent))
         median = {way: statistics.median(t) for way, t in times.items()}
         sites = len(divtrace.compare(model, x, samples=[0, 1], progress=False).table)
-        row = {"model": name, "sites": sites, "bare_s": median["bare"],
+        row: dict[str, Any] = {"model": name, "sites": sites, "bare_s": median["bare"],
                "ratio": median["new"] / median["bare"],
                "per_site_us": (median["new"] - median["bare"]) / sites * 1e6}
         if old is not None:
@@ -132,12 +143,25 @@ def main() -> int:
                 row["ratio_least"] = row["ratio_output"] + row["ratio_hooks"] - 1
                 selected_text += f"; least with every module hooked {row['ratio_least']:.2f}×"
         if args.statistics:
-            row["ratio_statistics"] = statistics.median(stats_time) / median["bare"]
+            row["ratio_statistics"] = statistics.median(stats_time["new"]) / median["bare"]
             selected_text += f"; statistics {row['ratio_statistics']:.2f}×"
             if "ratio_least" in row:
                 row["ratio_least_statistics"] = row["ratio_least"] + row["ratio_statistics"]
                 selected_text += (f"; least with these statistics "
                                   f"{row['ratio_least_statistics']:.2f}×")
+        if args.traced:
+            row["ratio_traced_copies"] = median["traced + copies"] / median["bare"]
+            row["ratio_traced_split_copies"] = median["traced, split copies"] / median["bare"]
+            selected_text += (f"; traced + copies {row['ratio_traced_copies']:.2f}× (in the "
+                              f"split passes only {row['ratio_traced_split_copies']:.2f}×)")
+            if args.selections and args.statistics:  # the output-only call's own share,
+                # less the statistics of its one site (counted in the statistics)
+                own = (median["output only"] - statistics.median(stats_time["output only"])
+                       ) / median["bare"] - 1
+                row["ratio_least_any"] = (row["ratio_traced_copies"] + own
+                                          + row["ratio_statistics"])
+                selected_text += (f"; least with any recorder "
+                                  f"{row['ratio_least_any']:.2f}×")
         memory_text = ""
         if device.type == "cuda":  # the extra peak over the bare passes, per stored byte
             bare_peak, _ = cuda_peak(bare, device)
@@ -161,6 +185,21 @@ def main() -> int:
     return 0
 
 
+def bare_of(model: torch.nn.Module, x: torch.Tensor, chunk: int,
+            batched: torch.nn.Module | None = None) -> Callable[[], None]:
+    """The bare passes of ``model``: the split run's, then the batched one (of ``batched``
+    when given)."""
+
+    def bare() -> None:
+        with torch.no_grad():
+            for start in range(0, 2, chunk):
+                model(x[start:start + chunk])
+            (model if batched is None else batched)(x)
+        KEPT.clear()  # (the rows a traced model's passes copied)
+
+    return bare
+
+
 def fields_calls() -> tuple[tuple[Any, str, str], ...]:
     """The calls that compute sites' fields: the queues' blocks, the sites measured alone."""
     from divtrace.measure.meter import Meter
@@ -168,30 +207,6 @@ def fields_calls() -> tuple[tuple[Any, str, str], ...]:
 
     return ((StatsQueue, "_measure", "fields"), (FusedQueue, "_measure", "fields"),
             (Meter, "stats", "fields"))
-
-
-def hooked(model: torch.nn.Module, bare: Callable[[], None], copy: bool
-           ) -> Callable[[], None]:
-    """``bare`` with a forward hook on every module that does nothing with the output, or
-    keeps a copy of its compared rows (rows 0 and 1). (A hook that kept every output
-    would hold the whole pass's tensors: on the CPU their fresh pages cost mobilenet_v3_small
-    about 0.3× its bare passes, which no recorder that copies rows pays.)"""
-    kept: list[object] = []
-
-    def keep(_module: torch.nn.Module, _args: object, output: object) -> None:
-        if copy and isinstance(output, torch.Tensor) and output.dim():
-            kept.append(output[:2].clone())
-
-    def run() -> None:
-        handles = [module.register_forward_hook(keep) for module in model.modules()]
-        try:
-            bare()
-        finally:
-            for handle in handles:
-                handle.remove()
-            kept.clear()
-
-    return run
 
 
 if __name__ == "__main__":

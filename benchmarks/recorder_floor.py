@@ -5,13 +5,13 @@ efficientnet_b0, resnet18, random weights, batch 16 of 3×64×64, samples [0, 1]
 time, then the batched pass), timed in one process, interleaved, medians, as ratios to
 the bare passes:
 
-- "hooks": a forward hook on every module that keeps its output (what module hooks cost
-  before a recorder does anything);
+- "hooks": a forward hook on every module that does nothing with its output (what module
+  hooks cost before a recorder does anything);
 - "hooks + copies": the same hook copying rows 0 and 1 of the output;
 - "traced": the model traced with ``torch.fx`` and run as the generated code, with a call
-  after every leaf module's call that keeps its output; no module hook runs. The traced
-  code calls the leaf modules but not the containers, so it observes fewer sites (the
-  number is printed);
+  after every leaf module's call that does nothing with its output (as the hooks do); no
+  module hook runs. The traced code calls the leaf modules but not the containers, so it
+  observes fewer sites (the number is printed);
 - "traced + copies": the same call copying rows 0 and 1.
 
 No divtrace code runs here: these are what a recorder built either way would pay before
@@ -31,45 +31,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.fx
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from many_sites import MODELS, hooked
+from floors import KEPT, copy_rows, hooked, observe, traced
+from many_sites import MODELS
 from overhead import timed, use_seed_settings
-
-KEPT: list[object] = []
-
-
-def keep(tensor: torch.Tensor) -> torch.Tensor:
-    """Keeps a leaf call's output (the traced code calls this after every leaf call)."""
-    KEPT.append(tensor)
-    return tensor
-
-
-def copy_rows(tensor: torch.Tensor) -> torch.Tensor:
-    """Keeps a copy of rows 0 and 1 of a leaf call's output."""
-    KEPT.append(tensor[:2].clone())
-    return tensor
-
-
-torch.fx.wrap("keep")
-torch.fx.wrap("copy_rows")
-
-
-def traced(model: nn.Module, after: Callable[[torch.Tensor], torch.Tensor]
-           ) -> tuple[torch.fx.GraphModule, int]:
-    """``model`` traced, with ``after`` called on every leaf module call's output; and
-    the number of those calls in one pass."""
-    module = torch.fx.symbolic_trace(model)
-    calls = [node for node in module.graph.nodes if node.op == "call_module"]
-    for node in calls:
-        with module.graph.inserting_after(node):
-            wrapped = module.graph.call_function(after, (node,))
-        node.replace_all_uses_with(wrapped, delete_user_cb=lambda user, w=wrapped: user is not w)
-    module.recompile()
-    return module, len(calls)
 
 
 def main() -> int:
@@ -90,10 +58,10 @@ def main() -> int:
         torch.manual_seed(0)
         model = getattr(torchvision.models, name)().eval().to(device)
         x = torch.rand(16, 3, 64, 64, device=device)
-        kept, leaf_calls = traced(model, keep)
+        seen, leaf_calls = traced(model, observe)
         copying, _ = traced(model, copy_rows)
         with torch.no_grad():
-            if not torch.equal(kept(x), model(x)):
+            if not torch.equal(seen(x), model(x)):
                 raise SystemExit(f"{name}: the traced model's output differs")
 
         def passes(run: nn.Module, x: torch.Tensor = x) -> Callable[[], None]:
@@ -108,7 +76,7 @@ def main() -> int:
         ways = {"bare": passes(model),  # (the hooks are many_sites.py's --floor's)
                 "hooks": hooked(model, passes(model), copy=False),
                 "hooks + copies": hooked(model, passes(model), copy=True),
-                "traced": passes(kept), "traced + copies": passes(copying)}
+                "traced": passes(seen), "traced + copies": passes(copying)}
         for fn in ways.values():
             fn()
         times: dict[str, list[float]] = {way: [] for way in ways}
@@ -122,7 +90,7 @@ def main() -> int:
         rows.append(row)
         print(f"{name}: bare {median['bare'] * 1e3:.1f} ms; hooks on {row['modules']} "
               f"modules {row['ratio_hooks']:.2f}×, + copies {row['ratio_hooks + copies']:.2f}×; "
-              f"traced, {leaf_calls} leaf calls kept {row['ratio_traced']:.2f}×, + copies "
+              f"traced, {leaf_calls} leaf calls seen {row['ratio_traced']:.2f}×, + copies "
               f"{row['ratio_traced + copies']:.2f}×")
     if args.json:
         args.json.write_text(json.dumps({"torch": torch.__version__, "device": str(device),
