@@ -115,16 +115,15 @@ def main() -> int:
             for way, fn in ways.items():
                 spent: list[float] = []
                 watched = fields_calls() if args.statistics and way in stats_time else ()
-                with calls_timed(watched, lambda _label, seconds, into=spent: into.append(
-                        seconds)):  # type: ignore[misc]
+                with calls_timed(watched, collector(spent)):
                     times[way].append(timed(fn, device))
                 if watched:
                     stats_time[way].append(sum(spent))
         median = {way: statistics.median(t) for way, t in times.items()}
         sites = len(divtrace.compare(model, x, samples=[0, 1], progress=False).table)
         row: dict[str, Any] = {"model": name, "sites": sites, "bare_s": median["bare"],
-               "ratio": median["new"] / median["bare"],
-               "per_site_us": (median["new"] - median["bare"]) / sites * 1e6}
+                               "ratio": median["new"] / median["bare"],
+                               "per_site_us": (median["new"] - median["bare"]) / sites * 1e6}
         if old is not None:
             row["ratio_old"] = median["old"] / median["bare"]
         if args.floor:
@@ -198,6 +197,15 @@ def bare_of(model: torch.nn.Module, x: torch.Tensor, chunk: int,
         KEPT.clear()  # (the rows a traced model's passes copied)
 
     return bare
+
+
+def collector(spent: list[float]) -> Callable[[str, float], None]:
+    """A record for ``calls_timed`` that adds each call's seconds to ``spent``."""
+
+    def record(_label: str, seconds: float) -> None:
+        spent.append(seconds)
+
+    return record
 
 
 def fields_calls() -> tuple[tuple[Any, str, str], ...]:
