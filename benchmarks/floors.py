@@ -14,10 +14,26 @@ from collections.abc import Callable
 import torch
 import torch.fx
 
-__all__ = ["KEPT", "copy_rows", "hooked", "observe", "traced"]
+__all__ = ["KEPT", "copy_rows", "hooked", "observe", "passes", "traced"]
 
 #: The rows the copying ways keep, until the passes end.
 KEPT: list[object] = []
+
+
+def passes(model: torch.nn.Module, x: torch.Tensor, chunk: int = 1,
+           batched: torch.nn.Module | None = None) -> Callable[[], None]:
+    """The bare passes ``compare()`` makes with samples [0, 1]: the split run's (``chunk``
+    rows each), then the batched one (of ``batched`` when given); the rows a traced
+    model's passes copied are dropped after them."""
+
+    def bare() -> None:
+        with torch.no_grad():
+            for start in range(0, 2, chunk):
+                model(x[start:start + chunk])
+            (model if batched is None else batched)(x)
+        KEPT.clear()
+
+    return bare
 
 
 def hooked(model: torch.nn.Module, bare: Callable[[], None], copy: bool

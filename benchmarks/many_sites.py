@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from floors import KEPT, copy_rows, hooked, observe, traced
+from floors import copy_rows, hooked, observe, passes, traced
 from overhead import calls_timed, cuda_peak, timed, use_seed_settings
 from versions import load_old
 
@@ -86,7 +86,7 @@ def main() -> int:
         model = getattr(torchvision.models, name)().eval().to(device)
         x = torch.rand(16, 3, args.size, args.size, device=device)
 
-        bare = bare_of(model, x, args.chunk)
+        bare = passes(model, x, args.chunk)
 
         def run(package: Any, model: torch.nn.Module = model, x: torch.Tensor = x,
                 **options: Any) -> Callable[[], object]:
@@ -101,9 +101,9 @@ def main() -> int:
             ways["hooks + copies"] = hooked(model, bare, copy=True)
         if args.traced:
             copying = traced(model, copy_rows)[0]
-            ways["traced + copies"] = bare_of(copying, x, args.chunk)
-            ways["traced, split copies"] = bare_of(copying, x, args.chunk,
-                                                   batched=traced(model, observe)[0])
+            ways["traced + copies"] = passes(copying, x, args.chunk)
+            ways["traced, split copies"] = passes(copying, x, args.chunk,
+                                                  batched=traced(model, observe)[0])
         if args.selections:
             ways["conv + linear"] = run(divtrace, modules=list(SELECTED))
             ways["output only"] = run(divtrace, modules=[])
@@ -182,21 +182,6 @@ def main() -> int:
                                          "threads": args.threads, "chunk": args.chunk,
                                          "results": rows}, indent=1))
     return 0
-
-
-def bare_of(model: torch.nn.Module, x: torch.Tensor, chunk: int,
-            batched: torch.nn.Module | None = None) -> Callable[[], None]:
-    """The bare passes of ``model``: the split run's, then the batched one (of ``batched``
-    when given)."""
-
-    def bare() -> None:
-        with torch.no_grad():
-            for start in range(0, 2, chunk):
-                model(x[start:start + chunk])
-            (model if batched is None else batched)(x)
-        KEPT.clear()  # (the rows a traced model's passes copied)
-
-    return bare
 
 
 def collector(spent: list[float]) -> Callable[[str, float], None]:

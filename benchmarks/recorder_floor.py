@@ -26,16 +26,14 @@ import argparse
 import json
 import statistics
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from floors import KEPT, copy_rows, hooked, observe, traced
+from floors import copy_rows, hooked, observe, passes, traced
 from many_sites import MODELS
 from overhead import timed, use_seed_settings
 
@@ -64,19 +62,10 @@ def main() -> int:
             if not torch.equal(seen(x), model(x)):
                 raise SystemExit(f"{name}: the traced model's output differs")
 
-        def passes(run: nn.Module, x: torch.Tensor = x) -> Callable[[], None]:
-            def go() -> None:
-                with torch.no_grad():
-                    run(x[0:1])
-                    run(x[1:2])
-                    run(x)
-                KEPT.clear()
-            return go
-
-        ways = {"bare": passes(model),  # (the hooks are many_sites.py's --floor's)
-                "hooks": hooked(model, passes(model), copy=False),
-                "hooks + copies": hooked(model, passes(model), copy=True),
-                "traced": passes(seen), "traced + copies": passes(copying)}
+        ways = {"bare": passes(model, x),  # (the hooks are many_sites.py's --floor's)
+                "hooks": hooked(model, passes(model, x), copy=False),
+                "hooks + copies": hooked(model, passes(model, x), copy=True),
+                "traced": passes(seen, x), "traced + copies": passes(copying, x)}
         for fn in ways.values():
             fn()
         times: dict[str, list[float]] = {way: [] for way in ways}

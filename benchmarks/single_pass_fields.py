@@ -31,6 +31,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from floors import passes
 
 import divtrace
 from divtrace.measure.fields import FIELDS, INDEX
@@ -158,12 +161,7 @@ def main() -> int:
     kernel = compile_kernel()
     single_pass(pairs, kernel)  # compiled on first use
 
-    def bare() -> None:
-        with torch.no_grad():
-            model(x[0:1])
-            model(x[1:2])
-            model(x)
-
+    bare = passes(model, x)
     times: dict[str, list[float]] = {"bare": [], "divtrace": [], "single pass": [],
                                      "the pass alone": []}
     for _ in range(args.repeats):
