@@ -30,6 +30,7 @@ def compare(
     rtol: float | None = None,
     atol: float | None = None,
     allow_train: bool = False,
+    independence: bool = True,
     local: bool = False,
     replay_skip: Iterable[str] = (),
     truth: str | None = None,
@@ -70,6 +71,12 @@ def compare(
         atol: Absolute tolerance, likewise.
         allow_train: Compare even when train-mode BatchNorm or Dropout make the runs
             differ for reasons that are not numerical (buffers are restored afterwards).
+        independence: Test whether each compared sample's rows depend on the other
+            samples: the batched pass once more with the same shapes, the compared rows
+            kept and the others given other values (two passes when every sample is
+            compared, one half held at a time). Rows that move are batch mixing, a bug
+            whatever its size; the verdict rests on it (``depends_on_others``,
+            ``others_rel_l2``).
         local: Replay every leaf module in the batched run on the split run's inputs for
             the compared rows: the error a layer adds on its own (``local_rel_l2``), and
             ``amplification`` (‖error out‖ / ‖error in‖). Keeps split rows until replayed.
@@ -121,7 +128,7 @@ def compare(
     plan = make_plan(
         model, x, chunk=chunk, samples=samples, batch_dim=batch_dim, modules=modules,
         progress=progress, keep=keep, offload=offload, rtol=rtol, atol=atol,
-        allow_train=allow_train, a=a, b=b,
+        allow_train=allow_train, a=a, b=b, independence=independence,
         local=local, replay_skip=replay_skip, truth=truth, repeat=repeat, kernels=kernels,
         observer=observer, ops=ops, graphs=graphs)
     return execute(plan, model)

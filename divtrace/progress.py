@@ -21,6 +21,12 @@ class Progress:
         """Names the run now in progress."""
         self._bar.set_description(f"divtrace: {name}")
 
+    def more(self, passes: int) -> None:
+        """``passes`` more passes than the bar was made for."""
+        if passes and self._bar.total is not None:
+            self._bar.total += passes
+            self._bar.refresh()
+
     def advance(self) -> None:
         """One more pass done."""
         self._bar.update()

@@ -87,7 +87,8 @@ for elements, budget in ((queue.FUSED_ELEMENTS, None), (queue.FUSED_ELEMENTS, 1)
     if budget is not None:  # a flush after every site
         meter.budget_for = lambda *args, **kwargs: budget
     launches.clear()
-    found.append(divtrace.compare(model, x, samples=[0, 1, 5], progress=False))
+    found.append(divtrace.compare(model, x, samples=[0, 1, 5], progress=False,
+                                  independence=False))
     counted.append(list(launches))
 for other in found[1:]:
     assert found[0].table.equals(other.table) and found[0].samples.equals(other.samples)

@@ -44,7 +44,7 @@ def test_the_seed_models_on_the_cpu_are_rounding(name: str) -> None:
 
 @pytest.mark.parametrize(("model", "x", "options", "said"), [
     (nn.Sequential(models.OrderedLinear(8, 8), Center(), nn.Linear(8, 4)).eval(),
-     torch.randn(6, 8), {"chunk": 2}, "the error enters at '1' (Center), on identical inputs"),
+     torch.randn(6, 8), {"chunk": 2}, "batch mixing: at '1' (Center)"),
     (nn.LSTM(4, 5).eval(), torch.randn(7, 3, 4), {}, "'(model)/0' (LSTM)"),
     (nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)).train(), torch.randn(6, 8),
      {"allow_train": True}, "the model ran in train mode"),

@@ -89,6 +89,8 @@ class Probe:
 
     #: The ``compare()`` keyword that switches the probe on ("" for always on).
     option: ClassVar[str] = ""
+    #: Its option is on unless the user turns it off.
+    on_by_default: ClassVar[bool] = False
     #: The table columns it adds, in order.
     columns: ClassVar[tuple[str, ...]] = ()
     #: Of those, the ones the HTML table shows.

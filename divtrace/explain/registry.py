@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from divtrace.explain.independence import Independence
 from divtrace.explain.kernels import Kernels
 from divtrace.explain.local import LocalReplay
 from divtrace.explain.observer import ObserverCheck
@@ -18,8 +19,8 @@ from divtrace.explain.truth import Fp64Truth
 __all__ = ["EXPLAIN_COLUMNS", "PROBES", "probes_for"]
 
 #: Every probe; a new explain option is one more entry here (and its own file).
-PROBES: tuple[type[Probe], ...] = (Roles, LocalReplay, Fp64Truth, RepeatNoise, Kernels,
-                                   ObserverCheck)
+PROBES: tuple[type[Probe], ...] = (Roles, Independence, LocalReplay, Fp64Truth, RepeatNoise,
+                                   Kernels, ObserverCheck)
 
 #: The columns each explain option of ``compare()`` adds: ``local=True``,
 #: ``truth="fp64"``, ``repeat=n`` and ``kernels=True``.

@@ -145,12 +145,13 @@ class Generation:
                         step: int) -> None:
         """Warns when generate(), run again to reach ``step``, made other tokens before it
         than the first time (kernels that are not deterministic from run to run)."""
-        if len(driver.generated) != len(chunks) + 1:
+        if len(driver.generated) < len(chunks) + 1:
             return
+        # the split run's passes, then the batched run's (probes' passes come after)
         split = {start + row: tokens for (start, _stop), rows in
-                 zip(chunks, driver.generated[:-1], strict=True)
+                 zip(chunks, driver.generated[:len(chunks)], strict=True)
                  for row, tokens in enumerate(rows)}
-        batched = driver.generated[-1]
+        batched = driver.generated[len(chunks)]
         moved = []
         for prompt in prompts:
             mine = self.table[(self.table["prompt"] == prompt) & (self.table["step"] < step)]

@@ -228,9 +228,11 @@ class Meter(Sink):
         only; None here)."""
         return None
 
-    def over(self, store: RowStore) -> Meter:
-        """A meter of the same kind over another store (no lineage, no watchers)."""
-        return Meter(store, self.batch, self.host, self.rtol, self.atol, lineage=False)
+    def over(self, store: RowStore, host: Host | None = None) -> Meter:
+        """A meter of the same kind over another store (no lineage, no watchers), handing
+        its figures to ``host`` (default: this meter's)."""
+        return Meter(store, self.batch, host or self.host, self.rtol, self.atol,
+                     lineage=False)
 
     def stats_at(self, key: str, tensor: torch.Tensor) -> torch.Tensor | None:
         """Per-sample statistics of ``tensor`` (of the whole batch) against the stored rows

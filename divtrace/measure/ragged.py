@@ -10,6 +10,7 @@ import torch
 from divtrace.align.sites import Site
 from divtrace.align.status import Status, comparable
 from divtrace.measure.fields import FIELDS
+from divtrace.measure.host import Host
 from divtrace.measure.meter import Measured, Meter
 from divtrace.plan.prompts import Layout
 from divtrace.record.oplineage import per_sample
@@ -59,9 +60,9 @@ class RaggedMeter(Meter):
                  for sample, shape in zip(self.store.samples, shapes, strict=True)]
         return parts if [p.shape for p in parts] == list(shapes) else None
 
-    def over(self, store: RowStore) -> Meter:
-        return RaggedMeter(store, self.batch, self.host, self.rtol, self.atol, lineage=False,
-                           layout=self.layout)
+    def over(self, store: RowStore, host: Host | None = None) -> Meter:
+        return RaggedMeter(store, self.batch, host or self.host, self.rtol, self.atol,
+                           lineage=False, layout=self.layout)
 
     def _parts_stats(self, tensor: torch.Tensor, parts: list[torch.Tensor | None],
                      kept: list[torch.Tensor] | None = None

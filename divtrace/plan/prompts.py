@@ -74,6 +74,11 @@ class Prompts:
         self.pad_token_id = int(pad_token_id)
         self.position_ids = bool(position_ids)
 
+    def like(self, prompts: Sequence[torch.Tensor]) -> Prompts:
+        """Other prompts with the same padding settings."""
+        return Prompts(prompts, padding_side=self.padding_side,
+                       pad_token_id=self.pad_token_id, position_ids=self.position_ids)
+
     @property
     def lengths(self) -> tuple[int, ...]:
         return tuple(int(p.numel()) for p in self.prompts)
@@ -153,10 +158,26 @@ class RaggedInput(BatchedInput):
         return list(inputs.values())
 
     def select(self, rows: list[int]) -> BatchedInput:
-        return ragged_input(Prompts([self.source.prompts[i] for i in rows],
-                                    padding_side=self.source.padding_side,
-                                    pad_token_id=self.source.pad_token_id,
-                                    position_ids=self.source.position_ids))
+        return ragged_input(self.source.like([self.source.prompts[i] for i in rows]))
+
+    def replaced(self, fixed: list[int]) -> tuple[BatchedInput, list[int]]:
+        """The same prompts, every one but ``fixed`` given other tokens of the same
+        length (those of a fixed prompt, repeated as needed; the next id where that gives
+        the same tokens): the padding, the masks and the positions stay."""
+        prompts = list(self.source.prompts)
+        top = max(int(p.max()) for p in prompts) + 1
+        others = [row for row in range(len(prompts)) if row not in set(fixed)]
+        unchanged = []
+        for n, row in enumerate(others):
+            donor = prompts[fixed[n % len(fixed)]]
+            length = prompts[row].numel()
+            tokens = donor.repeat(-(-length // donor.numel()))[:length]
+            if torch.equal(tokens, prompts[row]):
+                tokens = (tokens + 1) % top
+            if torch.equal(tokens, prompts[row]):
+                unchanged.append(row)
+            prompts[row] = tokens
+        return ragged_input(self.source.like(prompts), self.driver, self.step), unchanged
 
 
 def ragged_input(prompts: Prompts, driver: Driver | None = None,

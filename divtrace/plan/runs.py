@@ -19,6 +19,13 @@ import torch
 from torch import nn
 
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
+from divtrace.plan.precision import (
+    effective,
+    matmul_precision,
+    precision_state,
+    restored,
+    set_tf32,
+)
 
 __all__ = ["Run", "backend_flags"]
 
@@ -26,12 +33,16 @@ _PRECISIONS = ("highest", "high", "medium")
 
 
 def backend_flags() -> dict[str, Any]:
-    """The numerics-relevant backend flags in force now."""
-    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    """The numerics-relevant backend flags in force now, read through whichever API set
+    them (:mod:`divtrace.plan.precision`)."""
+    cudnn = torch.backends.cudnn
+    state = precision_state()
     return {"cudnn": cudnn.enabled, "deterministic": cudnn.deterministic,
-            "benchmark": cudnn.benchmark, "tf32_matmul": matmul.allow_tf32,
-            "tf32_cudnn": cudnn.allow_tf32,
-            "matmul_precision": torch.get_float32_matmul_precision()}
+            "benchmark": cudnn.benchmark,
+            "tf32_matmul": effective("cuda.matmul", state) == "tf32",
+            "tf32_cudnn": effective("cudnn.conv", state) == "tf32",
+            "matmul_precision": matmul_precision(),
+            "bf16_matmul_cpu": effective("mkldnn.matmul", state) == "bf16"}
 
 
 @dataclass(frozen=True)
@@ -144,24 +155,23 @@ class Run:
     @contextmanager
     def flags(self) -> Iterator[None]:
         """Sets this run's backend flags; restores every one of them on exit."""
-        cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
-        saved = (cudnn.enabled, cudnn.deterministic, cudnn.benchmark, matmul.allow_tf32,
-                 cudnn.allow_tf32, torch.get_float32_matmul_precision())
+        cudnn = torch.backends.cudnn
+        saved = (cudnn.enabled, cudnn.deterministic, cudnn.benchmark)
         try:
-            if self.cudnn is not None:
-                cudnn.enabled = self.cudnn
-            if self.deterministic is not None:
-                cudnn.deterministic = self.deterministic
-            if self.benchmark is not None:
-                cudnn.benchmark = self.benchmark
-            if self.tf32_matmul is not None:
-                matmul.allow_tf32 = self.tf32_matmul
-            if self.tf32_cudnn is not None:
-                cudnn.allow_tf32 = self.tf32_cudnn
-            if self.matmul_precision is not None:
-                torch.set_float32_matmul_precision(self.matmul_precision)
-            yield
+            with restored():
+                if self.cudnn is not None:
+                    cudnn.enabled = self.cudnn
+                if self.deterministic is not None:
+                    cudnn.deterministic = self.deterministic
+                if self.benchmark is not None:
+                    cudnn.benchmark = self.benchmark
+                if self.matmul_precision is not None:
+                    torch.set_float32_matmul_precision(self.matmul_precision)
+                if self.tf32_matmul is not None:
+                    set_tf32("cuda.matmul", self.tf32_matmul)
+                if self.tf32_cudnn is not None:
+                    for op in ("cudnn.conv", "cudnn.rnn"):
+                        set_tf32(op, self.tf32_cudnn)
+                yield
         finally:
-            (cudnn.enabled, cudnn.deterministic, cudnn.benchmark, matmul.allow_tf32,
-             cudnn.allow_tf32) = saved[:5]
-            torch.set_float32_matmul_precision(saved[5])
+            cudnn.enabled, cudnn.deterministic, cudnn.benchmark = saved

@@ -43,9 +43,9 @@ def columns(figures: tuple[Figure, ...], probes: tuple[type[Probe], ...]) -> tup
             *(c for probe in probes for c in probe.columns))
 
 
-#: The columns of :attr:`Comparison.table` without explain options, in order. They are
-#: an API: stable names.
-COLUMNS = columns(FIGURES, tuple(p for p in PROBES if not p.option))
+#: The columns of :attr:`Comparison.table` of a plain ``compare()`` (the options that are
+#: on by default), in order. They are an API: stable names.
+COLUMNS = columns(FIGURES, tuple(p for p in PROBES if not p.option or p.on_by_default))
 
 
 def _site_row(site: Measured, blank: dict[str, Any]) -> dict[str, Any]:
@@ -138,6 +138,16 @@ def _in_order(rows: list[dict[str, Any]], store: RowStore, probes: tuple[Probe, 
     return ordered
 
 
+def _missing(value: Any) -> bool:
+    return value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value))
+
+
+def _flags(values: list[Any]) -> bool:
+    """Whether a column's values are booleans, some of them missing."""
+    present = [v for v in values if not _missing(v)]
+    return bool(present) and all(isinstance(v, bool | np.bool_) for v in present)
+
+
 def build(plan: Plan, probes: tuple[Probe, ...], meter: Meter, meta: Meta, host: Host
           ) -> Comparison:
     """Assembles the :class:`Comparison` of a finished run (fetches the figures first)."""
@@ -156,6 +166,11 @@ def build(plan: Plan, probes: tuple[Probe, ...], meter: Meter, meta: Meta, host:
     for count in _COUNTS:  # counts, missing where a site was not compared
         if count in data:
             data[count] = pd.array(data[count], dtype="Int64")
+    for probe in probes:  # yes/no columns, missing where a site was not judged
+        for column in probe.columns:
+            if _flags(data[column]):
+                data[column] = pd.array([None if _missing(v) else bool(v)
+                                         for v in data[column]], dtype="boolean")
     table = pd.DataFrame({c: data[c] for c in names}, columns=list(names))
     pairs: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {
         s.site.key: (s.kept, meter.store.rows[s.site.key].rows)

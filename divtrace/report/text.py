@@ -88,7 +88,7 @@ def summary(result: Comparison, probes: Sequence[type[Probe]] = ()) -> str:
         head = f"Run b ({run_b}) vs run a ({run_a}), B={meta.batch_size}"
     else:
         head = f"Batched run (B={meta.batch_size}) vs split run ({chunking})"
-    lines = [judge(table, meta, result.output).sentence,
+    lines = [judge(table, meta).sentence,
              f"{head}, {len(samples)} compared sample(s) {shown}, {len(ok)} compared sites."]
     lines.extend(_caveats(result, ok))
     identical = int((ok["mismatch"] == 0).sum())

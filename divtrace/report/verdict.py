@@ -30,6 +30,10 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 import torch
 
+from divtrace.align.sites import ROOT
+from divtrace.explain.independence import first_dependent
+from divtrace.words import sci
+
 if TYPE_CHECKING:
     from divtrace.report.meta import Meta
 
@@ -97,7 +101,7 @@ def _entries(table: pd.DataFrame, first: pd.Series) -> list[tuple[pd.Series, flo
 def _subject(row: pd.Series, error: float, seen: str) -> str:
     where = f"'{row['site']}' ({row['module_type']})"
     size = ("by an infinite rel_l2 (the split run is all zeros there)" if math.isinf(error)
-            else f"by rel_l2 {error:.2g}")
+            else f"by rel_l2 {sci(error)}")
     if seen == "source":
         return f"the error enters at {where}, on identical inputs, {size}"
     if seen == "own":
@@ -109,10 +113,26 @@ def _subject(row: pd.Series, error: float, seen: str) -> str:
     return f"the runs first part at {where} {size}"
 
 
+def _outputs(table: pd.DataFrame) -> pd.DataFrame:
+    """The rows of the model's output tensors (every one, when it returns several)."""
+    return table[(table["module"] == ROOT) & (table["call"] == 0) & (table["op"] == "")]
+
+
+def _dependent(table: pd.DataFrame) -> str | None:
+    """Where the independence test saw the compared rows move with the other samples."""
+    row = first_dependent(table)
+    if row is None:
+        return None
+    return f"'{row['site']}' ({row['module_type']})"
+
+
 def _by_design(table: pd.DataFrame, meta: Meta) -> str | None:
+    where = _dependent(table)
+    there = "" if where is None else (
+        f" The compared rows first depend on the other samples at {where}.")
     if meta.train_mode:
         return ("the model ran in train mode (allow_train=True): BatchNorm or Dropout make "
-                "the runs differ by design.")
+                "the runs differ by design." + (there if not meta.random_draws else ""))
     if meta.random_draws:
         return ("the model drew random numbers during its passes (allow_train=True): the "
                 "runs differ by design.")
@@ -126,21 +146,59 @@ def _by_design(table: pd.DataFrame, meta: Meta) -> str | None:
     return None
 
 
-def _truth(out: pd.Series | None, meta: Meta) -> str | None:
-    if out is None or "batched_err_fp64" not in out or math.isnan(out["batched_err_fp64"]):
+def _mixing(table: pd.DataFrame, meta: Meta) -> str | None:
+    """Batch mixing found by the independence test, whatever its size."""
+    row = first_dependent(table)
+    if row is None:
         return None
-    b, s = out["batched_err_fp64"], out["split_err_fp64"]
-    high, low = max(b, s), min(b, s)
-    limit, _, _ = budget(out["dtype"], meta)
-    if high > limit and (low == 0 or high / low > 100):
-        worse, better = ("batched", "split") if b > s else ("split", "batched")
-        return (f"against a float64 run of the same samples the {worse} run is off by "
-                f"rel_l2 {high:.2g} and the {better} run by {low:.2g}: floating point does "
-                f"not explain that. {_CHECK}")
+    through = (meta.notes.get("independence") or {}).get("through") or []
+    via = f", through {', '.join(repr(t) for t in through)}," if through else ""
+    return (f"batch mixing: at '{row['site']}' ({row['module_type']}){via} the compared "
+            f"samples' rows change when only the other samples change, the shapes kept "
+            f"(rel_l2 {sci(row['others_rel_l2'])}), so each sample's result depends on the "
+            f"other samples' values — a bug whatever its size. Check for a statistic over "
+            f"the batch in eval mode, a wrong batch_dim, padding that is not masked, or "
+            f"routing or shapes that depend on the whole batch (capacity-limited experts).")
+
+
+def _tested(meta: Meta) -> str:
+    """How far the independence test backs a verdict of rounding: ``"independent"``,
+    ``"inconclusive"`` or ``"untested"``."""
+    found = meta.notes.get("independence")
+    if not found or not found.get("ran"):
+        return "untested"
+    return "inconclusive" if found.get("noisy") else "independent"
+
+
+def _truth(outputs: pd.DataFrame, meta: Meta) -> str | None:
+    for _, out in outputs.iterrows():
+        if "batched_err_fp64" not in out or math.isnan(out["batched_err_fp64"]):
+            continue
+        b, s = out["batched_err_fp64"], out["split_err_fp64"]
+        high, low = max(b, s), min(b, s)
+        limit, _, _ = budget(out["dtype"], meta)
+        if high > limit and (low == 0 or high / low > 100):
+            worse, better = ("batched", "split") if b > s else ("split", "batched")
+            return (f"against a float64 run of the same samples the {worse} run is off by "
+                    f"rel_l2 {sci(high)} and the {better} run by {sci(low)}: floating "
+                    f"point does not explain that. {_CHECK}")
     return None
 
 
-def judge(table: pd.DataFrame, meta: Meta, output: pd.Series | None = None) -> Verdict:
+def _at_output(outputs: pd.DataFrame, row: pd.Series) -> str:
+    """``; at the output it is ...``: the largest rel_l2 over the model's output tensors
+    (each named when there are several)."""
+    ok = outputs[outputs["status"] == "ok"]
+    if ok.empty or (len(ok) == 1 and ok.iloc[0]["site"] == row["site"]):
+        return ""
+    if len(ok) == 1:
+        return f"; at the output it is {sci(ok.iloc[0]['rel_l2'])}"
+    worst = ok.loc[ok["rel_l2"].fillna(-1).idxmax()]
+    return (f"; at the output ({len(ok)} tensors) it is at most {sci(worst['rel_l2'])}, at "
+            f"'{worst['site']}'")
+
+
+def judge(table: pd.DataFrame, meta: Meta) -> Verdict:
     """The verdict on a comparison's table (see the module's documentation)."""
     reason = _by_design(table, meta)
     if reason is not None:
@@ -149,6 +207,9 @@ def judge(table: pd.DataFrame, meta: Meta, output: pd.Series | None = None) -> V
     if ok.empty:
         return Verdict("not rounding", "Verdict: not rounding — nothing could be compared, "
                                        "so floating point cannot be shown to explain it.")
+    reason = _mixing(table, meta)
+    if reason is not None:
+        return Verdict("not rounding", f"Verdict: not rounding — {reason}")
     diverged = ok[ok["mismatch"] > 0]
     if diverged.empty:
         noun = "site is" if len(ok) == 1 else f"{len(ok)} compared sites are"
@@ -162,18 +223,29 @@ def judge(table: pd.DataFrame, meta: Meta, output: pd.Series | None = None) -> V
             worst = (share, (row, error, seen, limit, u_op, name))
     assert worst is not None
     share, (row, error, seen, limit, u_op, name) = worst
+    tested = _tested(meta)
     units = "" if math.isinf(error) else f", {error / u_op:.3g} units of {name} rounding"
     if share > 1:
+        hint = _CHECK if tested != "independent" else (
+            "Each sample's result depends on that sample alone (independence test), so "
+            "look for a kernel that is wrong at one of the two batch sizes, or for lower "
+            "precision than the runs' settings say.")
         return Verdict("not rounding", (
             f"Verdict: not rounding — {_subject(row, error, seen)}{units}, far beyond the "
-            f"{limit:.2g} a reordered sum can give. {_CHECK}"))
-    reason = _truth(output, meta)
+            f"{sci(limit)} a reordered sum can give. {hint}"))
+    outputs = _outputs(table)
+    reason = _truth(outputs, meta)
     if reason is not None:
         return Verdict("not rounding", f"Verdict: not rounding — {reason}")
-    tail = "" if output is None or output["status"] != "ok" or output["site"] == row["site"] \
-        else f"; at the output it is {output['rel_l2']:.2g}"
     cause = ("the batch size changes the order of operations" if not meta.runs
              else "the two configurations round differently")
+    ending = {
+        "independent": f"No sample's result depends on the other samples (independence "
+                       f"test): not a bug; {cause}.",
+        "inconclusive": "The independence test was inconclusive (the batched run is not "
+                        "deterministic), so this rests on the size of the error alone.",
+        "untested": "The independence test did not run, so this rests on the size of the "
+                    "error alone."}[tested]
     return Verdict("rounding", (
-        f"Verdict: rounding — {_subject(row, error, seen)}{units}, within the {limit:.2g} a "
-        f"reordered sum can give{tail}. Not a bug: {cause}."))
+        f"Verdict: rounding — {_subject(row, error, seen)}{units}, within the {sci(limit)} "
+        f"a reordered sum can give{_at_output(outputs, row)}. {ending}"))

@@ -1,0 +1,244 @@
+"""The independence test: the verdict rests on whether a sample's rows move when only the
+other samples change, not on the size of the error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import divtrace
+from divtrace.plan.inputs import prepare_input
+from tests import models
+
+
+def run(model: nn.Module, x: object, **kwargs: object) -> divtrace.Comparison:
+    return divtrace.compare(model, x, progress=False, **kwargs)
+
+
+class Mix(nn.Module):
+    """A real bug, as small as you like: other samples leak in through the batch mean."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.eps * x.mean(0, keepdim=True)
+
+
+def planted(eps: float) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(models.OrderedLinear(16, 64), nn.ReLU(), Mix(eps),
+                         nn.Linear(64, 8)).eval()
+
+
+def dependent(result: divtrace.Comparison) -> list[str]:
+    table = result.table
+    return list(table.loc[table["depends_on_others"].fillna(False).astype(bool), "site"])
+
+
+@pytest.mark.parametrize("eps", [1.0, 1e-4, 1e-6])
+@pytest.mark.parametrize("options", [{}, {"chunk": 2}, {"samples": [0, 5]}],
+                         ids=["all", "chunk2", "two-samples"])
+def test_planted_mixing_is_not_rounding_whatever_its_size(eps: float, options: dict) -> None:
+    result = run(planted(eps), torch.randn(16, 16), **options)
+    assert result.verdict == "not rounding"
+    first = result.summary().splitlines()[0]
+    assert "batch mixing: at '2' (Mix)" in first
+    assert dependent(result)[0] == "2"
+    table = result.table.set_index("site")
+    assert not table.loc[["0", "1"], "depends_on_others"].any()  # before the mixing
+    assert table.loc["2", "others_rel_l2"] > 0
+
+
+def test_without_mixing_the_verdict_is_rounding_and_says_why() -> None:
+    result = run(models.variant_mlp(), torch.randn(8, 16))
+    assert result.first_divergence is not None
+    assert result.verdict == "rounding"
+    table = result.table
+    assert table["depends_on_others"].dtype == "boolean"
+    assert not table["depends_on_others"].any()
+    assert table["depends_on_others"].notna().all()
+    assert (table["others_rel_l2"] == 0).all()
+    summary = result.summary()
+    assert "No sample's result depends on the other samples (independence test)" in (
+        summary.splitlines()[0])
+    assert "Independence test (2 more batched passes, each half of the samples held" in (
+        summary)
+    assert result.info.notes["independence"]["passes"] == 2
+
+
+def test_some_samples_are_held_in_one_pass() -> None:
+    calls: list[int] = []
+    model = models.variant_mlp()
+    handle = model.register_forward_hook(lambda m, a, o: calls.append(o.shape[0]))
+    try:
+        result = run(model, torch.randn(8, 16), samples=[1, 2])
+    finally:
+        handle.remove()
+    assert calls == [1, 1, 8, 8]  # the split run's two passes, batched, independence
+    assert "the compared samples held" in result.summary()
+
+
+def test_leaving_it_out_says_the_verdict_rests_on_the_size() -> None:
+    result = run(models.variant_mlp(), torch.randn(8, 16), independence=False)
+    assert "depends_on_others" not in result.table
+    assert result.verdict == "rounding"
+    assert "rests on the size of the error alone" in result.summary().splitlines()[0]
+    with pytest.raises(divtrace.DivtraceTypeError, match="independence must be True"):
+        run(models.variant_mlp(), torch.randn(8, 16), independence="yes")
+
+
+def test_a_chunked_run_b_is_not_tested_and_that_is_said() -> None:
+    result = run(models.variant_mlp(), torch.randn(8, 16), a=divtrace.Run(chunk=1),
+                 b=divtrace.Run(chunk=4))
+    assert "The independence test did not run: run b takes the batch in chunks" in (
+        result.summary())
+    assert "rests on the size of the error alone" in result.summary().splitlines()[0]
+
+
+def test_nondeterminism_makes_it_inconclusive_never_a_guess() -> None:
+    model = nn.Sequential(models.OrderedLinear(16, 16), models.Noisy(), nn.Linear(16, 4))
+    result = run(model.eval(), torch.randn(8, 16))
+    table = result.table.set_index("site")
+    assert table.loc["1", "depends_on_others"] is pd_na()
+    assert not table.loc["0", "depends_on_others"]
+    summary = result.summary()
+    assert "inconclusive from '1' on" in summary
+    assert "batch mixing" not in summary
+    assert "not a bug" not in summary.splitlines()[0]
+
+
+def pd_na() -> object:
+    import pandas as pd
+
+    return pd.NA
+
+
+def test_train_mode_batchnorm_is_named_where_samples_mix() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU()).train()
+    result = run(model, torch.randn(6, 3, 8, 8), allow_train=True)
+    first = result.summary().splitlines()[0]
+    assert first.startswith("Verdict: not rounding — the model ran in train mode")
+    assert "first depend on the other samples at '1' (BatchNorm2d)" in first
+    assert dependent(result)[0] == "1"
+
+
+def test_an_lstm_cut_along_time_mixes_at_the_lstm() -> None:
+    torch.manual_seed(0)
+    result = run(nn.LSTM(4, 5).eval(), torch.randn(7, 3, 4))  # (T, B, F), batch_dim=0
+    assert result.verdict == "not rounding"
+    assert dependent(result)[0] == "(model)/0"
+    assert "batch mixing: at '(model)/0' (LSTM)" in result.summary().splitlines()[0]
+
+
+def test_a_padding_mask_in_a_transformer_encoder_is_no_mixing() -> None:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    x = torch.randn(6, 5, 16)
+    mask = torch.zeros(6, 5, dtype=torch.bool)
+    mask[::2, 3:] = True  # padding at the end of every other sequence
+    result = run(model, {"src": x, "src_key_padding_mask": mask})
+    assert result.info.notes["independence"]["ran"]
+    assert dependent(result) == []
+    assert result.verdict in ("rounding", "identical")
+
+
+def test_op_sites_name_the_batch_statistic_behind_the_mixing() -> None:
+    result = run(planted(1e-4), torch.randn(8, 16), ops=True)
+    first = result.summary().splitlines()[0]
+    assert "batch mixing" in first
+    assert "aten.mean" in first  # the op over the batch, which has no rows per sample
+
+
+# -- the replaced input ------------------------------------------------------------------
+
+
+def test_the_replaced_batch_keeps_the_held_rows_and_changes_the_others() -> None:
+    x = torch.randn(6, 3)
+    ids = torch.randint(2, 50, (6, 4))
+    mask = torch.ones(6, 4, dtype=torch.long)
+    mask[1, 2:] = 0
+    batch = prepare_input({"x": x, "ids": ids, "mask": mask})
+    replaced, unchanged = batch.replaced([0, 3])
+    new = dict(zip(("x", "ids", "mask"), replaced.leaves, strict=True))
+    assert unchanged == []
+    for held in (0, 3):
+        assert torch.equal(new["x"][held], x[held])
+        assert torch.equal(new["ids"][held], ids[held])
+    for other in (1, 2, 4, 5):
+        assert not torch.equal(new["x"][other], x[other])
+    assert torch.equal(new["mask"], mask)  # masks stay: the same code path
+    assert new["ids"].min() >= ids.min()
+    assert new["ids"].max() <= ids.max()
+    assert x.shape == new["x"].shape
+
+
+def test_samples_that_are_all_alike_are_shifted_and_masks_alone_cannot_be() -> None:
+    x = torch.ones(4, 3)
+    replaced, unchanged = prepare_input(x).replaced([0])
+    assert unchanged == []
+    assert torch.equal(replaced.leaves[0][1:], x[1:] + 1)
+    _, unchanged = prepare_input(torch.ones(4, 3, dtype=torch.bool)).replaced([0])
+    assert unchanged == [1, 2, 3]
+
+
+def test_prompts_keep_their_lengths_and_masks() -> None:
+    prompts = divtrace.Prompts([torch.tensor([5, 6, 7]), torch.tensor([8]),
+                                torch.tensor([9, 9])])
+    from divtrace.plan.prompts import ragged_input
+
+    batch = ragged_input(prompts)
+    replaced, unchanged = batch.replaced([0])
+    assert unchanged == []
+    assert replaced.source.lengths == prompts.lengths
+    assert torch.equal(replaced.source.prompts[0], prompts.prompts[0])
+    assert not torch.equal(replaced.source.prompts[1], prompts.prompts[1])
+    old, new = batch.rows(0, 3)[1], replaced.rows(0, 3)[1]
+    assert torch.equal(old["attention_mask"], new["attention_mask"])
+    assert torch.equal(old["position_ids"], new["position_ids"])
+
+
+def _hf(name: str) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if name == "bert":
+        config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2,
+                                         num_attention_heads=4, intermediate_size=64,
+                                         vocab_size=100, attn_implementation="eager")
+        return transformers.BertModel(config).eval()
+    if name == "gpt2":
+        config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=100,
+                                         n_positions=32, attn_implementation="eager")
+        return transformers.GPT2LMHeadModel(config).eval()
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=100,
+                                      attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama"])
+def test_language_models_with_padding_do_not_mix(name: str) -> None:
+    model = _hf(name)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 100, (4, 9), generator=generator)
+    mask = torch.ones(4, 9, dtype=torch.long)
+    mask[1, :3] = 0  # left padding in two of the four rows
+    mask[3, :5] = 0
+    result = run(model, {"input_ids": ids, "attention_mask": mask})
+    assert result.info.notes["independence"]["ran"]
+    assert dependent(result) == []
+    assert result.verdict in ("rounding", "identical")
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_prompts_do_not_mix(name: str) -> None:
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 100, (n,), generator=generator) for n in (5, 9, 3, 7)]
+    result = run(_hf(name), divtrace.Prompts(prompts))
+    assert result.info.notes["independence"]["ran"]
+    assert dependent(result) == []
+    assert result.verdict in ("rounding", "identical")
