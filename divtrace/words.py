@@ -28,6 +28,8 @@ def percent(fraction: float) -> str:
     and one short of all never reads 100 (``0.0012%``, ``99.97%``)."""
     if fraction == 0 or fraction == 1:
         return f"{fraction:.0%}"
+    if fraction < 1e-3:
+        return f"{fraction * 100:.2g}%"
     for digits in range(1, 12):
         text = f"{fraction * 100:.{digits}f}"
         if float(text) not in (0.0, 100.0):

@@ -196,6 +196,12 @@ class LocalReplay(Probe):
         amp = ok["amplification"].replace(math.inf, math.nan).dropna()
         if not amp.empty and amp.max() > 0:
             top = ok.loc[amp.idxmax()]
-            lines.append(f"The largest amplification of the incoming error is "
-                         f"{top['amplification']:.3g}× at '{top['site']}' ({top['module_type']}).")
+            growth = top["growth"]
+            relative = "" if math.isnan(growth) else (
+                f"; relative to the values there, the error grows {growth:.3g}×"
+                + (" (the layer copies or scales values: the relative error stays)"
+                   if 2 / 3 < growth < 1.5 else ""))
+            lines.append(f"The largest amplification of the incoming error's norm is "
+                         f"{top['amplification']:.3g}× at '{top['site']}' "
+                         f"({top['module_type']}){relative}.")
         return lines

@@ -19,6 +19,7 @@ from divtrace.plan.runs import Run
 from divtrace.record.ragged import RaggedStore
 from divtrace.record.rows import RowStore
 from divtrace.record.runner import Runner
+from divtrace.words import sci
 
 if TYPE_CHECKING:
     from divtrace.report.comparison import Comparison
@@ -123,12 +124,14 @@ class Fp64Truth(Probe):
             return []
         b, s_ = out["batched_err_fp64"], out["split_err_fp64"]
         low, high = min(b, s_), max(b, s_)
-        if high == 0 or (low > 0 and high / low < 10):
-            verdict = ("neither run is closer to the exact answer: both sit within the "
-                       "rounding that this dtype incurs anyway")
+        if high == 0:
+            verdict = "both equal it"
+        elif low > 0 and high / low < 1.25:
+            verdict = ("neither run is clearly closer to the exact answer (their errors are "
+                       "within 1.25× of each other)")
         else:
             worse, better = ("batched", "split") if b > s_ else ("split", "batched")
             factor = "infinitely" if low == 0 else f"{high / low:.3g}×"
             verdict = f"the {worse} run is {factor} further from it than the {better} run"
         return [f"Against a float64 run of the same samples, the output of the batched run "
-                f"is off by rel_l2 {b:.3g} and that of the split run by {s_:.3g}: {verdict}."]
+                f"is off by rel_l2 {sci(b)} and that of the split run by {sci(s_)}: {verdict}."]

@@ -14,6 +14,7 @@ from torch import nn
 from divtrace.align.sites import Site, input_site
 from divtrace.align.status import Status, comparable, status_of
 from divtrace.measure import fused
+from divtrace.measure.elements import elementwise
 from divtrace.measure.host import Deferred, Host
 from divtrace.measure.queue import FusedQueue, StatsQueue, budget_for
 from divtrace.measure.stats import (
@@ -58,6 +59,8 @@ class Measured:
     dtype: torch.dtype
     stats: Deferred | None = None  # [samples, len(FIELDS)]
     flips: Deferred | None = None  # [samples] argmax flips, for 2-D model outputs
+    #: for floating model outputs: the element-wise view (see :func:`elementwise`)
+    elements_view: Deferred | None = None
     kept: torch.Tensor | None = None  # the measured run's rows, when kept
     #: for prompts of different lengths, the kept rows as one tensor per compared prompt
     kept_parts: list[torch.Tensor] | None = None
@@ -207,6 +210,11 @@ class Meter(Sink):
         if flips:
             picked = self.store.pick(tensor) if picked is None else picked
             measured.flips = self.host.add((_argmax(picked) != _argmax(rows)).double())
+        if site.is_output and tensor.is_floating_point():
+            picked = self.store.pick(tensor) if picked is None else picked
+            measured.elements_view = self.host.add(elementwise(
+                picked, self.store.rows_on(stored, tensor.device),
+                *self._tolerances(tensor.dtype)))
         if self.keep and measured.kept is None:
             picked = self.store.pick(tensor) if picked is None else picked
             measured.kept = picked.to(stored.rows.device).contiguous()

@@ -18,6 +18,7 @@ from divtrace.align.ragged import joined
 from divtrace.align.status import Status
 from divtrace.explain.probe import Probe, TableView
 from divtrace.explain.registry import PROBES
+from divtrace.measure.elements import ELEMENTWISE
 from divtrace.measure.figures import FIGURES, Figure, many_site_figures
 from divtrace.measure.host import Host
 from divtrace.measure.meter import Measured, Meter
@@ -179,5 +180,8 @@ def build(plan: Plan, probes: tuple[Probe, ...], meter: Meter, meta: Meta, host:
         parts = meter.store.rows[s.site.key].parts if s.kept_parts is not None else None
         if s.kept_parts is not None and parts is not None:
             pairs[s.site.key] = (joined(s.kept_parts), joined(parts))
-    return Comparison(table, samples, replace(meta, flips=flips), pairs,
+    views = {s.site.key: dict(zip(ELEMENTWISE, s.elements_view.get().tolist(), strict=True))
+             for s in meter.sites if s.elements_view is not None}
+    notes = {**meta.notes, "output_elements": views} if views else meta.notes
+    return Comparison(table, samples, replace(meta, flips=flips, notes=notes), pairs,
                       tuple(type(p) for p in probes))

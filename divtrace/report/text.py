@@ -9,8 +9,10 @@ from typing import TYPE_CHECKING
 import pandas as pd
 import torch
 
+from divtrace.measure.elements import NEAR_ZERO
 from divtrace.measure.stats import tolerances
-from divtrace.report.verdict import judge
+from divtrace.report.verdict import judge, reduced
+from divtrace.words import percent, sci
 
 if TYPE_CHECKING:
     from divtrace.explain.probe import Probe
@@ -27,13 +29,14 @@ def _output_sentences(result: Comparison) -> list[str]:
     lines = []
     first = result.first_divergence
     if first is not None and out["mismatch"] > 0:
-        factor = out["rel_l2"] / first["rel_l2"] if first["rel_l2"] > 0 else math.nan
-        grown = "" if first["site"] == out["site"] or math.isnan(factor) or (
+        factor = out["rel_l2"] / first["rel_l2"] if 0 < first["rel_l2"] < math.inf else (
+            math.nan)
+        grown = "" if first["site"] == out["site"] or not 0 < factor < math.inf or (
             2 / 3 < factor < 1.5) else f" ({factor:.3g}× that of the first divergent site)"
         lines.append(
-            f"At the output, rel_l2 is {out['rel_l2']:.3g}{grown}; {out['mismatch']:.1%} of "
-            f"its elements are not bit-identical (largest difference "
-            f"{out['max_abs']:.3g}).")
+            f"At the output, rel_l2 is {sci(out['rel_l2'])}{grown}; "
+            f"{percent(out['mismatch'])} of its elements are not bit-identical (largest "
+            f"difference {sci(out['max_abs'])}).")
     dtype = getattr(torch, out["dtype"], None)
     if isinstance(dtype, torch.dtype):
         rtol, atol = tolerances(dtype, meta.rtol, meta.atol)
@@ -41,9 +44,12 @@ def _output_sentences(result: Comparison) -> list[str]:
             f"torch.testing.assert_close's default {out['dtype']}")
         verdict = "passes" if out["exceed"] == 0 else "fails"
         beyond = "" if out["exceed"] == 0 else (
-            f": {out['exceed']:.2%} of its elements are beyond them")
+            f": {percent(out['exceed'])} of its elements are beyond them")
         lines.append(f"The output {verdict} the closeness test at {which} tolerances "
                      f"(rtol={rtol:.3g}, atol={atol:.3g}){beyond}.")
+        view = meta.notes.get("output_elements", {}).get(out["site"])
+        if view is not None and out["mismatch"] > 0:
+            lines.append(_elementwise(view, out, rtol, atol))
     flips = meta.flips.get(out["site"])
     if flips is not None:
         classes = out["shape"].strip("()").split(",")[-1].strip()
@@ -51,6 +57,29 @@ def _output_sentences(result: Comparison) -> list[str]:
             f"Read as class logits ({classes} columns), the output's argmax differs "
             f"between the runs for {sum(flips)} of {len(flips)} samples.")
     return lines
+
+
+def _elementwise(view: dict[str, float], out: pd.Series, rtol: float, atol: float) -> str:
+    """The output element by element, as ``torch.allclose`` judges it, against what the
+    norm-based figure says."""
+    beyond, finite = int(view["beyond"]), int(view["finite"])
+    near, largest = int(view["beyond_near_zero"]), view["largest"]
+    head = (f"Element by element (as torch.allclose(batched, split, rtol={rtol:.3g}, "
+            f"atol={atol:.3g}) judges), {beyond} of {finite} elements are beyond the "
+            f"tolerance")
+    if beyond and near == beyond:
+        head += (f", all of them near zero (|value| at most {NEAR_ZERO:g} of the output's "
+                 f"largest, {sci(largest)}), where relative error has no meaning")
+    elif near:
+        head += (f"; {near} of them lie near zero (|value| at most {NEAR_ZERO:g} of the "
+                 f"output's largest, {sci(largest)}), where relative error has no meaning")
+    rel = view["max_rel"]
+    worst = (f"The largest element-wise relative difference is {rel:.3g} ({percent(rel)}), "
+             f"where the split run has {view['split_value']:.8g} and the batched run "
+             f"{view['batched_value']:.8g}" if rel > 0 else
+             "No element differs relative to a non-zero value")
+    return (f"{head}. {worst}; measured over the whole output instead, the difference is "
+            f"rel_l2 {sci(out['rel_l2'])}.")
 
 
 def _caveats(result: Comparison, ok: pd.DataFrame) -> list[str]:
@@ -64,6 +93,13 @@ def _caveats(result: Comparison, ok: pd.DataFrame) -> list[str]:
         lines.append(
             "The model drew random numbers during its passes (allowed by allow_train=True): "
             "the runs differ for reasons that are not numerical.")
+    precision = reduced(meta)
+    if precision:
+        lines.append(
+            f"Reduced precision is in force: {'; '.join(name for _, name in precision)} "
+            f"(about {min(-math.log2(2 * u) for u, _ in precision):.0f} bits of mantissa "
+            f"instead of float32's 23), so differences near "
+            f"{sci(max(u for u, _ in precision), 1)} relative are ordinary rounding there.")
     if meta.output_type is not None:
         lines.append(f"The model's output (a {meta.output_type}) holds no tensor, so it "
                      f"could not be compared.")
@@ -81,7 +117,8 @@ def summary(result: Comparison, probes: Sequence[type[Probe]] = ()) -> str:
     table = result.table
     ok = table[table["status"] == "ok"]
     samples = list(meta.samples)
-    shown = samples if len(samples) <= 8 else [*samples[:8], "..."]
+    shown = (", ".join(map(str, samples)) if len(samples) <= 8 else
+             f"{', '.join(map(str, samples[:4]))}, ..., {samples[-1]}")
     chunking = "per sample" if meta.chunk == 1 else f"in chunks of {meta.chunk}"
     if meta.runs:
         run_a, run_b = meta.runs
@@ -89,7 +126,7 @@ def summary(result: Comparison, probes: Sequence[type[Probe]] = ()) -> str:
     else:
         head = f"Batched run (B={meta.batch_size}) vs split run ({chunking})"
     lines = [judge(table, meta).sentence,
-             f"{head}, {len(samples)} compared sample(s) {shown}, {len(ok)} compared sites."]
+             f"{head}, {len(samples)} compared sample(s) [{shown}], {len(ok)} compared sites."]
     lines.extend(_caveats(result, ok))
     identical = int((ok["mismatch"] == 0).sum())
     first = result.first_divergence
@@ -102,8 +139,8 @@ def summary(result: Comparison, probes: Sequence[type[Probe]] = ()) -> str:
                   f"after {position} bit-identical site{'s' * (position > 1)}")
         lines.append(
             f"Divergence first appears at '{first['site']}' ({first['module_type']}), "
-            f"{before}: {first['mismatch']:.1%} of its elements differ, rel_l2 "
-            f"{first['rel_l2']:.3g}.")
+            f"{before}: {percent(first['mismatch'])} of its elements differ, rel_l2 "
+            f"{sci(first['rel_l2'])}.")
         lines.append(f"{identical} of {len(ok)} compared sites are bit-identical.")
     for probe in probes:
         if probe.leads:

@@ -37,7 +37,7 @@ from divtrace.words import sci
 if TYPE_CHECKING:
     from divtrace.report.meta import Meta
 
-__all__ = ["JUMP", "Verdict", "budget", "judge"]
+__all__ = ["JUMP", "Verdict", "budget", "judge", "reduced"]
 
 #: A carrier whose error grows by more than this over what it received adds error of its
 #: own beyond rounding (amplification by a layer is rarely more than a few times).
@@ -64,17 +64,32 @@ def _unit(name: str | None) -> float | None:
     return float(torch.finfo(dtype).eps) / 2
 
 
+def reduced(meta: Meta) -> list[tuple[float, str]]:
+    """The reduced-precision maths in force for float32 in either run: ``(u_op, what it
+    is, in plain words)``."""
+    found: dict[str, float] = {}
+    for s in meta.settings.values():
+        if s.get("dtype") != "float32":
+            continue
+        device = str(s.get("device", ""))
+        if device.startswith("cuda"):
+            if s.get("tf32_matmul"):
+                found["TF32 for float32 matmuls on the GPU"] = _TF32
+            if s.get("tf32_cudnn"):
+                found["TF32 for float32 convolutions in cuDNN"] = _TF32
+            if s.get("matmul_precision") == "medium":
+                found["bfloat16 for float32 matmuls (matmul precision 'medium')"] = _BF16
+        elif device.startswith("cpu") and s.get("bf16_matmul_cpu"):
+            found["bfloat16 for float32 matmuls in oneDNN on the CPU"] = _BF16
+    return [(u, name) for name, u in found.items()]
+
+
 def budget(site_dtype: str, meta: Meta) -> tuple[float, float, str]:
     """``(budget, u_op, what u_op is)`` for a site of ``site_dtype`` under ``meta``."""
     candidates: list[tuple[float | None, str]] = [(_unit(site_dtype), site_dtype)]
     candidates += [(_unit(s.get("dtype")), str(s.get("dtype")))
                    for s in meta.settings.values()]
-    for s in meta.settings.values():
-        if str(s.get("device", "")).startswith("cuda") and s.get("dtype") == "float32":
-            if s.get("tf32_matmul") or s.get("tf32_cudnn"):
-                candidates.append((_TF32, "TF32"))
-            if s.get("matmul_precision") == "medium":
-                candidates.append((_BF16, "bfloat16 matmul"))
+    candidates += [(u, "TF32" if u == _TF32 else "bfloat16 matmul") for u, _ in reduced(meta)]
     found = [(u, name) for u, name in candidates if u is not None]
     if not found:
         return math.inf, math.nan, site_dtype
@@ -216,7 +231,8 @@ def judge(table: pd.DataFrame, meta: Meta) -> Verdict:
         return Verdict("identical", f"Verdict: identical — {'the one' if len(ok) == 1 else 'all'}"
                                     f" {noun} bit-identical in both runs.")
     worst: tuple[float, Any] | None = None
-    for row, error, seen in _entries(ok, diverged.iloc[0]):
+    entries = _entries(ok, diverged.iloc[0])
+    for row, error, seen in entries:
         limit, u_op, name = budget(row["dtype"], meta)
         share = error / limit if limit > 0 else math.inf
         if not math.isnan(share) and (worst is None or share > worst[0]):
@@ -237,6 +253,9 @@ def judge(table: pd.DataFrame, meta: Meta) -> Verdict:
     reason = _truth(outputs, meta)
     if reason is not None:
         return Verdict("not rounding", f"Verdict: not rounding — {reason}")
+    row, error, seen = entries[0]  # where the error enters first: a source, or the first
+    limit, u_op, name = budget(row["dtype"], meta)  # divergent site
+    units = "" if math.isinf(error) else f", {error / u_op:.3g} units of {name} rounding"
     cause = ("the batch size changes the order of operations" if not meta.runs
              else "the two configurations round differently")
     ending = {
