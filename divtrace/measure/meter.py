@@ -214,7 +214,7 @@ class Meter(Sink):
             picked = self.store.pick(tensor) if picked is None else picked
             measured.elements_view = self.host.add(elementwise(
                 picked, self.store.rows_on(stored, tensor.device),
-                *self._tolerances(tensor.dtype)))
+                *self._tolerances(tensor.dtype), (self.rtol, self.atol)))
         if self.keep and measured.kept is None:
             picked = self.store.pick(tensor) if picked is None else picked
             measured.kept = picked.to(stored.rows.device).contiguous()

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 import torch
 
-from divtrace.measure.elements import NEAR_ZERO
+from divtrace.measure.elements import ALLCLOSE, NEAR_ZERO
 from divtrace.measure.stats import tolerances
 from divtrace.report.verdict import judge, reduced
 from divtrace.words import percent, sci
@@ -50,6 +50,10 @@ def _output_sentences(result: Comparison) -> list[str]:
         view = meta.notes.get("output_elements", {}).get(out["site"])
         if view is not None and out["mismatch"] > 0:
             lines.append(_elementwise(view, out, rtol, atol))
+            own = (ALLCLOSE[0] if meta.rtol is None else meta.rtol,
+                   ALLCLOSE[1] if meta.atol is None else meta.atol)
+            if own != (rtol, atol) and "beyond_allclose" in view:
+                lines.append(_beyond(view, own))
     flips = meta.flips.get(out["site"])
     if flips is not None:
         classes = out["shape"].strip("()").split(",")[-1].strip()
@@ -57,6 +61,16 @@ def _output_sentences(result: Comparison) -> list[str]:
             f"Read as class logits ({classes} columns), the output's argmax differs "
             f"between the runs for {sum(flips)} of {len(flips)} samples.")
     return lines
+
+
+def _beyond(view: dict[str, float], own: tuple[float, float]) -> str:
+    """What ``torch.allclose`` with its own defaults for what was not given says."""
+    beyond, near = int(view["beyond_allclose"]), int(view["beyond_allclose_near_zero"])
+    where = "" if not beyond else (
+        ", all of them near zero" if near == beyond else f", {near} of them near zero")
+    return (f"With torch.allclose's own defaults for what was not given (rtol={own[0]:.3g}, "
+            f"atol={own[1]:.3g}), {beyond} of {int(view['finite'])} elements are beyond it"
+            f"{where}.")
 
 
 def _elementwise(view: dict[str, float], out: pd.Series, rtol: float, atol: float) -> str:
@@ -76,7 +90,9 @@ def _elementwise(view: dict[str, float], out: pd.Series, rtol: float, atol: floa
     rel = view["max_rel"]
     worst = (f"The largest element-wise relative difference is {rel:.3g} ({percent(rel)}), "
              f"where the split run has {view['split_value']:.8g} and the batched run "
-             f"{view['batched_value']:.8g}" if rel > 0 else
+             f"{view['batched_value']:.8g}"
+             + (" (near zero)" if abs(view["split_value"]) <= NEAR_ZERO * largest else "")
+             if rel > 0 else
              "No element differs relative to a non-zero value")
     return (f"{head}. {worst}; measured over the whole output instead, the difference is "
             f"rel_l2 {sci(out['rel_l2'])}.")

@@ -1,0 +1,134 @@
+"""The verdict's independence test on a GPU: planted batch mixing, the seed cases, and
+TF32 set through PyTorch's new ``fp32_precision`` API.
+
+- vgg11().features, batch 64 vs chunks of 2, with a layer after the 6th module that adds
+  ``eps * x.mean(0)`` (a real bug: samples mix in eval mode), eps 1, 1e-4, 1e-6, and
+  without it;
+- the seed cases under the seed settings (fp32, TF32 off, cuDNN deterministic):
+  vgg11().features and one Conv2d(3, 64), batch 128 vs its first 2; AlexNet, batch 100
+  per sample; efficientnet_v2_s, batch 64 vs its first 2; and vgg11().features with cuDNN
+  off and with TF32 on;
+- TF32 for convolutions set through ``torch.backends.cudnn.conv.fp32_precision``;
+- the first seed report's own script: AlexNet, batch 100 vs 1, with its flags (which
+  include ``torch.set_float32_matmul_precision("high")``), judged at the user's rtol=0.1.
+
+Writes ``independence_summary.txt`` and ``independence.json`` into --out.
+
+    python docs/results/independence_gpu.py --out docs/results/h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import divtrace
+from divtrace.plan.precision import precision_state
+
+SEED = divtrace.Run(deterministic=True, benchmark=False, tf32_matmul=False, tf32_cudnn=False)
+
+
+class Mix(nn.Module):
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.eps * x.mean(0, keepdim=True)
+
+
+def record(found: list[dict[str, Any]], lines: list[str], name: str,
+           result: divtrace.Comparison) -> None:
+    table = result.table
+    moved = table[table["depends_on_others"].fillna(False).astype(bool)]
+    out = result.output
+    found.append({"case": name, "verdict": result.verdict,
+                  "first_dependent": None if moved.empty else moved.iloc[0]["site"],
+                  "output_rel_l2": None if out is None else float(out["rel_l2"]),
+                  "independence": result.info.notes.get("independence")})
+    lines += [f"== {name}", result.summary(), ""]
+    print(name, result.verdict, found[-1]["first_dependent"], flush=True)
+
+
+def main() -> int:
+    from torchvision.models import alexnet, efficientnet_v2_s, vgg11
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    found: list[dict[str, Any]] = []
+    lines = [f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
+             f"{torch.cuda.get_device_name(0)}", ""]
+    cuda = torch.device("cuda")
+    with SEED.flags():
+        torch.manual_seed(0)
+        features = vgg11().features.eval().to(cuda)
+        x64 = torch.rand(64, 3, 128, 128, device=cuda)
+        for eps in (1.0, 1e-4, 1e-6, None):
+            layers = list(features)
+            model = nn.Sequential(*layers[:6], *([Mix(eps)] if eps else []), *layers[6:])
+            record(found, lines, f"vgg11().features + mean-mixing eps={eps} (64 vs chunks of 2)",
+                   divtrace.compare(model.eval(), x64, chunk=2, progress=False))
+        x128 = torch.rand(128, 3, 128, 128, device=cuda)
+        record(found, lines, "seed: vgg11().features, 128 vs first 2",
+               divtrace.compare(features, x128, chunk=2, samples=[0, 1], progress=False))
+        conv = nn.Conv2d(3, 64, 3, padding=1).to(cuda).eval()
+        record(found, lines, "seed: Conv2d(3, 64), 128 vs first 2",
+               divtrace.compare(conv, x128, chunk=2, samples=[0, 1], progress=False))
+        for label, run in (("cuDNN off", divtrace.Run(cudnn=False)),
+                           ("TF32 on", divtrace.Run(tf32_matmul=True, tf32_cudnn=True))):
+            record(found, lines, f"seed setting: vgg11().features, {label}",
+                   divtrace.compare(features, x128, a=divtrace.Run(chunk=2, **_fields(run)),
+                                    b=run, samples=[0, 1], progress=False))
+        torch.manual_seed(0)
+        net = alexnet().eval().to(cuda)
+        x100 = torch.randn(100, 3, 227, 227, device=cuda)
+        record(found, lines, "seed: AlexNet, 100 per sample",
+               divtrace.compare(net, x100, progress=False))
+        torch.manual_seed(0)
+        eff = efficientnet_v2_s().eval().to(cuda)
+        record(found, lines, "seed: efficientnet_v2_s, 64 vs first 2",
+               divtrace.compare(eff, torch.rand(64, 3, 224, 224, device=cuda), chunk=2,
+                                samples=[0, 1], progress=False))
+    before = precision_state()
+    torch.backends.cudnn.conv.fp32_precision = "tf32"
+    torch.backends.cuda.matmul.fp32_precision = "ieee"
+    record(found, lines, "new API: cudnn.conv.fp32_precision='tf32', vgg11().features, 128 "
+                         "vs first 2",
+           divtrace.compare(features, x128, chunk=2, samples=[0, 1], progress=False))
+    lines.append(f"flags before the new-API case: {before}; after it: {precision_state()}")
+    # the first seed report's script: its flags, AlexNet, batch 100 vs 1, rtol=0.1
+    torch.backends.cudnn.conv.fp32_precision = "ieee"
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    torch.set_float32_matmul_precision("high")
+    record(found, lines, "seed report 1's script: AlexNet 100 vs 1, its flags, rtol=0.1",
+           divtrace.compare(net, x100, rtol=0.1, progress=False))
+    with torch.no_grad():
+        batched = net(x100)
+        alone = torch.cat([net(x100[i:i + 1]) for i in range(100)])
+    rel = ((batched - alone).abs() / alone.abs()).max().item()
+    lines.append(f"that script's own check: torch.allclose(batched, alone, rtol=0.1) = "
+                 f"{torch.allclose(batched, alone, rtol=0.1)}; largest element-wise "
+                 f"relative difference {rel:.3g}")
+    (args.out / "independence_summary.txt").write_text("\n".join(lines) + "\n")
+    (args.out / "independence.json").write_text(json.dumps(found, indent=1) + "\n")
+    return 0
+
+
+def _fields(run: divtrace.Run) -> dict[str, Any]:
+    return {k: v for k, v in vars(run).items() if k != "chunk" and v not in (None, False)}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
