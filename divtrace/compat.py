@@ -15,13 +15,24 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.module_tracker import ModuleTracker
 
 __all__ = ["BATCH_NORM", "DROPOUT", "TorchDispatchMode", "cuda_driver", "default_tolerances",
-           "foreach_copy", "forward_hooks", "generator_kept", "impl", "modes_off",
+           "foreach_copy", "forward_hooks", "generator_kept", "impl", "is_compiled", "modes_off",
            "module_tracker", "own_tensors", "pytree", "version"]
 
 #: The base classes of BatchNorm and of Dropout layers (they mix samples, or draw random
 #: numbers, in train mode).
 BATCH_NORM: type[nn.Module] = nn.modules.batchnorm._BatchNorm
 DROPOUT: type[nn.Module] = nn.modules.dropout._DropoutNd
+
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` is the wrapper ``torch.compile(module)`` returns (its original
+    is ``module._orig_mod``)."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # a torch without dynamo
+        return False
+    return isinstance(module, OptimizedModule)
 
 
 #: ``version(tensor)``: the tensor's version counter, which moves whenever the tensor is

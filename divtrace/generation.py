@@ -107,6 +107,7 @@ def compare_generate(
     side = prompts.padding_side if isinstance(prompts, Prompts) else padding_side
     padded = Prompts(given, padding_side=side, pad_token_id=int(pad_token_id),
                      position_ids=False)  # generate() makes the position ids itself
+    padded.check_pair()
     size = len(padded)
     rows = prepare_samples(samples, size)
     chunk = check_chunk(chunk, size)

@@ -26,7 +26,7 @@ from divtrace.plan.prompts import RaggedInput
 from divtrace.plan.walk import Walk
 from divtrace.progress import Progress
 from divtrace.record.graphs import GraphedRun
-from divtrace.record.guard import RandomDraws, cuda_devices, untouched
+from divtrace.record.guard import RandomDraws, SeededOps, cuda_devices, untouched
 from divtrace.record.loop import InputCopies
 from divtrace.record.ragged import RaggedStore
 from divtrace.record.rows import RowStore
@@ -85,17 +85,42 @@ def _plain(value: Any) -> Any:
     return value.item() if hasattr(value, "item") else str(value)
 
 
-def _random_check(plan: Plan, draws: RandomDraws) -> Callable[[str], None]:
-    """After each run: refuses a model that drew random numbers (unless allowed)."""
+def _random_check(plan: Plan, draws: RandomDraws, runners: tuple[Runner, Runner]
+                  ) -> Callable[[str], None]:
+    """After each run: refuses a model that drew random numbers (unless allowed). A moved
+    generator is checked once with one pass of that run under :class:`SeededOps`, which
+    sees this thread's ops only: draws by another thread do not count."""
+
+    warned: list[str] = []
 
     def check(run: str) -> None:
-        if draws.drew() and not plan.allow_train:
-            raise BatchMixingError(
-                f"the model drew random numbers in the {run} (F.dropout with "
-                f"training=True, a module left in train mode, torch.rand, ...): batched and "
-                f"split runs would differ for reasons that are not numerical. Make the "
-                f"forward pass deterministic (model.eval(), training=False), or pass "
-                f"allow_train=True to compare anyway")
+        if not draws.drew() or plan.allow_train:
+            return
+        runner = runners[0] if run == runners[0].name else runners[1]
+        start, stop = plan.reference_chunks[0] if runner is runners[0] else (
+            0, plan.batch.batch_size)
+        seeded = SeededOps()
+        args, kwargs = runner.feed(*plan.batch.rows(start, stop, copy=True))
+        with runner.run.flags(), seeded:
+            runner.model(*args, **kwargs)
+        draws.drew()  # this pass's own draws are not the model's
+        if not seeded.seen:
+            draws.seen = False
+            if not warned:
+                warned.append(run)
+                warnings.warn(
+                    f"the random generator moved during the {run}, but no op of this "
+                    f"comparison drew from it (another thread drawing random numbers?): "
+                    f"the comparison is not affected, but the generators are put back as "
+                    f"they were before it, which rewinds that thread's draws too",
+                    DivtraceWarning, stacklevel=5)
+            return
+        raise BatchMixingError(
+            f"the model drew random numbers in the {run} ({', '.join(sorted(set(seeded.seen)))}"
+            f": F.dropout with training=True, a module left in train mode, torch.rand, "
+            f"...): batched and split runs would differ for reasons that are not numerical. "
+            f"Make the forward pass deterministic (model.eval(), training=False), or pass "
+            f"allow_train=True to compare anyway")
 
     return check
 
@@ -147,7 +172,8 @@ def execute(plan: Plan, model: nn.Module) -> Comparison:
     with Progress(plan.passes, plan.progress) as progress, untouched(walk, devices):
         draws = RandomDraws(devices)
         ctx = Context(plan, model, reference, compared, host, progress,
-                      check=_random_check(plan, draws), copies=InputCopies(plan.batch))
+                      check=_random_check(plan, draws, (reference, compared)),
+                      copies=InputCopies(plan.batch))
         for probe in probes:
             probe.before(ctx)
         ctx.store = record(ctx, reference, plan.reference_chunks)

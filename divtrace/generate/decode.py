@@ -47,7 +47,13 @@ def decode(model: nn.Module, prompts: Prompts, chunks: list[tuple[int, int]],
     logits: dict[int, torch.Tensor] = {}
     for start, stop in chunks:
         inputs, layout = pad(prompts, start, stop)
-        out = generate(model, inputs, new_tokens, settings)
+        try:
+            out = generate(model, inputs, new_tokens, settings)
+        except Exception as exc:
+            run = "batched run" if (start, stop) == (0, len(prompts)) else "split run"
+            exc.add_note(f"divtrace: raised in generate() of the {run}, prompts "
+                         f"{start}:{stop}")
+            raise
         new = out.sequences[:, layout.length:]
         steps = torch.stack(out.logits, 1)  # [rows, steps, vocabulary]
         for row in range(stop - start):

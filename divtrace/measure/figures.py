@@ -106,9 +106,23 @@ def _mean_abs(f: SiteFields) -> float:
     return f.sum("sum_abs") / finite if finite else math.nan
 
 
+def _rel_l2(f: SiteFields) -> float:
+    """rel_l2, or NaN where the squares of float64 values beyond about 1e±154 underflowed
+    to 0 or overflowed to inf while the values themselves differ (never a false 0)."""
+    rel = float(rel_l2(f.norm("sq_diff"), f.norm("sq_ref")))
+    if rel == 0 and f.max("max_abs") > 0:
+        return math.nan
+    if f.sum("nonfinite") == 0 and not (math.isfinite(f.sum("sq_diff"))
+                                        and math.isfinite(f.sum("sq_ref"))):
+        return math.nan
+    return rel
+
+
 def _cosine(f: SiteFields) -> float:
     if f.sum("mismatch") == 0:
         return 1.0
+    if math.isnan(_rel_l2(f)) and f.sum("nonfinite") == 0:
+        return math.nan  # the squares underflowed or overflowed
     return cosine(f.sum("sq_diff"), f.norm("sq_out"), f.norm("sq_ref"))
 
 
@@ -120,8 +134,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure("exceed", lambda f: f.share("exceed"), "fraction beyond rtol/atol"),
     Figure("max_abs", lambda f: f.max("max_abs"), "max |batched - split|"),
     Figure("mean_abs", _mean_abs, "mean |batched - split| over finite pairs"),
-    Figure("rel_l2", lambda f: float(rel_l2(f.norm("sq_diff"), f.norm("sq_ref"))),
-           "‖batched − split‖ / ‖split‖"),
+    Figure("rel_l2", _rel_l2, "‖batched − split‖ / ‖split‖ (NaN where float64 values beyond "
+           "about 1e±154 make the squares overflow or underflow)"),
     Figure("max_ulp", lambda f: f.max("max_ulp"), "max ULP distance in the tensor's own dtype"),
     Figure("cosine", _cosine, "cosine similarity of the two runs' rows"),
     Figure("nonfinite", lambda f: f.sum("nonfinite"), "elements NaN or infinite in either run"),
@@ -154,9 +168,18 @@ def many_site_figures(stats: list[np.ndarray], elements: list[int | np.ndarray],
         found.append({figure.name: figure.compute(site) for figure in figures})
     mismatch = np.divide(stack[:, :, INDEX["mismatch"]], counts,
                          out=np.zeros(counts.shape), where=counts > 0)
-    rel = np.asarray(rel_l2(np.sqrt(stack[:, :, INDEX["sq_diff"]]),
-                            np.sqrt(stack[:, :, INDEX["sq_ref"]])), dtype=float)
+    rel = _unmeasured(np.asarray(rel_l2(np.sqrt(stack[:, :, INDEX["sq_diff"]]),
+                                        np.sqrt(stack[:, :, INDEX["sq_ref"]])), dtype=float),
+                      stack)
     return found, mismatch, rel.reshape(counts.shape), stack[:, :, INDEX["max_abs"]]
+
+
+def _unmeasured(rel: np.ndarray, stack: np.ndarray) -> np.ndarray:
+    """Per sample, NaN where the squares underflowed or overflowed (see :func:`_rel_l2`)."""
+    lost = (rel == 0) & (stack[..., INDEX["max_abs"]] > 0)
+    lost |= (stack[..., INDEX["nonfinite"]] == 0) & ~(
+        np.isfinite(stack[..., INDEX["sq_diff"]]) & np.isfinite(stack[..., INDEX["sq_ref"]]))
+    return np.where(lost, np.nan, rel)
 
 
 def _counts(elements: list[int | np.ndarray], samples: int) -> np.ndarray:
@@ -174,6 +197,6 @@ def sample_figures(stats: np.ndarray, elements_per_sample: int | np.ndarray
     counts = np.broadcast_to(np.asarray(elements_per_sample, dtype=float), (len(stats),))
     mismatch = np.divide(fields.column("mismatch"), counts, out=np.zeros(len(stats)),
                          where=counts > 0)
-    rel = np.atleast_1d(rel_l2(np.sqrt(fields.column("sq_diff")),
-                               np.sqrt(fields.column("sq_ref"))))
+    rel = _unmeasured(np.atleast_1d(rel_l2(np.sqrt(fields.column("sq_diff")),
+                                           np.sqrt(fields.column("sq_ref")))), stats)
     return mismatch, rel, fields.column("max_abs")

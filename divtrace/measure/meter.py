@@ -44,6 +44,12 @@ _MIN_BLOCK = 1 << 20
 _CPU_BLOCK = 1 << 18
 
 
+def _without_train_mode(module: nn.Module) -> bool:
+    """A module whose forward pass does not read its ``training`` flag: PyTorch's quantized
+    layers (``quantize_dynamic`` leaves them flagged as training)."""
+    return type(module).__module__.startswith("torch.ao.nn.quantized")
+
+
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """Per row, the index of the largest value (float8 has no argmax: upcast, exactly)."""
     return (logits.float() if logits.element_size() == 1 else logits).argmax(1)
@@ -154,7 +160,7 @@ class Meter(Sink):
             return
         parts = input_parts(call, module, args, kwargs, output, tracker)
         self._call(LeafCall(call, module, args, kwargs, output, parts, tracker,
-                            module.training))
+                            module.training and not _without_train_mode(module)))
 
     def on_op(self, call: Site, op: Callable[..., Any], args: tuple[Any, ...],
               kwargs: dict[str, Any], parts: list[InputPart], tracker: Tracker) -> None:

@@ -4,20 +4,34 @@ from __future__ import annotations
 
 import operator
 import warnings
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from divtrace.compat import pytree
 from divtrace.errors import DivtraceTypeError, DivtraceValueError, DivtraceWarning
+from divtrace.plan.replace import replaced
 
-__all__ = ["BatchDim", "BatchedInput", "prepare_input"]
+__all__ = ["BatchDim", "BatchedInput", "each_once", "prepare_input"]
 
 #: ``batch_dim=``: one dimension for every input tensor, or a structure matching ``x``
 #: (a tuple for a tuple, a dict for a dict; an int or None for a whole argument), where
 #: None keeps that input whole.
 BatchDim = int | None | tuple[Any, ...] | list[Any] | dict[str, Any]
+
+
+def each_once(leaves: list[Any], change: Callable[[Any], Any]) -> list[Any]:
+    """``change`` applied to each leaf, once per object: a tensor given twice (``mha(x, x,
+    x)``, whose fast path needs ``query is key``) stays one tensor."""
+    made: dict[int, Any] = {}
+    out = []
+    for leaf in leaves:
+        if id(leaf) not in made:
+            made[id(leaf)] = change(leaf)
+        out.append(made[id(leaf)])
+    return out
 
 
 @dataclass(frozen=True)
@@ -45,12 +59,15 @@ class BatchedInput:
         """The leaves holding rows ``start:stop`` of every cut tensor: views (the inputs as
         given for the whole batch), or with ``copy`` fresh copies of every tensor, for a
         pass that may change its input in place."""
-        leaves = [leaf if dim is None or (start == 0 and stop == self.batch_size)
-                  else leaf.narrow(dim, start, stop - start)
-                  for leaf, dim in zip(self.leaves, self.dims, strict=True)]
-        if copy:
-            leaves = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf
-                      for leaf in leaves]
+        made: dict[tuple[int, int | None], Any] = {}  # one tensor given twice stays one
+        leaves = []
+        for leaf, dim in zip(self.leaves, self.dims, strict=True):
+            key = (id(leaf), dim)
+            if key not in made:
+                part = leaf if dim is None or (start == 0 and stop == self.batch_size) else (
+                    leaf.narrow(dim, start, stop - start))
+                made[key] = part.clone() if copy and isinstance(part, torch.Tensor) else part
+            leaves.append(made[key])
         return leaves
 
     def build(self, leaves: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -66,76 +83,24 @@ class BatchedInput:
     def select(self, rows: list[int]) -> BatchedInput:
         """The batch of only these rows, in this order."""
         index = torch.tensor(rows)
-        leaves = tuple(leaf if dim is None else leaf.index_select(dim, index.to(leaf.device))
-                       for leaf, dim in zip(self.leaves, self.dims, strict=True))
+        made: dict[tuple[int, int | None], Any] = {}  # one tensor given twice stays one
+        for leaf, dim in zip(self.leaves, self.dims, strict=True):
+            if (id(leaf), dim) not in made:
+                made[id(leaf), dim] = leaf if dim is None else leaf.index_select(
+                    dim, index.to(leaf.device))
+        leaves = tuple(made[id(leaf), dim] for leaf, dim in zip(self.leaves, self.dims,
+                                                                 strict=True))
         return BatchedInput(leaves, self.spec, self.dims, self.names, len(rows),
                             self.batch_dim)
 
     def replaced(self, fixed: list[int]) -> tuple[BatchedInput, list[int]]:
         """The same batch, every row but ``fixed`` given other valid data, and the rows
-        that could not be made to differ from what they were.
-
-        Shapes stay, and so do the fixed rows and their positions. A floating-point
-        tensor's other rows take the values of fixed rows (so that statistics over the
-        batch change, as a permutation among the other rows would not); an integer
-        tensor of ids likewise; a mask (bool, or only 0 and 1) is kept, so that the
-        model takes the same code path. A row that still equals what it was (samples
-        that are all alike) is shifted: ``+ 1`` for floats, the next id for integers.
-        """
-        size = self.batch_size
-        others = [row for row in range(size) if row not in set(fixed)]
-        source = list(range(size))
-        for n, row in enumerate(others):
-            source[row] = fixed[n % len(fixed)]
-        leaves, unchanged = list(self.leaves), set(others)
-        for i, (leaf, dim) in enumerate(zip(self.leaves, self.dims, strict=True)):
-            if dim is None or not isinstance(leaf, torch.Tensor) or not others or (
-                    _is_mask(leaf)):
-                continue
-            new = leaf.index_select(dim, torch.tensor(source, device=leaf.device))
-            same = _same_rows(new, leaf, dim, others)
-            if same:
-                rows = torch.tensor(same, device=leaf.device)
-                new.index_copy_(dim, rows, _shifted(new.index_select(dim, rows), leaf))
-                same = _same_rows(new, leaf, dim, same)
-            unchanged &= set(same)
-            leaves[i] = new
-        return replace(self, leaves=tuple(leaves)), sorted(unchanged)
+        that could not be made to differ (see :func:`divtrace.plan.replace.replaced`)."""
+        return replaced(self, fixed)
 
     def whole(self, copy: bool = False) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``(args, kwargs)`` exactly as the user gave them (or copies of them)."""
         return self.rows(0, self.batch_size, copy)
-
-
-def _is_mask(tensor: torch.Tensor) -> bool:
-    """A bool tensor, or an integer one holding only 0 and 1 (an attention mask)."""
-    if tensor.dtype == torch.bool:
-        return True
-    if tensor.is_floating_point() or tensor.is_complex() or not tensor.numel():
-        return False
-    return bool(((tensor == 0) | (tensor == 1)).all())
-
-
-def _same_rows(new: torch.Tensor, old: torch.Tensor, dim: int, rows: list[int]) -> list[int]:
-    """Those of ``rows`` that are equal in ``new`` and ``old`` (NaN equal to NaN)."""
-    if not rows:
-        return []
-    index = torch.tensor(rows, device=old.device)
-    a, b = new.index_select(dim, index).movedim(dim, 0), old.index_select(dim, index).movedim(
-        dim, 0)
-    equal = (a == b) | (a != a) & (b != b)
-    flags = equal.reshape(len(rows), -1).all(1).tolist()
-    return [row for row, flag in zip(rows, flags, strict=True) if flag]
-
-
-def _shifted(rows: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-    """Other valid values for ``rows`` of ``whole``: ``+ 1``, or for integers the next id
-    (wrapping within the ids that ``whole`` holds)."""
-    if rows.is_floating_point() or rows.is_complex():
-        return rows + 1
-    top = int(whole.max()) + 1 if whole.numel() else 1
-    low = min(int(whole.min()), 0) if whole.numel() else 0
-    return (rows - low + 1) % max(top - low, 1) + low
 
 
 def _split_x(x: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

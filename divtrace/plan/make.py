@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -10,7 +11,12 @@ import torch
 from torch import nn
 
 from divtrace.align.sites import ROOT
-from divtrace.errors import BatchMixingError, DivtraceTypeError, DivtraceValueError
+from divtrace.errors import (
+    BatchMixingError,
+    DivtraceTypeError,
+    DivtraceValueError,
+    DivtraceWarning,
+)
 from divtrace.explain.probe import Probe
 from divtrace.explain.registry import probes_for
 from divtrace.measure.figures import FIGURES, Figure
@@ -19,7 +25,7 @@ from divtrace.plan.inputs import BatchDim, BatchedInput, prepare_input
 from divtrace.plan.prompts import Prompts, RaggedInput, ragged_input
 from divtrace.plan.runs import Run
 from divtrace.plan.samples import check_chunk, chunks_for, prepare_samples
-from divtrace.plan.selection import ModuleSpec, check_modules, mixing_modules
+from divtrace.plan.selection import ModuleSpec, check_modules, mixing_modules, unobservable
 from divtrace.plan.walk import Walk
 from divtrace.record.graphs import GraphMode, check_graphs
 from divtrace.record.ops import OpRecorder
@@ -141,7 +147,10 @@ def _prompts_input(x: Prompts | RaggedInput, batch_dim: Any) -> BatchedInput:
         raise DivtraceValueError(
             f"with Prompts the batch is the first dimension; leave batch_dim out (got "
             f"{batch_dim!r})")
-    return x if isinstance(x, RaggedInput) else ragged_input(x)
+    if isinstance(x, RaggedInput):
+        return x
+    x.check_pair()
+    return ragged_input(x)
 
 
 def _check_ops(ops: Any, runs: tuple[Run, Run]) -> bool | str:
@@ -258,12 +267,29 @@ def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
     :func:`divtrace.compare`); ``options`` are the explain options, given to each probe."""
     if not isinstance(model, nn.Module):
         raise DivtraceTypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+    if isinstance(model, torch.jit.ScriptModule):
+        raise DivtraceTypeError(
+            "the model is a TorchScript module (torch.jit.script or trace), which takes no "
+            "forward hooks; compare the eager model, or wrap it to compare its output: "
+            "divtrace.compare(torch.nn.Sequential(model), x)")
     probes = probes_for(options, model)
     rtol, atol = tolerance(rtol, "rtol"), tolerance(atol, "atol")
     batch = (_prompts_input(x, batch_dim)
              if isinstance(x, Prompts | RaggedInput) else prepare_input(x, batch_dim,
                                                                           stacklevel=4))
     walk = Walk.of(model)  # the model walked once for all the checks
+    hidden = {name: kind for name, kind in unobservable(walk.named).items()
+              if kind != "parameters"}
+    if hidden:
+        why = {"TorchScript": "TorchScript takes no forward hooks; the next observed "
+                              "module's input shows what came out",
+               "torch.compile": "hooks inside compiled code would make it recompile; the "
+                                "compiled module's output is compared"}
+        listed = "; ".join(f"'{name}' ({kind}: {why[kind]})"
+                           for name, kind in list(hidden.items())[:4])
+        warnings.warn(f"not observed inside: {listed}"
+                      f"{' and more' if len(hidden) > 4 else ''}. To see inside, compare "
+                      f"the eager module", DivtraceWarning, stacklevel=3)
     dispatched = _dispatched(walk.modules)
     _check_materialised([*walk.parameters, *walk.buffers], batch, dispatched)
     rows = prepare_samples(samples, batch.batch_size)

@@ -79,6 +79,14 @@ class Prompts:
         return Prompts(prompts, padding_side=self.padding_side,
                        pad_token_id=self.pad_token_id, position_ids=self.position_ids)
 
+    def check_pair(self) -> None:
+        """Refuses a single prompt: a batched run and a split run need two at least."""
+        if len(self.prompts) < 2:
+            raise DivtraceValueError(
+                f"Prompts holds {len(self.prompts)} prompt; a batched run and a split run "
+                f"need at least two prompts to differ. Add another prompt (any will do: "
+                f"samples= picks the ones compared)")
+
     @property
     def lengths(self) -> tuple[int, ...]:
         return tuple(int(p.numel()) for p in self.prompts)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterable, Sequence
 
+import torch
 from torch import nn
 
 from divtrace.align.sites import ROOT
-from divtrace.compat import BATCH_NORM, DROPOUT
+from divtrace.compat import BATCH_NORM, DROPOUT, is_compiled
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
+from divtrace.plan.walk import holders
 
 __all__ = ["ModuleSpec", "check_modules", "mixing_modules", "select_modules"]
 
@@ -70,12 +72,34 @@ def select_modules(model: nn.Module, modules: ModuleSpec,
     always observed, under the name :data:`~divtrace.align.sites.ROOT`, so that its final
     output is compared. ``walked``: the model's ``named_modules()``, when already listed.
     """
-    named = [(name, mod) for name, mod in walked or model.named_modules() if name]
+    named = [(name, mod) for name, mod in walked or model.named_modules()]
+    hidden = unobservable(named)
+    named = [(name, mod) for name, mod in named
+             if name and not any(name == s or name.startswith(s + ".") for s in hidden)]
     specs = check_modules(model, modules, walked)
     if specs is None:
         return {ROOT: model} | dict(named)
     chosen = {name for spec in specs for name, _ in _matching(named, spec)}
     return {ROOT: model} | {name: mod for name, mod in named if name in chosen}
+
+
+def unobservable(named: Iterable[tuple[str, nn.Module]]) -> dict[str, str]:
+    """The outermost modules among ``named`` that cannot be observed inside, and why: a
+    TorchScript module (``torch.jit.script``/``trace``) takes no forward hooks, and its
+    children run inside TorchScript; what ``torch.compile`` wraps (``<name>._orig_mod``)
+    runs as compiled code, which hooks would make it recompile (and a graph compiled
+    before would skip them)."""
+    found: dict[str, str] = {}
+    for name, module in named:
+        if any(name.startswith(s + ".") or not s for s in found):
+            continue
+        for held in holders(module):  # parameters, not layers: no site of their own
+            found[f"{name}.{held}" if name else held] = "parameters"
+        if isinstance(module, torch.jit.ScriptModule):
+            found[name] = "TorchScript"
+        elif is_compiled(module):
+            found[f"{name}._orig_mod" if name else "_orig_mod"] = "torch.compile"
+    return found
 
 
 def mixing_modules(named: Iterable[tuple[str, nn.Module]]) -> list[str]:

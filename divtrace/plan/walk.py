@@ -11,11 +11,29 @@ from torch import nn
 
 from divtrace.compat import own_tensors
 
-__all__ = ["Walk"]
+__all__ = ["Walk", "holders", "is_leaf"]
 
 Named = tuple[tuple[str, torch.Tensor], ...]
 
 _PUBLIC = (nn.Module.named_modules, nn.Module.named_parameters, nn.Module.named_buffers)
+
+
+def holders(module: nn.Module) -> set[str]:
+    """The names of ``module``'s children that only hold its parameters and are not layers
+    of their own: the ``parametrizations`` of ``torch.nn.utils.parametrize`` (weight_norm,
+    spectral_norm, orthogonal) and the packed weights of a quantized layer."""
+    found = set()
+    for name, child in module.named_children():
+        parametrizations = name == "parametrizations" and isinstance(child, nn.ModuleDict)
+        if parametrizations or type(child).__name__.endswith("PackedParams"):
+            found.add(name)
+    return found
+
+
+def is_leaf(module: nn.Module) -> bool:
+    """A layer with no layers inside (children that only hold its parameters aside)."""
+    own = holders(module)
+    return all(name in own for name, _ in module.named_children())
 
 
 def _members(named: tuple[tuple[str, nn.Module], ...],

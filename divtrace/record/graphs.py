@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from divtrace.errors import DivtraceValueError, DivtraceWarning
-from divtrace.plan.inputs import BatchedInput
+from divtrace.plan.inputs import BatchedInput, each_once
 from divtrace.record.cudagraph import Graph, graph_for
 from divtrace.record.lanes import Captured, Lane, first_difference, rows_of
 from divtrace.record.loop import InputCopies, drive, forward
@@ -258,8 +258,7 @@ class GraphedRun:
         captured = Captured(graph, [])
         for chunk in lanes:
             steps = torch.arange(size, device=device)
-            captured.lanes.append(Lane([leaf.clone() if isinstance(leaf, torch.Tensor)
-                                        else leaf for leaf in leaves],
+            captured.lanes.append(Lane(each_once(leaves, _clone),
                                        steps + slot[chunk[0]], steps, []))
         snapshot = [(stored, rows_of(stored).narrow(0, slot[first[0]], size).clone())
                     for stored in store.rows.values() if stored.rows is not None]
@@ -317,4 +316,8 @@ def _fed(batch: BatchedInput, start: int, stop: int, feed: Callable[[Any], Any] 
          ) -> list[Any]:
     """The input leaves of rows ``start:stop`` as the run feeds them."""
     leaves = batch.row_leaves(start, stop)
-    return leaves if feed is None else [feed(leaf) for leaf in leaves]
+    return leaves if feed is None else each_once(leaves, feed)
+
+
+def _clone(leaf: Any) -> Any:
+    return leaf.clone() if isinstance(leaf, torch.Tensor) else leaf

@@ -9,11 +9,11 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from divtrace.compat import foreach_copy, version
+from divtrace.compat import TorchDispatchMode, foreach_copy, version
 from divtrace.errors import DivtraceWarning
 from divtrace.plan.walk import Walk
 
-__all__ = ["RandomDraws", "cuda_devices", "untouched"]
+__all__ = ["RandomDraws", "SeededOps", "cuda_devices", "untouched"]
 
 
 def _version(tensor: torch.Tensor) -> int | None:
@@ -105,3 +105,18 @@ class RandomDraws:
         self._state = now
         self.seen |= moved
         return moved
+
+
+class SeededOps(TorchDispatchMode):
+    """Notices ops that draw from a random generator (PyTorch tags them
+    ``nondeterministic_seeded``) in this thread only: dispatch modes are per thread, so
+    draws by another thread are not seen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.seen.append(str(func.overloadpacket.__name__))
+        return func(*args, **(kwargs or {}))

@@ -14,6 +14,7 @@ from torch.autograd.profiler import record_function
 from divtrace.align.sites import Site, flatten_output, site_key
 from divtrace.align.status import Status
 from divtrace.compat import forward_hooks
+from divtrace.plan.walk import is_leaf
 from divtrace.record.recorder import Recorder, Sink, Tracker
 
 __all__ = ["ModuleHooks"]
@@ -98,7 +99,7 @@ class _Target:
 def _hook(name: str, module: nn.Module, target: _Target) -> Callable[..., None]:
     """The forward hook of one module (kept lean: it runs for every module call)."""
     module_type = type(module).__name__
-    leaf = next(module.children(), None) is None
+    leaf = is_leaf(module)
     sites: dict[tuple[int, str, Status | None], Site] = {}
 
     def site(call: int, path: str, opaque: Status | None = None) -> Site:

@@ -11,7 +11,7 @@ from torch import nn
 
 from divtrace.align.sites import INPUT, flatten_output
 from divtrace.compat import version
-from divtrace.plan.inputs import BatchedInput
+from divtrace.plan.inputs import BatchedInput, each_once
 from divtrace.record.recorder import Recorder, Sink, Tracker
 
 __all__ = ["Driver", "InputCopies", "drive", "forward"]
@@ -116,7 +116,7 @@ def drive(model: nn.Module, recorder: Recorder, sink: Sink, batch: BatchedInput,
             while not done:  # a rerun gets the input as given too
                 leaves = batch.row_leaves(start, stop, copies.copy)
                 if feed is not None:
-                    leaves = [feed(v) for v in leaves]
+                    leaves = each_once(leaves, feed)
                 tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
                 seen = copies.seen(tensors)
                 sink.begin_chunk(start, stop, tracker)

@@ -10,7 +10,7 @@ from torch import nn
 
 from divtrace.align.sites import ROOT
 from divtrace.compat import pytree
-from divtrace.plan.inputs import BatchedInput
+from divtrace.plan.inputs import BatchedInput, each_once
 from divtrace.plan.runs import Run
 from divtrace.plan.selection import select_modules
 from divtrace.plan.walk import Walk
@@ -65,7 +65,8 @@ class Runner:
         """The inputs as this run feeds them (moved, cast, reformatted)."""
         if not self.run.changes_inputs:
             return args, kwargs
-        mapped = pytree.tree_map(self.run.tensor, (args, kwargs))
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        mapped = pytree.tree_unflatten(each_once(leaves, self.run.tensor), spec)
         return mapped[0], mapped[1]
 
     def execute(self, sink: Sink, batch: BatchedInput, chunks: list[tuple[int, int]],

@@ -1,0 +1,269 @@
+"""Cases a new user met, each with a clear outcome: a correct figure, or an error that
+names the fix."""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import divtrace
+from tests import models
+
+
+def run(model: nn.Module, x: object, **kwargs: object) -> divtrace.Comparison:
+    return divtrace.compare(model, x, progress=False, **kwargs)
+
+
+# -- inputs ------------------------------------------------------------------------------
+
+
+class SelfAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.mha = nn.MultiheadAttention(16, 4, batch_first=True)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.mha(q, k, v, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("form", ["tuple", "dict", "float64-run"])
+def test_one_tensor_given_three_times_stays_one_tensor_in_every_pass(
+        form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[bool] = []
+    plain = nn.MultiheadAttention.forward
+
+    def spy(self: nn.MultiheadAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            **kwargs: object) -> object:
+        seen.append(q is k and k is v)  # MHA's fast path needs query is key is value
+        return plain(self, q, k, v, **kwargs)
+
+    monkeypatch.setattr(nn.MultiheadAttention, "forward", spy)
+    x = torch.randn(6, 5, 16)
+    given = {"q": x, "k": x, "v": x} if form == "dict" else (x, x, x)
+    options = {"a": divtrace.Run(chunk=1, dtype=torch.float64),
+               "b": divtrace.Run(dtype=torch.float64)} if form == "float64-run" else {}
+    run(SelfAttention().eval(), given, **options)
+    assert seen and all(seen)
+
+
+def test_one_prompt_is_refused_with_the_fix() -> None:
+    with pytest.raises(divtrace.DivtraceValueError, match="at least two prompts"):
+        run(nn.Identity(), divtrace.Prompts([torch.tensor([1, 2, 3])]))
+
+
+def test_compare_generate_refuses_one_prompt_and_notes_the_models_own_error() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50)
+    lm = transformers.GPT2LMHeadModel(config).eval()
+    with pytest.raises(divtrace.DivtraceValueError, match="at least two prompts"):
+        divtrace.compare_generate(lm, [torch.tensor([1, 2])], max_new_tokens=2,
+                                  progress=False)
+
+    def broken(*args: object, **kwargs: object) -> object:
+        raise KeyError("boom in generate")
+
+    lm.generate = broken  # type: ignore[method-assign]
+    with pytest.raises(KeyError, match="boom") as caught:
+        divtrace.compare_generate(lm, [torch.tensor([1, 2]), torch.tensor([3])],
+                                  max_new_tokens=2, progress=False)
+    assert any("divtrace: raised in generate() of the batched run" in note
+               for note in caught.value.__notes__)
+
+
+# -- modules that hooks cannot see into ------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.jit.script is deprecated
+def test_a_scripted_submodule_is_passed_over_with_a_warning() -> None:
+    torch.manual_seed(0)
+    inner = torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.ReLU()))
+    model = nn.Sequential(nn.Linear(8, 8), inner, nn.Linear(8, 4)).eval()
+    with pytest.warns(divtrace.DivtraceWarning, match=r"'1' \(TorchScript"):
+        result = run(model, torch.randn(6, 8))
+    assert list(result.table["site"]) == ["0", "2", "(model)"]
+    assert result.verdict in ("rounding", "identical")
+    with pytest.raises(divtrace.DivtraceTypeError, match=r"Sequential\(model\)"):
+        run(torch.jit.script(nn.Sequential(nn.Linear(8, 8))), torch.randn(6, 8))
+
+
+@pytest.mark.parametrize("where", ["root", "child"])
+def test_a_compiled_model_already_run_is_compared_at_its_output(where: str) -> None:
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
+    x = torch.randn(6, 8)
+    if where == "root":
+        model: nn.Module = torch.compile(eager, backend="eager")
+        with torch.no_grad():
+            model(x)  # a graph made before, without hooks
+    else:
+        model = nn.Sequential(nn.Linear(8, 8), torch.compile(eager, backend="eager")).eval()
+    with pytest.warns(divtrace.DivtraceWarning, match=r"\(torch.compile: "):
+        result = run(model, x)
+    table = result.table
+    assert (table["status"] == "ok").all()  # nothing missing in one run
+    assert not table["site"].str.contains("_orig_mod").any()
+    assert result.verdict in ("rounding", "identical")
+
+
+def test_weight_norm_layers_stay_layers_where_the_error_enters() -> None:
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(weight_norm(models.OrderedLinear(8, 16)), nn.Tanh(),
+                          weight_norm(nn.Linear(16, 4))).eval()
+    table = run(model, torch.randn(6, 8), local=True).table.set_index("site")
+    assert "2.parametrizations.weight" not in table.index
+    assert table.loc["2", "leaf"] and table.loc["2", "local_status"] == "ok"
+
+
+def test_dynamic_quantization_is_found_to_mix_samples() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", UserWarning)
+        model = torch.ao.quantization.quantize_dynamic(
+            nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).eval(),
+            {nn.Linear}, dtype=torch.qint8)
+    result = run(model, torch.randn(6, 8), local=True)
+    table = result.table.set_index("site")
+    assert table.loc["0", "leaf"] and table.loc["0", "role"] == "source"
+    assert table.loc["0", "local_status"] == "ok"
+    # the activations' scale comes from the whole batch: a sample's result depends on the
+    # others
+    assert "batch mixing: at '0' (Linear)" in result.summary().splitlines()[0]
+
+
+# -- random numbers of another thread -------------------------------------------------------
+
+
+def test_another_threads_random_draws_do_not_refuse_a_deterministic_model() -> None:
+    stop = threading.Event()
+
+    def draw() -> None:
+        dropout = nn.Dropout(0.5).train()
+        while not stop.is_set():
+            dropout(torch.randn(64, 64))
+
+    thread = threading.Thread(target=draw)
+    thread.start()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = run(models.variant_mlp(), torch.randn(8, 16))
+    finally:
+        stop.set()
+        thread.join()
+    assert result.verdict == "rounding"
+    said = [str(w.message) for w in caught if issubclass(w.category, divtrace.DivtraceWarning)]
+    assert len(said) <= 1 and all("another thread" in s for s in said)
+
+
+def test_the_models_own_random_draws_are_still_refused() -> None:
+    class Rand(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.rand_like(x)
+
+    with pytest.raises(divtrace.BatchMixingError, match=r"split run \(rand_like"):
+        run(Rand(), torch.randn(4, 4))
+
+
+# -- figures that must not read 0 ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale", [1e-170, 1e160, 1e200])
+def test_float64_beyond_its_squares_gives_no_false_zero(scale: float) -> None:
+    model = nn.Sequential(models.OrderedLinear(16, 16, variant_from=2)).double().eval()
+    result = run(model, torch.randn(4, 16, dtype=torch.float64) * scale)
+    row = result.table.set_index("site").loc["0"]
+    assert row["mismatch"] > 0 and row["max_abs"] > 0
+    assert math.isnan(row["rel_l2"]) and math.isnan(row["cosine"])
+    assert result.samples["rel_l2"].isna().all()
+    assert result.verdict == "rounding"  # the independence test decides
+    assert "the size of the error is not known" in result.summary().splitlines()[0]
+
+
+def test_percentages_and_error_figures_never_read_zero_when_they_are_not() -> None:
+    from divtrace.words import percent, sci
+
+    rng = np.random.default_rng(0)
+    for value in 10.0 ** rng.uniform(-12, 0, 500):
+        assert percent(value) not in ("0%", "0.0%", "100%", "100.0%")
+        assert float(percent(value).rstrip("%")) > 0
+        assert float(sci(value)) > 0
+        assert float(percent(1 - value).rstrip("%")) < 100 or value < 1e-11
+    assert (percent(0), percent(1), sci(0)) == ("0%", "100%", "0")
+
+
+def test_the_summary_lists_samples_plainly() -> None:
+    summary = run(models.variant_mlp(), torch.randn(12, 16)).summary()
+    assert "[0, 1, 2, 3, ..., 11]" in summary
+    assert "'...'" not in summary
+
+
+def test_every_output_tensor_counts_as_the_output() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=64,
+                                     vocab_size=50, attn_implementation="eager")
+    bert = transformers.BertModel(config).eval()
+    ids = torch.randint(1, 50, (4, 7), generator=torch.Generator().manual_seed(0))
+    result = run(bert, {"input_ids": ids})
+    outputs = result.table[result.table["module"] == "(model)"]
+    assert len(outputs) == 2
+    first = result.summary().splitlines()[0]
+    if (outputs["mismatch"] > 0).any() and result.verdict == "rounding":
+        worst = outputs.loc[outputs["rel_l2"].idxmax()]
+        assert f"at the output (2 tensors) it is at most {worst['rel_l2']:.2e}" in first
+
+
+def test_the_element_wise_view_says_where_the_large_relative_differences_lie() -> None:
+    class Tiny(nn.Module):  # large values and values near zero, summed in another order
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            weight = torch.linspace(-1, 1, 16 * 3).reshape(16, 3)
+            out = x @ weight if x.shape[0] > 1 else (x.unsqueeze(-1) * weight).sum(-2)
+            return out * torch.tensor([1.0, 1e-9, 1.0])
+
+    x = torch.randn(32, 16)
+    result = run(Tiny(), x, rtol=1e-7, atol=0.0)
+    view = result.info.notes["output_elements"]["(model)"]
+    text = result.summary()
+    assert "Element by element (as torch.allclose(batched, split, rtol=1e-07, atol=0)" in text
+    assert f"{int(view['beyond'])} of {int(view['finite'])} elements are beyond" in text
+    assert view["beyond"] >= view["beyond_near_zero"] > 0
+    assert f"{int(view['beyond_near_zero'])} of them lie near zero" in text or (
+        "all of them near zero" in text)
+    assert "measured over the whole output instead" in text
+    assert "With torch.allclose's own defaults" not in text  # both were given
+    only_rtol = run(Tiny(), x, rtol=1e-7).summary()
+    assert "With torch.allclose's own defaults for what was not given (rtol=1e-07, " \
+           "atol=1e-08)" in only_rtol
+
+
+def test_boolean_columns_survive_save_and_load(tmp_path: object) -> None:
+    from pathlib import Path
+
+    result = run(nn.Sequential(*models.variant_mlp(), nn.Identity()).eval(),
+                 torch.randn(6, 16), local=True)
+    assert result.table["adds_error"].dtype == "boolean"
+    assert result.table["adds_error"].isna().any()  # the model's own output row
+    path = Path(str(tmp_path)) / "run.json"
+    result.save(path)
+    loaded = divtrace.load(path)
+    assert loaded.table.equals(result.table)
+    assert loaded.table["depends_on_others"].dtype == "boolean"
+
+
+def test_op_sites_paired_across_kernel_paths_do_not_decide_the_size() -> None:
+    # variant_mlp's layer 3 sums in reverse order in the batch: its op sites pair partial
+    # sums of two orders, which say nothing about rounding once every sample is shown
+    # independent
+    assert run(models.variant_mlp(), torch.randn(8, 16), ops=True).verdict == "rounding"
+    said = run(models.variant_mlp(), torch.randn(8, 16), ops=True, independence=False)
+    assert said.verdict == "not rounding"  # by size alone, as before
