@@ -50,7 +50,8 @@ def test_one_tensor_given_three_times_stays_one_tensor_in_every_pass(
     options = {"a": divtrace.Run(chunk=1, dtype=torch.float64),
                "b": divtrace.Run(dtype=torch.float64)} if form == "float64-run" else {}
     run(SelfAttention().eval(), given, **options)
-    assert seen and all(seen)
+    assert seen
+    assert all(seen)
 
 
 def test_one_prompt_is_refused_with_the_fix() -> None:
@@ -120,7 +121,8 @@ def test_weight_norm_layers_stay_layers_where_the_error_enters() -> None:
                           weight_norm(nn.Linear(16, 4))).eval()
     table = run(model, torch.randn(6, 8), local=True).table.set_index("site")
     assert "2.parametrizations.weight" not in table.index
-    assert table.loc["2", "leaf"] and table.loc["2", "local_status"] == "ok"
+    assert table.loc["2", "leaf"]
+    assert table.loc["2", "local_status"] == "ok"
 
 
 def test_dynamic_quantization_is_found_to_mix_samples() -> None:
@@ -132,7 +134,8 @@ def test_dynamic_quantization_is_found_to_mix_samples() -> None:
             {nn.Linear}, dtype=torch.qint8)
     result = run(model, torch.randn(6, 8), local=True)
     table = result.table.set_index("site")
-    assert table.loc["0", "leaf"] and table.loc["0", "role"] == "source"
+    assert table.loc["0", "leaf"]
+    assert table.loc["0", "role"] == "source"
     assert table.loc["0", "local_status"] == "ok"
     # the activations' scale comes from the whole batch: a sample's result depends on the
     # others
@@ -161,7 +164,8 @@ def test_another_threads_random_draws_do_not_refuse_a_deterministic_model() -> N
         thread.join()
     assert result.verdict == "rounding"
     said = [str(w.message) for w in caught if issubclass(w.category, divtrace.DivtraceWarning)]
-    assert len(said) <= 1 and all("another thread" in s for s in said)
+    assert len(said) <= 1
+    assert all("another thread" in s for s in said)
 
 
 def test_the_models_own_random_draws_are_still_refused() -> None:
@@ -181,8 +185,10 @@ def test_float64_beyond_its_squares_gives_no_false_zero(scale: float) -> None:
     model = nn.Sequential(models.OrderedLinear(16, 16, variant_from=2)).double().eval()
     result = run(model, torch.randn(4, 16, dtype=torch.float64) * scale)
     row = result.table.set_index("site").loc["0"]
-    assert row["mismatch"] > 0 and row["max_abs"] > 0
-    assert math.isnan(row["rel_l2"]) and math.isnan(row["cosine"])
+    assert row["mismatch"] > 0
+    assert row["max_abs"] > 0
+    assert math.isnan(row["rel_l2"])
+    assert math.isnan(row["cosine"])
     assert result.samples["rel_l2"].isna().all()
     assert result.verdict == "rounding"  # the independence test decides
     assert "the size of the error is not known" in result.summary().splitlines()[0]
