@@ -166,7 +166,7 @@ def test_kernels_on_the_cpu_name_the_ops() -> None:
     assert "aten::mm" not in table.loc["1", "kernels_split"]
     assert table.loc["1", "kernels_differ"]
     assert table.loc["1", "role"] == "source"
-    assert "'1' (SwitchOp): the batched run launched GEMM, where the split run launched" in (
+    assert "'1' (SwitchOp): the batched run launched GEMM (mm), where the split run launched" in (
         result.summary())
 
 
@@ -243,6 +243,10 @@ def test_kernel_families_are_short() -> None:
     assert kernel_family("void at::native::elementwise_kernel<128, 2>(int, float)") == (
         "elementwise_kernel")
     assert kernel_family("aten::mkldnn_convolution") == "oneDNN convolution"
+    # a family that names no algorithm keeps the kernel's own name: two runs read apart
+    assert kernel_family("aten::_slow_conv2d_forward") == (
+        "convolution (_slow_conv2d_forward)")
+    assert kernel_family("aten::addmm") != kernel_family("aten::mm")
 
 
 def test_kernels_on_the_cpu_print_no_profiler_noise() -> None:

@@ -74,16 +74,29 @@ def _innermost(event: Any) -> bool:
 def kernel_family(name: str) -> str:
     """A short family name for a GPU kernel or CPU op name.
 
-    Known algorithms get their family (``FFT``, ``implicit GEMM``, ``GEMV``, ...); any
-    other kernel its bare function name (``void at::native::elementwise_kernel<...>(...)``
-    becomes ``elementwise_kernel``).
+    Known algorithms get their family (``FFT``, ``implicit GEMM``, ``GEMV``, ...); a
+    family that names no algorithm (``GEMM``, ``convolution``) keeps the kernel's bare
+    name beside it (``convolution (_slow_conv2d_forward)``); any other kernel its bare
+    function name (``void at::native::elementwise_kernel<...>(...)`` becomes
+    ``elementwise_kernel``).
     """
     low = name.lower()
+    bare = name.removeprefix("void ").split("<", 1)[0].split("(", 1)[0]
+    bare = bare.rsplit("::", 1)[-1].strip() or name
     for pattern, family in _FAMILIES:
         if pattern in low:
-            return family
-    bare = name.removeprefix("void ").split("<", 1)[0].split("(", 1)[0]
-    return bare.rsplit("::", 1)[-1].strip() or name
+            # a family that names no algorithm keeps the kernel's own name beside it, so
+            # that two runs' kernels of one family still read apart
+            return f"{family} ({_short(bare)})" if family in _GENERIC else family
+    return bare
+
+
+#: Families that say what a kernel computes but not how.
+_GENERIC = frozenset({"GEMM", "convolution"})
+
+
+def _short(name: str, limit: int = 48) -> str:
+    return name if len(name) <= limit else name[:limit - 1] + "…"
 
 
 #: What the profiler's own start-up prints on stderr, none of it the user's business.
