@@ -24,6 +24,7 @@ import torch
 from divtrace.compat import pytree
 from divtrace.errors import DivtraceError
 from divtrace.version import __version__
+from divtrace.words import readable
 
 __all__ = ["main"]
 
@@ -91,7 +92,7 @@ def _compact(table: pd.DataFrame, limit: int = 15) -> str:
         return "(no divergent site)"
     shown = diverged[[c for c in _COMPACT if c in diverged]].head(limit)
     more = "" if len(diverged) <= limit else f"\n... and {len(diverged) - limit} more"
-    return shown.to_string(index=False) + more
+    return readable(shown).to_string(index=False) + more
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -143,8 +144,8 @@ def _diff(args: argparse.Namespace) -> int:
     changed = found.changed
     if not changed.empty:
         print()
-        print(changed[["site", "status_a", "status_b", "rel_l2_a", "rel_l2_b", "change"]]
-              .head(20).to_string(index=False))
+        print(readable(changed[["site", "status_a", "status_b", "rel_l2_a", "rel_l2_b",
+                                "change"]].head(20)).to_string(index=False))
     return 1 if args.fail_on_change and not changed.empty else 0
 
 

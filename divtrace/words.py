@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-__all__ = ["listed", "percent", "sci"]
+__all__ = ["ERRORS", "FRACTIONS", "listed", "percent", "readable", "sci", "shown"]
 
 
 def listed(rows: pd.DataFrame, limit: int = 6) -> str:
@@ -35,3 +35,35 @@ def percent(fraction: float) -> str:
         if float(text) not in (0.0, 100.0):
             return f"{text.rstrip('0').rstrip('.') if digits > 1 else text}%"
     return f"{fraction * 100:.3g}%"
+
+
+#: Columns that hold fractions of elements (shown as percentages) and error figures
+#: (shown in scientific notation), wherever a table or a row is printed.
+FRACTIONS = frozenset({"mismatch", "exceed", "input_mismatch", "noise_mismatch",
+                       "mismatch_a", "mismatch_b"})
+ERRORS = frozenset({"max_abs", "mean_abs", "rel_l2", "others_rel_l2", "local_rel_l2",
+                    "local_max_abs", "batched_err_fp64", "split_err_fp64", "noise_rel_l2",
+                    "rel_l2_a", "rel_l2_b", "logits_rel_l2", "logits_max_abs"})
+
+
+def shown(name: str, value: object) -> object:
+    """A cell as a person should read it: fractions as percentages, error figures in
+    scientific notation (never a non-zero one as 0); anything else as it is."""
+    if not isinstance(value, float | int) or isinstance(value, bool) or value != value:
+        return value
+    if name in FRACTIONS:
+        return percent(float(value))
+    if name in ERRORS:
+        return sci(float(value))
+    if name == "cosine":  # all its digits: 1 - cos is about rel_l2² / 2
+        return f"{float(value):.16g}"
+    return value
+
+
+def readable(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with its fractions and error figures as text (see :func:`shown`)."""
+    out = frame.copy()
+    for column in out.columns:
+        if column in FRACTIONS or column in ERRORS:
+            out[column] = [shown(column, v) for v in out[column].tolist()]
+    return out

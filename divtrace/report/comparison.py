@@ -16,6 +16,7 @@ from divtrace.measure.stats import tolerances
 from divtrace.report import files, html, text
 from divtrace.report.meta import Meta
 from divtrace.report.verdict import judge
+from divtrace.words import shown
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -23,7 +24,25 @@ if TYPE_CHECKING:
     from divtrace.explain.probe import Probe
     from divtrace.report.diff import Diff
 
-__all__ = ["Comparison"]
+__all__ = ["Comparison", "SiteRow"]
+
+
+class SiteRow(pd.Series):
+    """One site's row (a pandas Series) that prints its fractions as percentages and its
+    error figures in scientific notation: ``rel_l2 1.55e-07``, never ``0.0``."""
+
+    @property
+    def _constructor(self) -> type[pd.Series]:
+        return pd.Series
+
+    def __repr__(self) -> str:
+        text = pd.Series({k: shown(str(k), v) for k, v in self.items()}, dtype=object,
+                         name=self.name)
+        return repr(text)
+
+
+def _row(frame: pd.DataFrame, position: int = 0) -> SiteRow:
+    return SiteRow(frame.iloc[position])
 
 
 class Comparison:
@@ -101,7 +120,7 @@ class Comparison:
         """The first site, in execution order, that is not bit-identical (None if none)."""
         hits = self._compared()
         hits = hits[hits["mismatch"] > 0]
-        return None if hits.empty else hits.iloc[0]
+        return None if hits.empty else _row(hits)
 
     @property
     def verdict(self) -> str:
@@ -121,7 +140,7 @@ class Comparison:
         """The row of the model's final output (its first tensor, if it returns several)."""
         table = self._table
         rows = table[(table["module"] == ROOT) & (table["call"] == 0) & (table["op"] == "")]
-        return None if rows.empty else rows.iloc[0]
+        return None if rows.empty else _row(rows)
 
     def first_exceeding(self, rtol: float | None = None,
                         atol: float | None = None) -> pd.Series | None:
@@ -137,7 +156,7 @@ class Comparison:
         compared = self._compared()
         if same:
             hits = compared[compared["exceed"] > 0]
-            return None if hits.empty else hits.iloc[0]
+            return None if hits.empty else _row(hits)
         if not self._pairs:
             raise DivtraceValueError(
                 f"first_exceeding(rtol={rtol}, atol={atol}) differs from the tolerances "
@@ -149,7 +168,7 @@ class Comparison:
             batched, split = self.pair(row["site"])
             r, a = tolerances(batched.dtype, rtol, atol)
             if not torch.isclose(batched, split, rtol=r, atol=a).all():
-                return compared.loc[index]
+                return SiteRow(compared.loc[index])
         return None
 
     def pair(self, site: str) -> tuple[torch.Tensor, torch.Tensor]:
