@@ -42,6 +42,7 @@ CASES: dict[str, dict[str, Any]] = {
 #: compare() options whose cost the benchmark can measure, each on its own.
 OPTIONS: dict[str, dict[str, Any]] = {
     "default": {},
+    "independence=False": {"independence": False},
     "local": {"local": True},
     "truth=fp64": {"truth": "fp64"},
     "repeat=1": {"repeat": 1},

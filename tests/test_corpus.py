@@ -289,3 +289,40 @@ def test_a_row_and_the_command_line_print_figures_that_are_not_zero_as_such() ->
     shown = _compact(result.table)
     assert f"{first['rel_l2']:.2e}" in shown
     assert f"{first['mismatch'] * 100:.1f}%" in shown
+
+
+def test_the_rounding_sentence_names_where_error_enters_first() -> None:
+    # a later layer adds more error of its own than the source: the headline still names
+    # the source, where the runs first part
+    model = nn.Sequential(models.OrderedLinear(16, 32, variant_from=2), nn.Tanh(),
+                          models.OrderedLinear(32, 64, variant_from=2)).eval()
+    result = run(model, torch.randn(8, 16), local=True)
+    table = result.table.set_index("site")
+    assert table.loc["2", "local_rel_l2"] > 0
+    first = result.summary().splitlines()[0]
+    assert first.startswith("Verdict: rounding — the error enters at '0' (OrderedLinear)")
+
+
+def test_a_layer_that_copies_values_is_not_headlined_as_amplifying() -> None:
+    model = nn.Sequential(models.OrderedLinear(16, 32, variant_from=2),
+                          nn.Unflatten(1, (2, 4, 4)), nn.Upsample(scale_factor=3)).eval()
+    result = run(model, torch.randn(8, 16), local=True)
+    said = [s for s in result.summary().splitlines() if "largest amplification" in s]
+    assert said
+    assert "the error grows 1×" in said[0] or "the relative error stays" in said[0]
+
+
+def test_the_float64_sentence_says_how_far_apart_the_runs_are() -> None:
+    import pandas as pd
+
+    from divtrace.explain.truth import Fp64Truth
+
+    class Result:  # the output row is all the sentence reads
+        def __init__(self, batched: float, split: float) -> None:
+            self.output = pd.Series({"batched_err_fp64": batched, "split_err_fp64": split})
+
+    apart = Fp64Truth.sentences(Result(5.1e-7, 1.5e-6))[0]  # type: ignore[arg-type]
+    assert "the split run is 2.94× further from it than the batched run" in apart
+    assert "neither" not in apart
+    close = Fp64Truth.sentences(Result(1.0e-6, 1.1e-6))[0]  # type: ignore[arg-type]
+    assert "neither run is clearly closer" in close

@@ -35,7 +35,8 @@ def planted(eps: float) -> nn.Sequential:
 
 def dependent(result: divtrace.Comparison) -> list[str]:
     table = result.table
-    return list(table.loc[table["depends_on_others"].fillna(False).astype(bool), "site"])
+    return list(table.loc[table["depends_on_others"].astype("boolean").fillna(False)
+                          .astype(bool), "site"])
 
 
 @pytest.mark.parametrize("eps", [1.0, 1e-4, 1e-6])

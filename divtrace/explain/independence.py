@@ -27,6 +27,7 @@ from divtrace.errors import DivtraceTypeError
 from divtrace.explain.probe import Context, Probe, TableView
 from divtrace.measure.figures import site_figures
 from divtrace.measure.host import Host
+from divtrace.measure.meter import Meter
 from divtrace.plan.inputs import BatchedInput
 from divtrace.record.lineage import Origin
 from divtrace.record.rows import RowStore
@@ -71,21 +72,23 @@ def _kept_store(ctx: Context, group: list[int]) -> RowStore:
     return kept
 
 
-def _moved(ctx: Context, store: RowStore, batch: BatchedInput
-           ) -> dict[str, tuple[float, float]]:
-    """Per site measured in a pass of ``batch``: ``(mismatch, rel_l2)`` of the fixed rows
-    against ``store`` (one host synchronisation for the pass)."""
-    host = Host()
+def _measured(ctx: Context, store: RowStore, batch: BatchedInput, host: Host) -> Meter:
+    """A pass of ``batch``, its fixed rows measured against ``store`` (the figures go to
+    ``host``)."""
     meter = ctx.meter.over(store, host)
     ctx.compared.execute(meter, batch, [(0, batch.batch_size)], lambda _s, _e: _LABEL,
                          check=ctx.check)
     ctx.progress.advance()
-    host.fetch()
+    return meter
+
+
+def _moves(meter: Meter, batch: int) -> dict[str, tuple[float, float]]:
+    """Per site of a measured pass: ``(mismatch, rel_l2)`` (after its host fetched)."""
     found: dict[str, tuple[float, float]] = {}
     for measured in meter.sites:
         if measured.stats is None:
             continue
-        figures = site_figures(measured.stats.get(), measured.per_sample(batch.batch_size))
+        figures = site_figures(measured.stats.get(), measured.per_sample(batch))
         found[measured.site.key] = (figures["mismatch"], figures["rel_l2"])
     return found
 
@@ -126,32 +129,34 @@ class Independence(Probe):
         size = plan.batch.batch_size
         groups = _groups(list(plan.samples), size)
         ctx.progress.more(len(groups) - 1)
-        replaced_any = False
+        host, meters, unchanged_rows = Host(), [], set()
         for group in groups:
             batch, unchanged = plan.batch.replaced(group)
             if len(unchanged) == size - len(group):
                 ctx.progress.advance()
                 continue  # no other row could be given other values
-            replaced_any = True
-            store = _kept_store(ctx, group)
-            for key, (share, rel) in _moved(ctx, store, batch).items():
+            unchanged_rows.update(unchanged)
+            meters.append(_measured(ctx, _kept_store(ctx, group), batch, host))
+        if not meters:
+            self.found["why"] = ("the other samples could not be given other values (they "
+                                 "are all alike, or only masks)")
+            return
+        host.fetch()  # one wait for every pass of the test
+        for meter in meters:
+            for key, (share, rel) in _moves(meter, size).items():
                 self.tested.add(key)
                 if share > 0:
                     old = self.moved.get(key, (0.0, 0.0))
                     self.moved[key] = (max(old[0], share), max(old[1], rel))
-            if unchanged:
-                self.found["unchanged"] = sorted({*self.found.get("unchanged", []),
-                                                  *unchanged})
-        if not replaced_any:
-            self.found["why"] = ("the other samples could not be given other values (they "
-                                 "are all alike, or only masks)")
-            return
-        self.found["ran"] = True
-        self.found["passes"] = len(groups)
+        self.found |= {"ran": True, "passes": len(meters)}
+        if unchanged_rows:
+            self.found["unchanged"] = sorted(unchanged_rows)
         if self.moved:  # a repetition on the same input: is it only nondeterminism?
             ctx.progress.more(1)
-            again = _moved(ctx, _kept_store(ctx, groups[0]), plan.batch)
-            self.noisy = [key for key, (share, _) in again.items() if share > 0]
+            again = Host()
+            meter = _measured(ctx, _kept_store(ctx, groups[0]), plan.batch, again)
+            again.fetch()
+            self.noisy = [key for key, (share, _) in _moves(meter, size).items() if share > 0]
             self.found["passes"] += 1
             self.found["noisy"] = self.noisy
 
@@ -225,7 +230,7 @@ def first_dependent(table: pd.DataFrame) -> pd.Series | None:
     """The first site whose compared rows moved with the other samples, or None."""
     if "depends_on_others" not in table:
         return None
-    moved = table[table["depends_on_others"].fillna(False).astype(bool)]
+    moved = table[table["depends_on_others"].astype("boolean").fillna(False).astype(bool)]
     return None if moved.empty else moved.iloc[0]
 
 

@@ -27,48 +27,86 @@ def replaced(batch: BatchedInput, fixed: list[int]) -> tuple[BatchedInput, list[
     """
     size = batch.batch_size
     others = [row for row in range(size) if row not in set(fixed)]
+    if not others:
+        return batch, []
     source = list(range(size))
     for n, row in enumerate(others):
         source[row] = fixed[n % len(fixed)]
-    leaves, unchanged = list(batch.leaves), set(others)
-    made: dict[tuple[int, int], torch.Tensor] = {}  # one tensor given twice stays one
+    made: dict[tuple[int, int], int] = {}  # one tensor given twice stays one
+    work: list[tuple[int, torch.Tensor, int, torch.Tensor]] = []  # (leaf, new, dim, flags)
+    index: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
     for i, (leaf, dim) in enumerate(zip(batch.leaves, batch.dims, strict=True)):
-        if dim is None or not isinstance(leaf, torch.Tensor) or not others or (
-                _is_mask(leaf)):
+        if dim is None or not isinstance(leaf, torch.Tensor) or (id(leaf), dim) in made:
             continue
-        if (id(leaf), dim) in made:
-            leaves[i] = made[id(leaf), dim]
+        if leaf.device not in index:  # from pinned memory: the host does not wait
+            index[leaf.device] = (_indices(source, leaf.device),
+                                  _indices(others, leaf.device))
+        whole, rows = index[leaf.device]
+        new = leaf.index_select(dim, whole)
+        made[id(leaf), dim] = len(work)
+        work.append((i, new, dim, torch.cat([_mask_flag(leaf).reshape(1),
+                                             _equal_rows(new, leaf, dim, rows)])))
+    flags = _read([f for *_, f in work])  # the one wait for the host
+    leaves, unchanged = list(batch.leaves), set(others)
+    for (i, new, dim, _), found in zip(work, flags, strict=True):
+        if found[0]:  # a mask: kept, so that the model takes the same code path
             continue
-        new = leaf.index_select(dim, torch.tensor(source, device=leaf.device))
-        same = _same_rows(new, leaf, dim, others)
+        same = [row for row, equal in zip(others, found[1:], strict=True) if equal]
         if same:
-            rows = torch.tensor(same, device=leaf.device)
-            new.index_copy_(dim, rows, _shifted(new.index_select(dim, rows), leaf))
-            same = _same_rows(new, leaf, dim, same)
+            rows = _indices(same, new.device)
+            new.index_copy_(dim, rows, _shifted(new.index_select(dim, rows),
+                                                batch.leaves[i]))
+            again = _read([_equal_rows(new, batch.leaves[i], dim, rows)])[0]
+            same = [row for row, equal in zip(same, again, strict=True) if equal]
         unchanged &= set(same)
-        leaves[i] = made[id(leaf), dim] = new
+        leaves[i] = new
+    for i, (leaf, dim) in enumerate(zip(batch.leaves, batch.dims, strict=True)):
+        if dim is not None and (id(leaf), dim) in made:  # the same tensor given again
+            leaves[i] = leaves[work[made[id(leaf), dim]][0]]
     return replace(batch, leaves=tuple(leaves)), sorted(unchanged)
 
 
-def _is_mask(tensor: torch.Tensor) -> bool:
-    """A bool tensor, or an integer one holding only 0 and 1 (an attention mask)."""
-    if tensor.dtype == torch.bool:
-        return True
-    if tensor.is_floating_point() or tensor.is_complex() or not tensor.numel():
-        return False
-    return bool(((tensor == 0) | (tensor == 1)).all())
+def _indices(values: list[int], device: torch.device) -> torch.Tensor:
+    """Row indices on ``device``; to a GPU from pinned memory (the host does not wait)."""
+    if device.type == "cuda":
+        return torch.tensor(values).pin_memory().to(device, non_blocking=True)
+    return torch.tensor(values, device=device)
 
 
-def _same_rows(new: torch.Tensor, old: torch.Tensor, dim: int, rows: list[int]) -> list[int]:
-    """Those of ``rows`` that are equal in ``new`` and ``old`` (NaN equal to NaN)."""
-    if not rows:
+def _read(flags: list[torch.Tensor]) -> list[list[bool]]:
+    """Device flags on the host, one transfer per device."""
+    if not flags:
         return []
-    index = torch.tensor(rows, device=old.device)
-    a, b = new.index_select(dim, index).movedim(dim, 0), old.index_select(dim, index).movedim(
-        dim, 0)
+    by_device: dict[torch.device, list[int]] = {}
+    for n, f in enumerate(flags):
+        by_device.setdefault(f.device, []).append(n)
+    out: list[list[bool]] = [[] for _ in flags]
+    for positions in by_device.values():
+        joined = torch.cat([flags[n].reshape(-1) for n in positions]).tolist()
+        at = 0
+        for n in positions:
+            size = flags[n].numel()
+            out[n] = [bool(v) for v in joined[at:at + size]]
+            at += size
+    return out
+
+
+def _mask_flag(tensor: torch.Tensor) -> torch.Tensor:
+    """Whether ``tensor`` is a mask: bool, or an integer one holding only 0 and 1."""
+    if tensor.dtype == torch.bool:
+        return torch.ones((), dtype=torch.bool, device=tensor.device)
+    if tensor.is_floating_point() or tensor.is_complex() or not tensor.numel():
+        return torch.zeros((), dtype=torch.bool, device=tensor.device)
+    return ((tensor == 0) | (tensor == 1)).all()
+
+
+def _equal_rows(new: torch.Tensor, old: torch.Tensor, dim: int, rows: torch.Tensor
+                ) -> torch.Tensor:
+    """Per row in ``rows``, whether it is equal in ``new`` and ``old`` (NaN equal to NaN)."""
+    a = new.index_select(dim, rows).movedim(dim, 0)
+    b = old.index_select(dim, rows).movedim(dim, 0)
     equal = (a == b) | (a != a) & (b != b)
-    flags = equal.reshape(len(rows), -1).all(1).tolist()
-    return [row for row, flag in zip(rows, flags, strict=True) if flag]
+    return equal.reshape(len(rows), -1).all(1)
 
 
 def _shifted(rows: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,11 @@ TF32 set through PyTorch's new ``fp32_precision`` API.
   off and with TF32 on;
 - TF32 for convolutions set through ``torch.backends.cudnn.conv.fp32_precision``;
 - the first seed report's own script: AlexNet, batch 100 vs 1, with its flags (which
-  include ``torch.set_float32_matmul_precision("high")``), judged at the user's rtol=0.1.
+  include ``torch.set_float32_matmul_precision("high")``), judged at the user's rtol=0.1;
+- every setting of the README's sweep (``docs/results/configs_gpu.py``), batched vs split;
+- language models with padding on the GPU (random-init BERT, GPT-2, Llama; a padded dict
+  input and ``Prompts``), which must show no mixing; train-mode BatchNorm (allowed) and an
+  LSTM given ``(T, B, F)``, which must.
 
 Writes ``independence_summary.txt`` and ``independence.json`` into --out.
 
@@ -48,7 +52,7 @@ class Mix(nn.Module):
 def record(found: list[dict[str, Any]], lines: list[str], name: str,
            result: divtrace.Comparison) -> None:
     table = result.table
-    moved = table[table["depends_on_others"].fillna(False).astype(bool)]
+    moved = table[table["depends_on_others"].astype("boolean").fillna(False).astype(bool)]
     out = result.output
     found.append({"case": name, "verdict": result.verdict,
                   "first_dependent": None if moved.empty else moved.iloc[0]["site"],
@@ -121,9 +125,63 @@ def main() -> int:
     lines.append(f"that script's own check: torch.allclose(batched, alone, rtol=0.1) = "
                  f"{torch.allclose(batched, alone, rtol=0.1)}; largest element-wise "
                  f"relative difference {rel:.3g}")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from configs_gpu import SETTINGS
+
+    with SEED.flags():
+        swept = divtrace.sweep(features, x128, SETTINGS, chunk=2, samples=[0, 1],
+                               progress=False)
+    table = swept.table
+    lines += ["== the README's sweep settings, vgg11().features 128 vs first 2",
+              table[[c for c in ("setting", "verdict", "output_rel_l2", "first_divergence")
+                     if c in table]].to_string(index=False), ""]
+    found.append({"case": "sweep", "verdicts": dict(zip(table["setting"], table["verdict"],
+                                                        strict=True))})
+    with SEED.flags():
+        language_models(found, lines, cuda)
+        torch.manual_seed(0)
+        norm = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        record(found, lines, "train-mode BatchNorm (allow_train=True), 16 per sample",
+               divtrace.compare(norm.to(cuda).train(), torch.rand(16, 3, 32, 32, device=cuda),
+                                allow_train=True, progress=False))
+        lstm = nn.LSTM(16, 32).to(cuda).eval()
+        record(found, lines, "LSTM given (T, B, F) with batch_dim=0",
+               divtrace.compare(lstm, torch.randn(12, 4, 16, device=cuda), progress=False))
     (args.out / "independence_summary.txt").write_text("\n".join(lines) + "\n")
     (args.out / "independence.json").write_text(json.dumps(found, indent=1) + "\n")
     return 0
+
+
+def language_models(found: list[dict[str, Any]], lines: list[str], cuda: torch.device
+                    ) -> None:
+    """Random-init BERT, GPT-2 and Llama on the GPU, with padding: no mixing."""
+    import transformers
+
+    torch.manual_seed(0)
+    built = {
+        "BERT": transformers.BertModel(transformers.BertConfig(
+            hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+            intermediate_size=1024, vocab_size=1000)),
+        "GPT-2": transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_embd=256, n_layer=4, n_head=4, vocab_size=1000, n_positions=128)),
+        "Llama": transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)),
+    }
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 1000, (8, 48), generator=generator).to(cuda)
+    mask = torch.ones(8, 48, dtype=torch.long, device=cuda)
+    for row, pad in enumerate((0, 5, 0, 17, 3, 0, 30, 9)):
+        mask[row, :pad] = 0  # left padding
+    for name, model in built.items():
+        model = model.to(cuda).eval()
+        record(found, lines, f"{name}, padded batch of 8 vs per sample",
+               divtrace.compare(model, {"input_ids": ids, "attention_mask": mask},
+                                progress=False))
+    prompts = [torch.randint(1, 1000, (n,), generator=generator).to(cuda)
+               for n in (9, 31, 4, 48, 17, 26)]
+    record(found, lines, "Llama, Prompts of 4 to 48 tokens",
+           divtrace.compare(built["Llama"], divtrace.Prompts(prompts), progress=False))
 
 
 def _fields(run: divtrace.Run) -> dict[str, Any]:
