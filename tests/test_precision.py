@@ -132,6 +132,7 @@ def test_the_budget_sees_tf32_set_through_the_new_api() -> None:
                         .items() if k.startswith(("tf32", "matmul", "bf16"))}
     meta = replace(result.info, settings=on_gpu)
     limit, _, name = budget("float32", meta)
-    assert name == "TF32" and limit == pytest.approx(3.97e-3, rel=1e-2)
+    assert name == "TF32"
+    assert limit == pytest.approx(3.97e-3, rel=1e-2)
     assert [what for _, what in reduced(meta)] == ["TF32 for float32 convolutions in cuDNN"]
     assert budget("float32", result.info)[2] == "float32"  # on the CPU TF32 does nothing
