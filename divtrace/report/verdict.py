@@ -172,7 +172,8 @@ def _mixing(table: pd.DataFrame, meta: Meta) -> str | None:
             f"samples' rows change when only the other samples change, the shapes kept "
             f"(rel_l2 {sci(row['others_rel_l2'])}), so each sample's result depends on the "
             f"other samples' values — a bug whatever its size. Check for a statistic over "
-            f"the batch in eval mode, a wrong batch_dim, padding that is not masked, or "
+            f"the batch in eval mode, a wrong batch_dim, padding that is not masked, "
+            f"activations quantized with a scale over the batch (dynamic quantization), or "
             f"routing or shapes that depend on the whole batch (capacity-limited experts).")
 
 
