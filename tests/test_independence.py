@@ -63,7 +63,7 @@ def test_without_mixing_the_verdict_is_rounding_and_says_why() -> None:
     assert table["depends_on_others"].notna().all()
     assert (table["others_rel_l2"] == 0).all()
     summary = result.summary()
-    assert "No sample's result depends on the other samples (independence test)" in (
+    assert "No compared row moved when only the other samples changed (independence test)" in (
         summary.splitlines()[0])
     assert "Independence test (2 more batched passes, each half of the samples held" in (
         summary)

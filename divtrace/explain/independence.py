@@ -211,12 +211,15 @@ class Independence(Probe):
                         f"run is not deterministic there (a repetition on the same input "
                         f"differs), so a dependence on other samples cannot be told from "
                         f"that noise."]
+            left = found.get("unchanged") or []
+            kept = "" if not left else (
+                f"; rows {left} could not be given other values and were left as they were")
             return [f"Independence test ({passes} more batched pass"
                     f"{'es' * (passes > 1)}, {held}, the other rows given other values, "
-                    f"the shapes kept): the compared rows are bit-identical at every site. "
-                    f"Each sample's result depends on that sample alone; the batched and "
-                    f"split runs differ only because the batch's shape differs (the "
-                    f"kernels chosen, the order of reduction)."]
+                    f"the shapes kept{kept}): the compared rows stayed bit-identical at "
+                    f"every compared site. No sample's result showed a dependence on the "
+                    f"other samples, so the batched and split runs differ because the "
+                    f"batch's shape differs (the kernels chosen, the order of reduction)."]
         through = found.get("through") or []
         via = f", through {', '.join(repr(t) for t in through)} (not per sample)" if (
             through) else ""

@@ -230,8 +230,8 @@ def _unmeasurable(tested: str) -> Verdict:
            "squares overflow or underflow)")
     if tested == "independent":
         return Verdict("rounding", (
-            f"Verdict: rounding — no sample's result depends on the other samples "
-            f"(independence test), so the runs differ only because the batch's shape "
+            f"Verdict: rounding — no compared row moved when only the other samples "
+            f"changed (independence test), so the runs differ because the batch's shape "
             f"differs; the size of the error is not known: {why}."))
     return Verdict("not rounding", (
         f"Verdict: not rounding — floating point cannot be shown to explain it: {why}, and "
@@ -270,9 +270,9 @@ def judge(table: pd.DataFrame, meta: Meta) -> Verdict:
     units = "" if math.isinf(error) else f", {error / u_op:.3g} units of {name} rounding"
     if share > 1:
         hint = _CHECK if tested != "independent" else (
-            "Each sample's result depends on that sample alone (independence test), so "
-            "look for a kernel that is wrong at one of the two batch sizes, or for lower "
-            "precision than the runs' settings say.")
+            "No compared row moved when only the other samples changed (independence "
+            "test), so look for a kernel that is wrong at one of the two batch sizes, or "
+            "for lower precision than the runs' settings say.")
         return Verdict("not rounding", (
             f"Verdict: not rounding — {_subject(row, error, seen)}{units}, far beyond the "
             f"{sci(limit)} a reordered sum can give. {hint}"))
@@ -286,8 +286,8 @@ def judge(table: pd.DataFrame, meta: Meta) -> Verdict:
     cause = ("the batch size changes the order of operations" if not meta.runs
              else "the two configurations round differently")
     ending = {
-        "independent": f"No sample's result depends on the other samples (independence "
-                       f"test): not a bug; {cause}.",
+        "independent": f"No compared row moved when only the other samples changed "
+                       f"(independence test): not a bug; {cause}.",
         "inconclusive": "The independence test was inconclusive (the batched run is not "
                         "deterministic), so this rests on the size of the error alone.",
         "untested": "The independence test did not run, so this rests on the size of the "
