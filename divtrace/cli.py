@@ -105,6 +105,7 @@ def _compare(args: argparse.Namespace) -> int:
     result = divtrace.compare(model, x, chunk=args.chunk, samples=samples,
                               local=args.local, truth=args.truth, repeat=args.repeat,
                               kernels=args.kernels, ops=ops, graphs=graphs,
+                              independence=not args.no_independence,
                               progress=not args.no_progress)
     for suffix, write in (("json", result.to_json), ("html", result.to_html),
                           ("csv", result.to_csv), ("save", result.save)):
@@ -175,6 +176,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--samples", help="comma-separated rows to compare (default: all)")
     run.add_argument("--device", help="move the model and x there first (cuda, cpu, ...)")
     run.add_argument("--dtype", help="cast the model and floating inputs first (bfloat16)")
+    run.add_argument("--no-independence", action="store_true",
+                     help="leave out the independence test (the verdict then rests on size)")
     run.add_argument("--local", action="store_true", help="error each layer adds alone")
     run.add_argument("--truth", choices=["fp64"], help="measure both runs against float64")
     run.add_argument("--repeat", type=int, default=0, help="repeat the batched run N times")

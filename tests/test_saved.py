@@ -195,6 +195,11 @@ def test_the_command_line(tmp_path: Path) -> None:
                 "--no-progress", cwd=tmp_path)
     assert eager.returncode == 0, eager.stderr
     assert divtrace.load(tmp_path / "c.json").meta["graphs"] is False
+    untested = cli("compare", "target.py:build", "--no-independence", "--save", "d.json",
+                   "--no-progress", cwd=tmp_path)
+    assert untested.returncode == 0, untested.stderr
+    assert divtrace.load(tmp_path / "d.json").meta["independence"] is False
+    assert "rests on the size of the error alone" in untested.stdout.splitlines()[0]
     forced = cli("compare", "target.py:build", "--graphs", "true", cwd=tmp_path)
     assert forced.returncode == 2
     assert "graphs=True, but the split run cannot be replayed" in forced.stderr

@@ -26,21 +26,24 @@ def elementwise(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float,
     (the measured run against the reference run, in their own dtype, at least float32),
     and as ``torch.allclose`` with its own defaults for what the user did not ``given``:
     see :data:`ELEMENTWISE`. Computed in blocks, on the device, without waiting."""
-    dtype = torch.promote_types(b.dtype, torch.float32)
+    dtype = torch.float64 if b.dtype == torch.float64 else torch.float32
     b, r = b.reshape(-1), r.reshape(-1)
     if not r.numel():
         return torch.zeros(len(ELEMENTWISE), dtype=torch.float64, device=b.device)
     own = (ALLCLOSE[0] if given[0] is None else given[0],
            ALLCLOSE[1] if given[1] is None else given[1])
     spans = [(lo, min(lo + _BLOCK, r.numel())) for lo in range(0, r.numel(), _BLOCK)]
-    largest = torch.stack([torch.where(torch.isfinite(r[lo:hi]), r[lo:hi].abs(), 0).amax()
-                           for lo, hi in spans]).amax().to(dtype)
+    largest = torch.stack([_largest(r[lo:hi].to(dtype)) for lo, hi in spans]).amax()
     parts = [_block(b[lo:hi].to(dtype), r[lo:hi].to(dtype), rtol, atol, own, largest)
              for lo, hi in spans]
     joined = torch.stack(parts)  # [blocks, fields]: the largest ratio's block wins
     best = joined[:, 0].argmax().reshape(1)
     head = joined.index_select(0, best)[0, :3]
     return torch.cat([head, largest.double().reshape(1), joined[:, 4:].sum(0)])
+
+
+def _largest(r: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(r), r.abs(), 0).amax()
 
 
 def _block(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float,

@@ -102,11 +102,13 @@ def _mask_flag(tensor: torch.Tensor) -> torch.Tensor:
 
 def _equal_rows(new: torch.Tensor, old: torch.Tensor, dim: int, rows: torch.Tensor
                 ) -> torch.Tensor:
-    """Per row in ``rows``, whether it is equal in ``new`` and ``old`` (NaN equal to NaN)."""
-    a = new.index_select(dim, rows).movedim(dim, 0)
-    b = old.index_select(dim, rows).movedim(dim, 0)
-    equal = (a == b) | (a != a) & (b != b)
-    return equal.reshape(len(rows), -1).all(1)
+    """Per row in ``rows``, whether it is equal in ``new`` and ``old`` (NaN equal to NaN):
+    one boolean per element in all, not copies of the rows."""
+    equal = new == old
+    if new.is_floating_point() or new.is_complex():
+        equal |= new.isnan() & old.isnan()
+    per_row = equal.movedim(dim, 0).reshape(equal.shape[dim], -1).all(1)
+    return per_row.index_select(0, rows)
 
 
 def _shifted(rows: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:

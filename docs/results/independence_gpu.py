@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import divtrace
 from divtrace.plan.precision import precision_state
+from divtrace.words import readable
 
 SEED = divtrace.Run(deterministic=True, benchmark=False, tf32_matmul=False, tf32_cudnn=False)
 
@@ -133,8 +134,9 @@ def main() -> int:
                                progress=False)
     table = swept.table
     lines += ["== the README's sweep settings, vgg11().features 128 vs first 2",
-              table[[c for c in ("setting", "verdict", "output_rel_l2", "first_divergence")
-                     if c in table]].to_string(index=False), ""]
+              readable(table[[c for c in ("setting", "verdict", "output_rel_l2",
+                                          "first_divergence") if c in table]])
+              .to_string(index=False), ""]
     found.append({"case": "sweep", "verdicts": dict(zip(table["setting"], table["verdict"],
                                                         strict=True))})
     with SEED.flags():
@@ -185,7 +187,10 @@ def language_models(found: list[dict[str, Any]], lines: list[str], cuda: torch.d
 
 
 def _fields(run: divtrace.Run) -> dict[str, Any]:
-    return {k: v for k, v in vars(run).items() if k != "chunk" and v not in (None, False)}
+    from dataclasses import fields
+
+    return {f.name: getattr(run, f.name) for f in fields(run)
+            if f.name != "chunk" and getattr(run, f.name) != f.default}
 
 
 if __name__ == "__main__":
