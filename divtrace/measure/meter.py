@@ -127,6 +127,8 @@ class Meter(Sink):
     atol: float | None = None
     keep: bool = False
     lineage: bool = True
+    #: judge the model's output element by element too (for the summary)
+    views: bool = True
     site_watchers: Sequence[SiteWatcher] = ()
     call_watchers: Sequence[CallWatcher] = ()
     sites: list[Measured] = field(default_factory=list)
@@ -216,7 +218,7 @@ class Meter(Sink):
         if flips:
             picked = self.store.pick(tensor) if picked is None else picked
             measured.flips = self.host.add((_argmax(picked) != _argmax(rows)).double())
-        if site.is_output and tensor.is_floating_point():
+        if self.views and site.is_output and tensor.is_floating_point():
             picked = self.store.pick(tensor) if picked is None else picked
             measured.elements_view = self.host.add(elementwise(
                 picked, self.store.rows_on(stored, tensor.device),
@@ -243,10 +245,10 @@ class Meter(Sink):
         return None
 
     def over(self, store: RowStore, host: Host | None = None) -> Meter:
-        """A meter of the same kind over another store (no lineage, no watchers), handing
-        its figures to ``host`` (default: this meter's)."""
+        """A meter of the same kind over another store (no lineage, no watchers, no
+        element-wise view), handing its figures to ``host`` (default: this meter's)."""
         return Meter(store, self.batch, host or self.host, self.rtol, self.atol,
-                     lineage=False)
+                     lineage=False, views=False)
 
     def stats_at(self, key: str, tensor: torch.Tensor) -> torch.Tensor | None:
         """Per-sample statistics of ``tensor`` (of the whole batch) against the stored rows

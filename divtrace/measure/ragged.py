@@ -62,7 +62,7 @@ class RaggedMeter(Meter):
 
     def over(self, store: RowStore, host: Host | None = None) -> Meter:
         return RaggedMeter(store, self.batch, host or self.host, self.rtol, self.atol,
-                           lineage=False, layout=self.layout)
+                           lineage=False, views=False, layout=self.layout)
 
     def _parts_stats(self, tensor: torch.Tensor, parts: list[torch.Tensor | None],
                      kept: list[torch.Tensor] | None = None

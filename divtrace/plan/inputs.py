@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import operator
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,16 +22,22 @@ __all__ = ["BatchDim", "BatchedInput", "each_once", "prepare_input"]
 BatchDim = int | None | tuple[Any, ...] | list[Any] | dict[str, Any]
 
 
-def each_once(leaves: list[Any], change: Callable[[Any], Any]) -> list[Any]:
-    """``change`` applied to each leaf, once per object: a tensor given twice (``mha(x, x,
-    x)``, whose fast path needs ``query is key``) stays one tensor."""
-    made: dict[int, Any] = {}
+def each_once(leaves: Iterable[Any], change: Callable[[Any], Any],
+              key: Callable[[Any], Hashable] = id) -> list[Any]:
+    """``change`` applied to each leaf, once per ``key`` (the object): a tensor given
+    twice (``mha(x, x, x)``, whose fast path needs ``query is key``) stays one tensor."""
+    made: dict[Hashable, Any] = {}
     out = []
     for leaf in leaves:
-        if id(leaf) not in made:
-            made[id(leaf)] = change(leaf)
-        out.append(made[id(leaf)])
+        found = key(leaf)
+        if found not in made:
+            made[found] = change(leaf)
+        out.append(made[found])
     return out
+
+
+def _leaf_and_dim(pair: tuple[Any, int | None]) -> tuple[int, int | None]:
+    return id(pair[0]), pair[1]
 
 
 @dataclass(frozen=True)
@@ -59,16 +65,13 @@ class BatchedInput:
         """The leaves holding rows ``start:stop`` of every cut tensor: views (the inputs as
         given for the whole batch), or with ``copy`` fresh copies of every tensor, for a
         pass that may change its input in place."""
-        made: dict[tuple[int, int | None], Any] = {}  # one tensor given twice stays one
-        leaves = []
-        for leaf, dim in zip(self.leaves, self.dims, strict=True):
-            key = (id(leaf), dim)
-            if key not in made:
-                part = leaf if dim is None or (start == 0 and stop == self.batch_size) else (
-                    leaf.narrow(dim, start, stop - start))
-                made[key] = part.clone() if copy and isinstance(part, torch.Tensor) else part
-            leaves.append(made[key])
-        return leaves
+        def rows_of(pair: tuple[Any, int | None]) -> Any:
+            leaf, dim = pair
+            part = leaf if dim is None or (start == 0 and stop == self.batch_size) else (
+                leaf.narrow(dim, start, stop - start))
+            return part.clone() if copy and isinstance(part, torch.Tensor) else part
+
+        return each_once(zip(self.leaves, self.dims, strict=True), rows_of, _leaf_and_dim)
 
     def build(self, leaves: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``(args, kwargs)`` from leaves in the order of :attr:`leaves`."""
@@ -83,13 +86,10 @@ class BatchedInput:
     def select(self, rows: list[int]) -> BatchedInput:
         """The batch of only these rows, in this order."""
         index = torch.tensor(rows)
-        made: dict[tuple[int, int | None], Any] = {}  # one tensor given twice stays one
-        for leaf, dim in zip(self.leaves, self.dims, strict=True):
-            if (id(leaf), dim) not in made:
-                made[id(leaf), dim] = leaf if dim is None else leaf.index_select(
-                    dim, index.to(leaf.device))
-        leaves = tuple(made[id(leaf), dim] for leaf, dim in zip(self.leaves, self.dims,
-                                                                 strict=True))
+        leaves = tuple(each_once(
+            zip(self.leaves, self.dims, strict=True),
+            lambda pair: pair[0] if pair[1] is None else pair[0].index_select(
+                pair[1], index.to(pair[0].device)), _leaf_and_dim))
         return BatchedInput(leaves, self.spec, self.dims, self.names, len(rows),
                             self.batch_dim)
 

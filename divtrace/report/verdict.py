@@ -225,6 +225,11 @@ def _sized(ok: pd.DataFrame, diverged: pd.DataFrame, tested: str) -> pd.DataFram
     return ok
 
 
+def _units(error: float, u_op: float, name: str) -> str:
+    """``, 7.5 units of float32 rounding`` (nothing for an infinite error)."""
+    return "" if math.isinf(error) else f", {error / u_op:.3g} units of {name} rounding"
+
+
 def _unmeasurable(tested: str) -> Verdict:
     why = ("its norms could not be computed (float64 values beyond about 1e±154, whose "
            "squares overflow or underflow)")
@@ -267,14 +272,14 @@ def judge(table: pd.DataFrame, meta: Meta) -> Verdict:
     if worst is None:  # no size could be measured
         return _unmeasurable(tested)
     share, (row, error, seen, limit, u_op, name) = worst
-    units = "" if math.isinf(error) else f", {error / u_op:.3g} units of {name} rounding"
     if share > 1:
         hint = _CHECK if tested != "independent" else (
             "No compared row moved when only the other samples changed (independence "
             "test), so look for a kernel that is wrong at one of the two batch sizes, or "
             "for lower precision than the runs' settings say.")
         return Verdict("not rounding", (
-            f"Verdict: not rounding — {_subject(row, error, seen)}{units}, far beyond the "
+            f"Verdict: not rounding — {_subject(row, error, seen)}"
+            f"{_units(error, u_op, name)}, far beyond the "
             f"{sci(limit)} a reordered sum can give. {hint}"))
     outputs = _outputs(table)
     reason = _truth(outputs, meta)
@@ -282,7 +287,6 @@ def judge(table: pd.DataFrame, meta: Meta) -> Verdict:
         return Verdict("not rounding", f"Verdict: not rounding — {reason}")
     row, error, seen = entries[0]  # where the error enters first: a source, or the first
     limit, u_op, name = budget(row["dtype"], meta)  # divergent site
-    units = "" if math.isinf(error) else f", {error / u_op:.3g} units of {name} rounding"
     cause = ("the batch size changes the order of operations" if not meta.runs
              else "the two configurations round differently")
     ending = {
@@ -293,5 +297,6 @@ def judge(table: pd.DataFrame, meta: Meta) -> Verdict:
         "untested": "The independence test did not run, so this rests on the size of the "
                     "error alone."}[tested]
     return Verdict("rounding", (
-        f"Verdict: rounding — {_subject(row, error, seen)}{units}, within the {sci(limit)} "
+        f"Verdict: rounding — {_subject(row, error, seen)}{_units(error, u_op, name)}, "
+        f"within the {sci(limit)} "
         f"a reordered sum can give{_at_output(outputs, row)}. {ending}"))
