@@ -18,6 +18,7 @@ from torch import nn
 from divtrace.errors import BatchMixingError, DivtraceWarning
 from divtrace.explain.probe import Context, Probe
 from divtrace.explain.registry import PROBES
+from divtrace.measure.chunked import compare_stores
 from divtrace.measure.host import Host
 from divtrace.measure.meter import Meter
 from divtrace.measure.ragged import RaggedMeter
@@ -70,7 +71,7 @@ def _measure(ctx: Context, meter: Meter) -> None:
     plan, compared = ctx.plan, ctx.compared
     size = plan.batch.batch_size
     if plan.compared_chunks:
-        meter.compare_stores(record(ctx, compared, plan.compared_chunks), size)
+        compare_stores(meter, record(ctx, compared, plan.compared_chunks), size)
         return
     ctx.progress.stage(compared.name)
     ctx.output_type = compared.execute(
@@ -153,10 +154,11 @@ def _meter(plan: Plan, ctx: Context, host: Host, probes: tuple[Probe, ...]) -> M
     size = plan.batch.batch_size
     if isinstance(plan.batch, RaggedInput):
         return RaggedMeter(ctx.store, size, host, plan.rtol, plan.atol,
-                           keep=plan.keeps_batched, site_watchers=sites, call_watchers=calls,
+                           keep=plan.keeps_batched, prints=plan.prints_batched,
+                           site_watchers=sites, call_watchers=calls,
                            layout=plan.batch.layout(0, size))
     return Meter(ctx.store, size, host, plan.rtol, plan.atol, keep=plan.keeps_batched,
-                 site_watchers=sites, call_watchers=calls)
+                 prints=plan.prints_batched, site_watchers=sites, call_watchers=calls)
 
 
 def execute(plan: Plan, model: nn.Module) -> Comparison:
@@ -184,8 +186,9 @@ def execute(plan: Plan, model: nn.Module) -> Comparison:
         _measure(ctx, meter)
         for probe in probes:
             probe.after(ctx)
-        if not plan.keep:
-            for site in meter.sites:
+        for site in meter.sites:
+            site.prints = None  # the probes are done with them
+            if not plan.keep:
                 site.kept, site.kept_parts = None, None
     if ctx.copies is not None and ctx.copies.changed_given:
         warnings.warn(

@@ -243,3 +243,55 @@ def test_prompts_do_not_mix(name: str) -> None:
     assert result.info.notes["independence"]["ran"]
     assert dependent(result) == []
     assert result.verdict in ("rounding", "identical")
+
+
+# -- fingerprints, and how far the rows moved ----------------------------------------
+
+
+def test_the_default_keeps_fingerprints_not_the_rows() -> None:
+    from divtrace.plan.make import make_plan
+
+    model, x = planted(1e-4), torch.randn(8, 16)
+    plan = make_plan(model, x, progress=False)
+    assert plan.prints_batched and not plan.keeps_batched
+    assert not make_plan(model, x, progress=False, independence=False).prints_batched
+
+
+def test_how_far_the_rows_moved_is_measured_against_the_rows_themselves() -> None:
+    model, x = planted(1e-4), torch.randn(16, 16)
+    result = run(model, x, samples=[0, 5])
+    replaced, _ = prepare_input(x).replaced([0, 5])
+    upto = model[:3]  # the mixing layer's output, in both passes
+    with torch.no_grad():
+        before, after = upto(x)[[0, 5]], upto(replaced.leaves[0])[[0, 5]]
+    expected = ((after - before).double().norm() / before.double().norm()).item()
+    assert result.table.set_index("site").loc["2", "others_rel_l2"] == pytest.approx(
+        expected, rel=1e-6)
+    assert result.info.notes["independence"]["passes"] == 3  # test, repetition, sizing
+
+
+class MixingLM(nn.Module):
+    """A language model whose hidden states take in the mean over the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(100, 16)
+        self.mix = Mix(1e-3)
+        self.head = nn.Linear(16, 100)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.embed(input_ids) * attention_mask[..., None]
+        return self.head(self.mix(hidden))
+
+
+def test_prompts_that_mix_are_caught_at_the_mixing_layer() -> None:
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 100, (n,), generator=generator) for n in (5, 9, 3, 7)]
+    result = run(MixingLM().eval(), divtrace.Prompts(prompts))
+    assert dependent(result)[0] == "mix"
+    table = result.table.set_index("site")
+    assert not table.loc["embed", "depends_on_others"]
+    assert table.loc["mix", "others_rel_l2"] > 0
+    assert result.verdict == "not rounding"

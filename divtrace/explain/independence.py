@@ -4,32 +4,41 @@ Kernels are chosen from shapes, not from values. So the measured run (the whole 
 one pass) runs once more with the same shapes: the compared samples' rows unchanged, at
 their own positions, every other sample's rows given other valid data
 (:meth:`~divtrace.plan.inputs.BatchedInput.replaced`). At every site the compared rows
-of the two passes are compared bit for bit. Rows that move have let other samples in
-(batch mixing: a statistic over the batch, a wrong ``batch_dim``, padding that is not
-masked) — whatever the size of the move. When every sample is compared, one half is held
-while the other is replaced, then the other way round.
+of the two passes are compared bit for bit, by their fingerprints
+(:mod:`~divtrace.measure.prints`: eight bytes per row, not a copy of the rows). Rows
+that move have let other samples in (batch mixing: a statistic over the batch, a wrong
+``batch_dim``, padding that is not masked) — whatever the size of the move. When every
+sample is compared, one half is held while the other is replaced, then the other way
+round.
 
-When some rows move, the pass is repeated on the unchanged batch: a site where the
-repetition moves too (a kernel that is not deterministic) makes the test inconclusive
-from there on.
+When some rows move, the pass is repeated on the unchanged batch with the rows kept: a
+site where the repetition moves too (a kernel that is not deterministic) makes the test
+inconclusive from there on; each moving pass then runs once more, measured against the
+kept rows, for how far the rows moved (``others_rel_l2``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import pandas as pd
+import torch
 from torch import nn
 
 from divtrace.align.status import Status
 from divtrace.errors import DivtraceTypeError
 from divtrace.explain.probe import Context, Probe, TableView
 from divtrace.measure.figures import site_figures
-from divtrace.measure.host import Host
+from divtrace.measure.host import Deferred, Host
 from divtrace.measure.meter import Meter
+from divtrace.measure.moved import PrintCheck
+from divtrace.measure.ragged import RaggedMeter
 from divtrace.plan.inputs import BatchedInput
+from divtrace.plan.prompts import RaggedInput
 from divtrace.record.lineage import Origin
+from divtrace.record.ragged import RaggedStore
 from divtrace.record.rows import RowStore
 from divtrace.record.stored import StoredRows
 from divtrace.words import sci
@@ -51,35 +60,77 @@ def _groups(samples: list[int], size: int) -> list[list[int]]:
     return [samples[:half], samples[half:]]
 
 
-def _kept_store(ctx: Context, group: list[int]) -> RowStore:
-    """The measured run's kept rows of the samples in ``group``, as a row store."""
-    store = ctx.store
-    where = [store.samples.index(s) for s in group]
-    lo, n = where[0], len(where)
-    contiguous = where == list(range(lo, lo + n))
+def _held_store(store: RowStore, group: list[int]) -> RowStore:
+    """The rows of the samples in ``group`` (a run of ``store``'s samples) kept by
+    ``store``, as a row store of their own."""
+    lo, n = store.samples.index(group[0]), len(group)
     kept = RowStore(list(group), store.batch_dim, False, learn_lineage=False, pinned=True)
-    for measured in ctx.meter.sites:
-        if measured.status != Status.OK or measured.site.key in kept.rows:
+    for key, stored in store.rows.items():
+        if stored.status != Status.OK or not store.complete(stored):
             continue
-        if measured.kept is not None:
-            rows = measured.kept
-            part = rows.narrow(0, lo, n) if contiguous else rows[where]
-            kept.put(measured.site, measured.shape, part)
-        elif measured.kept_parts is not None:  # prompts of different lengths
-            kept.rows[measured.site.key] = StoredRows(
-                measured.site, measured.shape, None, (), measured.dtype, filled=n,
-                parts=[measured.kept_parts[i] for i in where])
+        if stored.rows is not None:
+            kept.put(stored.site, stored.shape, stored.rows.narrow(0, lo, n))
+        elif stored.parts is not None:  # prompts of different lengths
+            kept.rows[key] = StoredRows(stored.site, stored.shape, None, (), stored.dtype,
+                                        filled=n, parts=stored.parts[lo:lo + n])
     return kept
 
 
+def _checked(ctx: Context, group: list[int], batch: BatchedInput, host: Host) -> PrintCheck:
+    """A pass of ``batch`` (the rows of ``group`` held), each site's held rows checked
+    against the measured pass's fingerprints."""
+    meter = ctx.meter
+    first = meter.store.samples.index(group[0])
+    layout = meter.layout if isinstance(meter, RaggedMeter) else None
+    check = PrintCheck(meter, first, list(group), host, layout)
+    ctx.compared.execute(check, batch, [(0, batch.batch_size)], lambda _s, _e: _LABEL,
+                         check=ctx.check)
+    ctx.progress.advance()
+    return check
+
+
 def _measured(ctx: Context, store: RowStore, batch: BatchedInput, host: Host) -> Meter:
-    """A pass of ``batch``, its fixed rows measured against ``store`` (the figures go to
+    """A pass of ``batch``, its held rows measured against ``store`` (the figures go to
     ``host``)."""
     meter = ctx.meter.over(store, host)
     ctx.compared.execute(meter, batch, [(0, batch.batch_size)], lambda _s, _e: _LABEL,
                          check=ctx.check)
     ctx.progress.advance()
     return meter
+
+
+def _repeated(ctx: Context, samples: list[int]) -> RowStore:
+    """The unchanged batch once more, the rows of ``samples`` kept."""
+    plan = ctx.plan
+    store: RowStore
+    if isinstance(plan.batch, RaggedInput):
+        store = RaggedStore(samples, 0, False, learn_lineage=False, pinned=True,
+                            ragged=plan.batch)
+    else:
+        store = RowStore(samples, plan.batch.batch_dim, False, learn_lineage=False,
+                         pinned=True)
+    ctx.compared.execute(store, plan.batch, [(0, plan.batch.batch_size)],
+                         lambda _s, _e: f"{_LABEL}, repeated", check=ctx.check)
+    ctx.progress.advance()
+    return store
+
+
+def _noisy(ctx: Context, store: RowStore, host: Host) -> dict[str, Deferred]:
+    """Per site: whether ``store`` (a repetition on the unchanged batch) differs there
+    from the measured pass, by their fingerprints (1.0 or 0.0 after ``host`` fetched)."""
+    meter, found = ctx.meter, {}
+    first = meter.store.samples.index(store.samples[0])
+    for measured in meter.sites:
+        stored = store.rows.get(measured.site.key)
+        if measured.prints is None or stored is None or not stored.held or (
+                not store.complete(stored)):
+            continue
+        was = measured.prints.narrow(0, first, len(store.samples))
+        now = (meter.fingerprints(stored.rows) if stored.rows is not None else torch.cat(
+            [meter.fingerprints(p.unsqueeze(0)) for p in stored.parts or () if p is not None]))
+        if now.shape == was.shape:
+            found[measured.site.key] = host.add((now != was).any().double().reshape(1))
+    return found
 
 
 def _moves(meter: Meter, batch: int) -> dict[str, tuple[float, float]]:
@@ -100,12 +151,13 @@ class Independence(Probe):
     on_by_default: ClassVar[bool] = True
     columns: ClassVar[tuple[str, ...]] = ("depends_on_others", "others_rel_l2")
     shown: ClassVar[tuple[str, ...]] = ("depends_on_others",)
-    keeps_batched: ClassVar[bool] = True
+    prints_batched: ClassVar[bool] = True
     leads: ClassVar[bool] = True
     passes = 1
 
     def __init__(self) -> None:
-        self.moved: dict[str, tuple[float, float]] = {}  # site -> (mismatch, rel_l2)
+        #: the sites whose compared rows moved: how far (rel_l2; NaN where not measured)
+        self.moved: dict[str, float] = {}
         self.noisy: list[str] = []  # sites that moved on a repetition with the same input
         self.tested: set[str] = set()
         self.found: dict[str, Any] = {"ran": False, "why": None}
@@ -129,36 +181,51 @@ class Independence(Probe):
         size = plan.batch.batch_size
         groups = _groups(list(plan.samples), size)
         ctx.progress.more(len(groups) - 1)
-        host, meters, unchanged_rows = Host(), [], set()
+        host, checks, unchanged_rows = Host(), [], set()
         for group in groups:
             batch, unchanged = plan.batch.replaced(group)
             if len(unchanged) == size - len(group):
                 ctx.progress.advance()
                 continue  # no other row could be given other values
             unchanged_rows.update(unchanged)
-            meters.append(_measured(ctx, _kept_store(ctx, group), batch, host))
-        if not meters:
+            checks.append((group, batch, _checked(ctx, group, batch, host)))
+        if not checks:
             self.found["why"] = ("the other samples could not be given other values (they "
                                  "are all alike, or only masks)")
             return
         host.fetch()  # one wait for every pass of the test
-        for meter in meters:
-            for key, (share, rel) in _moves(meter, size).items():
-                self.tested.add(key)
-                if share > 0:
-                    old = self.moved.get(key, (0.0, 0.0))
-                    self.moved[key] = (max(old[0], share), max(old[1], rel))
-        self.found |= {"ran": True, "passes": len(meters)}
+        moving = []
+        for group, batch, check in checks:
+            moved = [key for key, deferred in check.moved.items() if deferred.get().any()]
+            self.tested.update(check.moved)
+            self.moved.update(dict.fromkeys(moved, math.nan))
+            if moved:
+                moving.append((group, batch))
+        self.found |= {"ran": True, "passes": len(checks)}
         if unchanged_rows:
             self.found["unchanged"] = sorted(unchanged_rows)
-        if self.moved:  # a repetition on the same input: is it only nondeterminism?
-            ctx.progress.more(1)
-            again = Host()
-            meter = _measured(ctx, _kept_store(ctx, groups[0]), plan.batch, again)
-            again.fetch()
-            self.noisy = [key for key, (share, _) in _moves(meter, size).items() if share > 0]
-            self.found["passes"] += 1
-            self.found["noisy"] = self.noisy
+        if moving:
+            self._sized(ctx, moving)
+
+    def _sized(self, ctx: Context, moving: list[tuple[list[int], BatchedInput]]) -> None:
+        """Rows moved: the unchanged batch once more, its rows kept (where it moves too,
+        the batched run is not deterministic), then each moving pass again, measured
+        against them (how far the rows moved)."""
+        ctx.progress.more(1 + len(moving))
+        kept = _repeated(ctx, sorted(s for group, _ in moving for s in group))
+        host = Host()
+        noise = _noisy(ctx, kept, host)
+        meters = [_measured(ctx, _held_store(kept, group), batch, host)
+                  for group, batch in moving]
+        host.fetch()
+        self.noisy = [key for key, deferred in noise.items() if deferred.get().any()]
+        for meter in meters:
+            for key, (_, rel) in _moves(meter, ctx.plan.batch.batch_size).items():
+                if key in self.moved:
+                    old = self.moved[key]
+                    self.moved[key] = rel if math.isnan(old) else max(old, rel)
+        self.found["passes"] += 1 + len(meters)
+        self.found["noisy"] = self.noisy
 
     def _skip(self, ctx: Context, why: str) -> None:
         self.found["why"] = why
@@ -176,13 +243,13 @@ class Independence(Probe):
             if key not in self.tested:
                 row["depends_on_others"] = pd.NA
                 continue
-            share, rel = self.moved.get(key, (0.0, 0.0))
-            row["others_rel_l2"] = rel
-            if share > 0 and unsure:
+            moved = key in self.moved
+            row["others_rel_l2"] = self.moved.get(key, 0.0)
+            if moved and unsure:
                 row["depends_on_others"] = pd.NA
             else:
-                row["depends_on_others"] = share > 0
-                if share > 0 and first is None:
+                row["depends_on_others"] = moved
+                if moved and first is None:
                     first = row
         if first is not None:
             self.found["through"] = _not_per_sample_inputs(first, rows, view)

@@ -101,6 +101,8 @@ class Probe:
     whole_batch: ClassVar[bool] = False
     #: It needs the measured run's rows kept until :meth:`after`.
     keeps_batched: ClassVar[bool] = False
+    #: It needs the fingerprints of the measured run's rows (``Measured.prints``).
+    prints_batched: ClassVar[bool] = False
     #: Its columns' values in rows of sites that the measured run did not reach.
     blank: ClassVar[dict[str, Any]] = {}
     #: Forward passes of its own (for the progress bar).

@@ -16,6 +16,7 @@ from divtrace.align.status import Status, comparable, status_of
 from divtrace.measure import fused
 from divtrace.measure.elements import elementwise
 from divtrace.measure.host import Deferred, Host
+from divtrace.measure.prints import Fingerprints
 from divtrace.measure.queue import FusedQueue, StatsQueue, budget_for
 from divtrace.measure.stats import (
     block_stats,
@@ -73,6 +74,10 @@ class Measured:
     #: compared elements per sample, where they differ from sample to sample (prompts of
     #: different lengths); None: the shape's elements over the batch
     elements: tuple[int, ...] | None = None
+    #: the compared rows' fingerprints (:mod:`~divtrace.measure.prints`), when asked for
+    prints: torch.Tensor | None = None
+    #: for prompts of different lengths, the shape of each compared prompt's part
+    part_shapes: tuple[tuple[int, ...], ...] | None = None
 
     def per_sample(self, batch: int) -> int | np.ndarray:
         """The compared elements of each sample (one number when all are equal)."""
@@ -116,8 +121,9 @@ class Meter(Sink):
     """Measures the tensors of a run of ``batch`` rows against a :class:`RowStore`.
 
     Statistics stay on the device (handed to ``host`` for the one transfer at the end).
-    ``keep``: also keep the compared rows of this run. ``lineage``: work out where each
-    leaf call's inputs came from (and compare those made unseen).
+    ``keep``: also keep the compared rows of this run; ``prints``: their fingerprints.
+    ``lineage``: work out where each leaf call's inputs came from (and compare those made
+    unseen).
     """
 
     store: RowStore
@@ -126,6 +132,7 @@ class Meter(Sink):
     rtol: float | None = None
     atol: float | None = None
     keep: bool = False
+    prints: bool = False
     lineage: bool = True
     #: judge the model's output element by element too (for the summary)
     views: bool = True
@@ -143,6 +150,7 @@ class Meter(Sink):
         self._budget = max(_MIN_BLOCK, int(_TEMP_SHARE * self.store.stored_bytes / _TEMP_BYTES))
         self._last: LastTensor[Measured] = LastTensor()
         self._tracker: Tracker | None = None
+        self.printer = Fingerprints()
 
     # -- the sink ---------------------------------------------------------------------
 
@@ -206,8 +214,8 @@ class Meter(Sink):
                 if earlier is None or flips or self.site_watchers else stored.rows)
         picked: torch.Tensor | None = None
         if earlier is not None:  # the same rows in both runs: the same figures
-            measured.stats, measured.flips, measured.kept = (
-                earlier.stats, earlier.flips, earlier.kept)
+            measured.stats, measured.flips, measured.kept, measured.prints = (
+                earlier.stats, earlier.flips, earlier.kept, earlier.prints)
         else:
             measured.stats, picked = self._queued(tensor, rows)
             if measured.stats is None:
@@ -226,8 +234,17 @@ class Meter(Sink):
         if self.keep and measured.kept is None:
             picked = self.store.pick(tensor) if picked is None else picked
             measured.kept = picked.to(stored.rows.device).contiguous()
+        if self.prints and measured.prints is None:
+            picked = self.store.pick(tensor) if picked is None else picked
+            measured.prints = self.fingerprints(picked)
         self.store.measured(site.key)  # stream: released unless still needed
         return measured
+
+    def fingerprints(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[k, ...]`` rows → their ``[k]`` fingerprints, in blocks as wide as the
+        statistics'."""
+        return self.printer.of(rows, _CPU_BLOCK if rows.device.type == "cpu"
+                               else self._budget)
 
     def _repeated(self, key: str, tensor: torch.Tensor, wrote: int) -> Measured | None:
         """The last measured site, when this site hands on its very tensor, unchanged,
@@ -323,28 +340,3 @@ class Meter(Sink):
         width = _CPU_BLOCK if b.device.type == "cpu" else self._budget
         return combine([stats(b[:, lo:hi], r[:, lo:hi], rtol, atol)
                         for lo, hi in blocks(len(b), b.shape[1], width)])
-
-    def compare_stores(self, second: RowStore, batch: int) -> None:
-        """Measures ``second``'s rows against this meter's store (both runs chunked)."""
-        rows_meter = Meter(self.store.as_batch(), len(second.samples), self.host,
-                           self.rtol, self.atol)
-        for stored in second.rows.values():
-            if stored.site.input is not None:
-                continue
-            if stored.rows is None or not second.complete(stored):
-                status = stored.status if stored.rows is None else Status.PARTIAL_IN_SPLIT
-                self.sites.append(Measured(stored.site, status, stored.shape, stored.dtype))
-                continue
-            measured = rows_meter.measure(stored.site, stored.rows)
-            measured.shape = (batch, *stored.row_shape)
-            self.sites.append(measured)
-        for key, parts in second.lineage.items():
-            inputs: list[tuple[Origin, str | None, Measured | None]] = []
-            for origin, part_key in parts:
-                own = second.rows.get(part_key) if part_key is not None else None
-                found = None
-                if origin == Origin.INPUT and own is not None and own.rows is not None:
-                    found = rows_meter.measure(own.site, own.rows)
-                    found.shape = (batch, *own.row_shape)
-                inputs.append((origin, part_key, found))
-            self.calls[key] = CallRecord(inputs)

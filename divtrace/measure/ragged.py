@@ -40,11 +40,15 @@ class RaggedMeter(Meter):
         if status != Status.OK:
             return measured
         kept: list[torch.Tensor] | None = [] if self.keep else None
-        found = self._parts_stats(usable, stored.parts, kept)
+        prints: list[torch.Tensor] | None = [] if self.prints else None
+        found = self._parts_stats(usable, stored.parts, kept, prints)
         if found is None:
             measured.status = Status.SHAPE_MISMATCH
             return measured
         measured.kept_parts = kept
+        if prints is not None:
+            measured.prints = torch.cat(prints)
+            measured.part_shapes = tuple(tuple(p.shape) for p in stored.parts if p is not None)
         measured.stats = self.host.add(found[0])
         measured.elements = found[1]
         for watcher in self.site_watchers:  # no stored rows of one shape to hand on
@@ -65,11 +69,12 @@ class RaggedMeter(Meter):
                            lineage=False, views=False, layout=self.layout)
 
     def _parts_stats(self, tensor: torch.Tensor, parts: list[torch.Tensor | None],
-                     kept: list[torch.Tensor] | None = None
+                     kept: list[torch.Tensor] | None = None,
+                     prints: list[torch.Tensor] | None = None
                      ) -> tuple[torch.Tensor, tuple[int, ...]] | None:
         """Per compared prompt: the statistics of its real tokens in ``tensor`` against its
         recorded part, and their element counts; None if a shape does not line up.
-        ``kept``: also collects copies of the real tokens."""
+        ``kept``, ``prints``: also collect copies of the real tokens, their fingerprints."""
         layout = self.layout
         assert layout is not None
         found, elements = [], []
@@ -81,6 +86,8 @@ class RaggedMeter(Meter):
                 return None
             if kept is not None:
                 kept.append(b.to(r.device, copy=True))
+            if prints is not None:
+                prints.append(self.fingerprints(b.unsqueeze(0)))
             if b.numel() == 0:  # no real token there yet (an empty cache): nothing compared
                 found.append(torch.zeros(1, len(FIELDS), dtype=torch.float64, device=b.device))
             else:

@@ -100,6 +100,11 @@ class Plan:
         """Whether the measured run's compared rows are kept (asked for, or needed)."""
         return self.keep or any(probe.keeps_batched for probe in self.probes)
 
+    @property
+    def prints_batched(self) -> bool:
+        """Whether the measured run's compared rows are fingerprinted."""
+        return any(probe.prints_batched for probe in self.probes)
+
     def name(self, which: str) -> str:
         """How errors and the progress bar name run ``"a"`` (reference) or ``"b"``."""
         run = self.reference if which == "a" else self.compared

@@ -1,0 +1,68 @@
+"""A pass checked against the fingerprints of the measured pass: did the held rows move?"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from divtrace.align.sites import Site
+from divtrace.align.status import Status, comparable
+from divtrace.measure.host import Deferred, Host, upload
+from divtrace.measure.meter import Measured, Meter
+from divtrace.plan.prompts import Layout
+from divtrace.record.recorder import Sink
+
+__all__ = ["PrintCheck"]
+
+
+@dataclass
+class PrintCheck(Sink):
+    """Per site of a whole-batch pass: whether each held sample's rows differ from the
+    measured pass's (``meter``, which made fingerprints). ``first``, ``held``: the held
+    samples' first place among the compared samples, and their rows in the batch (the
+    compared samples from ``first`` on). ``layout``: where each prompt's real tokens lie,
+    for prompts of different lengths."""
+
+    meter: Meter
+    first: int
+    held: list[int]
+    host: Host
+    layout: Layout | None = None
+    #: per tested site: 1.0 for each held sample whose rows moved, else 0.0 (on the host
+    #: after its fetch)
+    moved: dict[str, Deferred] = field(default_factory=dict)
+    _sites: dict[str, Measured] = field(default_factory=dict)
+    _index: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._sites = {m.site.key: m for m in self.meter.sites if m.prints is not None}
+
+    def on_tensor(self, site: Site, tensor: torch.Tensor) -> None:
+        measured = self._sites.get(site.key)
+        if measured is None or site.key in self.moved:
+            return
+        usable = comparable(tensor) if site.opaque is None else site.opaque
+        if isinstance(usable, Status) or (
+                tuple(usable.shape), usable.dtype) != (measured.shape, measured.dtype):
+            return  # not the same site any more: not tested
+        assert measured.prints is not None
+        was = measured.prints.narrow(0, self.first, len(self.held))
+        self.moved[site.key] = self.host.add((self._prints(usable, measured) != was).double())
+
+    def _prints(self, tensor: torch.Tensor, measured: Measured) -> torch.Tensor:
+        """The held samples' fingerprints in this pass's ``tensor``."""
+        if self.layout is None:
+            dim = self.meter.store.batch_dim % tensor.dim()
+            rows = tensor.index_select(dim, self._rows_on(tensor.device))
+            return self.meter.fingerprints(rows.movedim(dim, 0) if dim else rows)
+        assert measured.part_shapes is not None
+        shapes = measured.part_shapes[self.first:self.first + len(self.held)]
+        return torch.cat([self.meter.fingerprints(
+            self.layout.tokens(tensor, sample, shape).unsqueeze(0))
+            for sample, shape in zip(self.held, shapes, strict=True)])
+
+    def _rows_on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._index:
+            self._index[device] = upload(torch.tensor(self.held), device)
+        return self._index[device]

@@ -1,0 +1,70 @@
+"""Fingerprints: a row's changes always show, equal values never do, whatever the blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from divtrace.measure.prints import Fingerprints
+
+
+def prints(rows: torch.Tensor, width: int = 1 << 18) -> torch.Tensor:
+    return Fingerprints().of(rows, width)
+
+
+def test_the_same_whatever_the_width_of_the_blocks() -> None:
+    rows = torch.randn(3, 5, 70_001)  # over five periods of the weights, and a tail
+    found = {tuple(prints(rows, width).tolist()) for width in (1, 1 << 16, 1 << 19, 1 << 24)}
+    assert len(found) == 1
+    alone = prints(rows[1:2])  # a row's fingerprint does not depend on the other rows
+    assert alone.item() == prints(rows)[1].item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16,
+                                   torch.bfloat16, torch.float8_e4m3fn, torch.int64,
+                                   torch.int8, torch.bool, torch.complex64])
+def test_one_changed_element_anywhere_always_shows(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    base = (torch.randn(2, 140_000, generator=generator) * 4)
+    rows = base.to(dtype)
+    before = prints(rows)
+    for at in torch.randint(0, base.shape[1], (40,), generator=generator).tolist():
+        changed = rows.clone()
+        if dtype == torch.bool:
+            changed[1, at] = not bool(changed[1, at])
+        elif dtype.is_floating_point or dtype.is_complex:
+            changed[1, at] = (base[1, at] * 1.5 + 1).to(dtype)
+        else:
+            changed[1, at] += 1
+        after = prints(changed)
+        assert after[0] == before[0]
+        assert after[1] != before[1], (dtype, at)
+
+
+def test_changes_that_sum_to_nothing_still_show() -> None:
+    rows = torch.randn(1, 300_000, dtype=torch.float64)
+    bits = rows.view(torch.int64)
+    before = prints(rows)
+    for at in (0, 65_535, 65_536, 200_001):
+        smooth = bits.clone()  # +d, -2d, +d: a second difference, zero for linear weights
+        smooth[0, at:at + 3] += torch.tensor([1, -2, 1])
+        assert prints(smooth.view(torch.float64)) != before
+    swapped = rows.clone()  # the same values in other places
+    swapped[0, [10, 70_000]] = swapped[0, [70_000, 10]]
+    assert prints(swapped) != before
+    shifted = rows.roll(1, 1)
+    assert prints(shifted) != before
+
+
+def test_values_that_compare_equal_have_one_fingerprint() -> None:
+    rows = torch.tensor([[0.0, 1.0, float("nan")], [-0.0, 1.0, float("nan")]])
+    rows.view(torch.int32)[1, 2] = 0x7FC0_0001  # another NaN
+    assert torch.isnan(rows[1, 2])
+    found = prints(rows)
+    assert found[0] == found[1]
+    assert prints(torch.tensor([[0.0, 1.0]]))[0] != prints(torch.tensor([[1.0, 0.0]]))[0]
+
+
+def test_empty_rows_and_no_rows() -> None:
+    assert prints(torch.zeros(2, 0)).tolist() == [0, 0]
+    assert prints(torch.zeros(0, 5)).shape == (0,)
