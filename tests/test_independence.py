@@ -295,3 +295,24 @@ def test_prompts_that_mix_are_caught_at_the_mixing_layer() -> None:
     assert not table.loc["embed", "depends_on_others"]
     assert table.loc["mix", "others_rel_l2"] > 0
     assert result.verdict == "not rounding"
+
+
+class SignOfZero(nn.Module):
+    """Zeros whose sign follows the batch mean: the bits move, the values do not."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x) * x.mean(0, keepdim=True)
+
+
+def test_a_zero_whose_sign_follows_the_others_is_no_dependence() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), SignOfZero(), nn.Linear(16, 4)).eval()
+    x = torch.randn(8, 16)
+    replaced, _ = prepare_input(x).replaced(list(range(4)))
+    with torch.no_grad():  # the bits of the held rows do move
+        before, after = model[:2](x)[:4], model[:2](replaced.leaves[0])[:4]
+    assert torch.equal(before, after)
+    assert not torch.equal(before.view(torch.int32), after.view(torch.int32))
+    result = run(model, x)
+    assert dependent(result) == []
+    assert result.info.notes["independence"]["passes"] == 5  # the halves, then sized

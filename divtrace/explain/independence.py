@@ -219,11 +219,19 @@ class Independence(Probe):
                   for group, batch in moving]
         host.fetch()
         self.noisy = [key for key, deferred in noise.items() if deferred.get().any()]
+        values: dict[str, float] = {}  # the fingerprints saw bits; here values count
+        sized: set[str] = set()
         for meter in meters:
-            for key, (_, rel) in _moves(meter, ctx.plan.batch.batch_size).items():
+            for key, (share, rel) in _moves(meter, ctx.plan.batch.batch_size).items():
                 if key in self.moved:
-                    old = self.moved[key]
-                    self.moved[key] = rel if math.isnan(old) else max(old, rel)
+                    sized.add(key)
+                    if share > 0:
+                        values[key] = max(values.get(key, 0.0), rel)
+        for key in sized:
+            if key in values:
+                self.moved[key] = values[key]
+            elif key not in self.noisy:
+                del self.moved[key]  # only the signs of zeros or the payloads of NaNs
         self.found["passes"] += 1 + len(meters)
         self.found["noisy"] = self.noisy
 

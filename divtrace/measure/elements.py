@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ALLCLOSE", "ELEMENTWISE", "NEAR_ZERO", "elementwise"]
+__all__ = ["ALLCLOSE", "ELEMENTWISE", "NEAR_ZERO", "argmax", "elementwise"]
 
 #: What :func:`elementwise` returns, in order.
 ELEMENTWISE = ("max_rel", "split_value", "batched_value", "largest", "beyond", "beyond_near_zero",
@@ -61,3 +61,8 @@ def _block(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float,
     return torch.cat([rel.index_select(0, at).double(), r.index_select(0, at).double(),
                       b.index_select(0, at).double(), largest.double().reshape(1),
                       torch.stack([c.sum() for c in counts]).double()])
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Per row, the index of the largest value (float8 has no argmax: upcast, exactly)."""
+    return (logits.float() if logits.element_size() == 1 else logits).argmax(1)

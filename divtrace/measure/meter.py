@@ -14,7 +14,7 @@ from torch import nn
 from divtrace.align.sites import Site, input_site
 from divtrace.align.status import Status, comparable, status_of
 from divtrace.measure import fused
-from divtrace.measure.elements import elementwise
+from divtrace.measure.elements import argmax, elementwise
 from divtrace.measure.host import Deferred, Host
 from divtrace.measure.prints import Fingerprints
 from divtrace.measure.queue import FusedQueue, StatsQueue, budget_for
@@ -49,11 +49,6 @@ def _without_train_mode(module: nn.Module) -> bool:
     """A module whose forward pass does not read its ``training`` flag: PyTorch's quantized
     layers (``quantize_dynamic`` leaves them flagged as training)."""
     return type(module).__module__.startswith("torch.ao.nn.quantized")
-
-
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Per row, the index of the largest value (float8 has no argmax: upcast, exactly)."""
-    return (logits.float() if logits.element_size() == 1 else logits).argmax(1)
 
 
 @dataclass
@@ -225,7 +220,7 @@ class Meter(Sink):
             watcher(measured, tensor, rows)
         if flips:
             picked = self.store.pick(tensor) if picked is None else picked
-            measured.flips = self.host.add((_argmax(picked) != _argmax(rows)).double())
+            measured.flips = self.host.add((argmax(picked) != argmax(rows)).double())
         if self.views and site.is_output and tensor.is_floating_point():
             picked = self.store.pick(tensor) if picked is None else picked
             measured.elements_view = self.host.add(elementwise(
@@ -235,16 +230,25 @@ class Meter(Sink):
             picked = self.store.pick(tensor) if picked is None else picked
             measured.kept = picked.to(stored.rows.device).contiguous()
         if self.prints and measured.prints is None:
-            picked = self.store.pick(tensor) if picked is None else picked
-            measured.prints = self.fingerprints(picked)
+            measured.prints = self.fingerprints(
+                picked if picked is not None else self.rows(tensor, self._runs))
         self.store.measured(site.key)  # stream: released unless still needed
         return measured
 
-    def fingerprints(self, rows: torch.Tensor) -> torch.Tensor:
-        """``[k, ...]`` rows → their ``[k]`` fingerprints, in blocks as wide as the
-        statistics'."""
-        return self.printer.of(rows, _CPU_BLOCK if rows.device.type == "cpu"
-                               else self._budget)
+    def fingerprints(self, rows: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+        """``[k, ...]`` rows (or several such blocks, one after the other) → their ``[k]``
+        fingerprints, in blocks as wide as the statistics'."""
+        blocks = rows if isinstance(rows, list) else [rows]
+        found = [self.printer.of(b, _CPU_BLOCK if b.device.type == "cpu" else self._budget)
+                 for b in blocks]
+        return found[0] if len(found) == 1 else torch.cat(found)
+
+    def rows(self, tensor: torch.Tensor, runs: list[tuple[int, int, int]]
+             ) -> list[torch.Tensor]:
+        """The rows of a whole-batch ``tensor`` in each run ``(slot, row, n)`` of samples,
+        batch dimension first (views, where the batch dimension is the first)."""
+        dim = self.store.batch_dim % tensor.dim()
+        return [tensor.narrow(dim, row, n).movedim(dim, 0) for _, row, n in runs]
 
     def _repeated(self, key: str, tensor: torch.Tensor, wrote: int) -> Measured | None:
         """The last measured site, when this site hands on its very tensor, unchanged,

@@ -8,10 +8,11 @@ import torch
 
 from divtrace.align.sites import Site
 from divtrace.align.status import Status, comparable
-from divtrace.measure.host import Deferred, Host, upload
+from divtrace.measure.host import Deferred, Host
 from divtrace.measure.meter import Measured, Meter
 from divtrace.plan.prompts import Layout
 from divtrace.record.recorder import Sink
+from divtrace.record.stored import runs_of
 
 __all__ = ["PrintCheck"]
 
@@ -33,7 +34,6 @@ class PrintCheck(Sink):
     #: after its fetch)
     moved: dict[str, Deferred] = field(default_factory=dict)
     _sites: dict[str, Measured] = field(default_factory=dict)
-    _index: dict[torch.device, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._sites = {m.site.key: m for m in self.meter.sites if m.prints is not None}
@@ -53,16 +53,9 @@ class PrintCheck(Sink):
     def _prints(self, tensor: torch.Tensor, measured: Measured) -> torch.Tensor:
         """The held samples' fingerprints in this pass's ``tensor``."""
         if self.layout is None:
-            dim = self.meter.store.batch_dim % tensor.dim()
-            rows = tensor.index_select(dim, self._rows_on(tensor.device))
-            return self.meter.fingerprints(rows.movedim(dim, 0) if dim else rows)
+            return self.meter.fingerprints(self.meter.rows(tensor, runs_of(self.held)))
         assert measured.part_shapes is not None
         shapes = measured.part_shapes[self.first:self.first + len(self.held)]
         return torch.cat([self.meter.fingerprints(
             self.layout.tokens(tensor, sample, shape).unsqueeze(0))
             for sample, shape in zip(self.held, shapes, strict=True)])
-
-    def _rows_on(self, device: torch.device) -> torch.Tensor:
-        if device not in self._index:
-            self._index[device] = upload(torch.tensor(self.held), device)
-        return self._index[device]
