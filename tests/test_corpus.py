@@ -180,18 +180,50 @@ def test_the_models_own_random_draws_are_still_refused() -> None:
 # -- figures that must not read 0 ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("scale", [1e-170, 1e160, 1e200])
-def test_float64_beyond_its_squares_gives_no_false_zero(scale: float) -> None:
+@pytest.mark.parametrize("exponent", [-565, 531, 664, 997, -990])  # 1e-170 ... 1e-298
+def test_float64_beyond_its_squares_is_measured_at_its_scale(exponent: int) -> None:
+    scale = math.ldexp(1.0, exponent)  # a power of two: dividing by it is exact
     model = nn.Sequential(models.OrderedLinear(16, 16, variant_from=2)).double().eval()
-    result = run(model, torch.randn(4, 16, dtype=torch.float64) * scale)
+    x = torch.randn(4, 16, dtype=torch.float64) * scale
+    result = run(model, x)
+    with torch.no_grad():  # the same figures by hand, the values brought near 1 first
+        batched = model(x) / scale
+        split = torch.cat([model(x[i:i + 1]) for i in range(4)]) / scale
+    diff = batched - split
+    expected = (diff.norm() / split.norm()).item()
     row = result.table.set_index("site").loc["0"]
     assert row["mismatch"] > 0
-    assert row["max_abs"] > 0
-    assert math.isnan(row["rel_l2"])
-    assert math.isnan(row["cosine"])
-    assert result.samples["rel_l2"].isna().all()
-    assert result.verdict == "rounding"  # the independence test decides
-    assert "the size of the error is not known" in result.summary().splitlines()[0]
+    assert row["rel_l2"] == pytest.approx(expected, rel=1e-6)
+    assert row["cosine"] == pytest.approx(
+        (batched * split).sum().item() / (batched.norm() * split.norm()).item(), abs=1e-12)
+    per_sample = (diff.norm(dim=1) / split.norm(dim=1)).numpy()
+    samples = result.samples
+    np.testing.assert_allclose(samples[samples["site"] == "0"]["rel_l2"].to_numpy(),
+                               per_sample, rtol=1e-6)
+    assert result.verdict == "rounding"
+    assert "not known" not in result.summary()
+
+
+def test_float64_rows_within_range_keep_their_figures_bit_for_bit() -> None:
+    from divtrace.measure.pair import pair_fields
+    from divtrace.measure.scale import common
+    from divtrace.measure.stats import block_stats
+
+    b = torch.randn(3, 50, dtype=torch.float64) * 1e100
+    r = b + torch.randn(3, 50, dtype=torch.float64) * 1e85
+    assert torch.equal(pair_fields(b, r, 1e-7, 1e-7, 1 << 18), block_stats(b, r, 1e-7, 1e-7))
+    wide = torch.cat([b[:1] * 1e250 / 1e100, b[1:]])  # one row beyond the range
+    found = common(pair_fields(wide, wide * (1 + 1e-12), 1e-7, 1e-7, 1 << 18))
+    assert np.isfinite(found.numpy()).all()
+
+
+def test_a_row_with_no_finite_value_is_left_unscaled() -> None:
+    from divtrace.measure.fields import INDEX
+    from divtrace.measure.pair import pair_fields
+
+    inf = torch.full((2, 4), math.inf, dtype=torch.float64)
+    found = pair_fields(inf, inf, 1e-7, 1e-7, 1 << 18)
+    assert found[:, INDEX["scale"]].tolist() == [0.0, 0.0]
 
 
 def test_percentages_and_error_figures_never_read_zero_when_they_are_not() -> None:

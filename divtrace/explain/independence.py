@@ -188,35 +188,36 @@ class Independence(Probe):
                 ctx.progress.advance()
                 continue  # no other row could be given other values
             unchanged_rows.update(unchanged)
-            checks.append((group, batch, _checked(ctx, group, batch, host)))
+            checks.append((group, _checked(ctx, group, batch, host)))
+            del batch  # one replaced input at a time
         if not checks:
             self.found["why"] = ("the other samples could not be given other values (they "
                                  "are all alike, or only masks)")
             return
         host.fetch()  # one wait for every pass of the test
         moving = []
-        for group, batch, check in checks:
+        for group, check in checks:
             moved = [key for key, deferred in check.moved.items() if deferred.get().any()]
             self.tested.update(check.moved)
             self.moved.update(dict.fromkeys(moved, math.nan))
             if moved:
-                moving.append((group, batch))
+                moving.append(group)
         self.found |= {"ran": True, "passes": len(checks)}
         if unchanged_rows:
             self.found["unchanged"] = sorted(unchanged_rows)
         if moving:
             self._sized(ctx, moving)
 
-    def _sized(self, ctx: Context, moving: list[tuple[list[int], BatchedInput]]) -> None:
+    def _sized(self, ctx: Context, moving: list[list[int]]) -> None:
         """Rows moved: the unchanged batch once more, its rows kept (where it moves too,
         the batched run is not deterministic), then each moving pass again, measured
         against them (how far the rows moved)."""
         ctx.progress.more(1 + len(moving))
-        kept = _repeated(ctx, sorted(s for group, _ in moving for s in group))
+        kept = _repeated(ctx, sorted(s for group in moving for s in group))
         host = Host()
         noise = _noisy(ctx, kept, host)
-        meters = [_measured(ctx, _held_store(kept, group), batch, host)
-                  for group, batch in moving]
+        meters = [_measured(ctx, _held_store(kept, group), ctx.plan.batch.replaced(group)[0],
+                            host) for group in moving]
         host.fetch()
         self.noisy = [key for key, deferred in noise.items() if deferred.get().any()]
         values: dict[str, float] = {}  # the fingerprints saw bits; here values count

@@ -20,6 +20,7 @@ from divtrace.measure.fields import INDEX
 from divtrace.measure.figures import rel_l2
 from divtrace.measure.host import Deferred
 from divtrace.measure.meter import CallRecord, LeafCall
+from divtrace.measure.scale import ratio
 from divtrace.plan.checks import patterns
 from divtrace.record.lineage import Origin
 from divtrace.record.oplineage import op_outputs, per_sample
@@ -164,9 +165,10 @@ class LocalReplay(Probe):
                 row["adds_error"] = bool(own.diff > 0)
             fields, inputs = view.fields.get(row["site"]), view.inputs(call_key)
             if fields is not None and inputs is not None:
-                out = sums([fields]).diff
-                row["amplification"] = (out / inputs.diff if inputs.diff > 0
-                                        else (math.inf if out > 0 else math.nan))
+                out = sums([fields])
+                row["amplification"] = (
+                    ratio(out.diff, out.scale, inputs.diff, inputs.scale) if inputs.diff > 0
+                    else (math.inf if out.diff > 0 else math.nan))
 
     @classmethod
     def sentences(cls, result: Comparison) -> list[str]:

@@ -26,6 +26,7 @@ from divtrace.align.sites import CONSTANT, INPUT, site_key
 from divtrace.measure.fields import INDEX
 from divtrace.measure.host import Host
 from divtrace.measure.meter import CallRecord, LeafCall, Measured, Meter
+from divtrace.measure.scale import common_arrays
 from divtrace.progress import Progress
 from divtrace.record.lineage import Origin
 from divtrace.record.loop import InputCopies
@@ -158,17 +159,19 @@ class Sums:
     """Mismatch and norms summed over several parts (e.g. the inputs of a call)."""
 
     mismatch: float  # fraction of elements not bit-identical
-    diff: float  # ‖batched − split‖
-    ref: float  # ‖split‖
+    diff: float  # ‖batched − split‖ times 2**-scale
+    ref: float  # ‖split‖ times 2**-scale
+    scale: int = 0  # see divtrace.measure.scale
 
 
 def sums(parts: list[tuple[np.ndarray, int]]) -> Sums:
     """:class:`Sums` over ``(per-sample fields, compared elements)`` parts."""
     count = sum(float(a[:, INDEX["mismatch"]].sum()) for a, _ in parts)
     numel = sum(n for _, n in parts)
-    diff = math.sqrt(sum(float(a[:, INDEX["sq_diff"]].sum()) for a, _ in parts))
-    ref = math.sqrt(sum(float(a[:, INDEX["sq_ref"]].sum()) for a, _ in parts))
-    return Sums(count / numel if numel else 0.0, diff, ref)
+    arrays, scale = common_arrays([a for a, _ in parts])  # their sums at one scale
+    diff = math.sqrt(sum(float(a[:, INDEX["sq_diff"]].sum()) for a in arrays))
+    ref = math.sqrt(sum(float(a[:, INDEX["sq_ref"]].sum()) for a in arrays))
+    return Sums(count / numel if numel else 0.0, diff, ref, scale)
 
 
 class TableView:

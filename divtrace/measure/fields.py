@@ -71,6 +71,10 @@ def _exceed(block: Block) -> torch.Tensor:
     return count
 
 
+def _unscaled(block: Block) -> torch.Tensor:
+    return torch.zeros(block.b.shape[0], dtype=F64, device=block.b.device)
+
+
 def _unequal(block: Block) -> torch.Tensor:
     return true_count(block.b != block.r)
 
@@ -115,6 +119,9 @@ FIELDS: tuple[Field, ...] = (
           lambda b: b.square, doc="sum batched * split over finite pairs (real part)"),
     Field("max_ulp", "max", _max_ulp,
           doc="max distance in units in the last place, in the tensor's own dtype"),
+    Field("scale", "max", _unscaled, exact=_unscaled,
+          doc="e: the four sums of squares and products are those of the values times "
+              "2**-e (float64 values beyond about 2**±400; see measure.scale)"),
 )
 
 #: The column of each field.

@@ -32,7 +32,7 @@ AVAILABLE = triton is not None
 _BLOCK = 2048
 #: The fields this kernel computes.
 KERNEL_FIELDS = frozenset({"mismatch", "nonfinite", "exceed", "max_abs", "sum_abs", "sq_diff",
-                           "sq_ref", "sq_out", "dot", "max_ulp"})
+                           "sq_ref", "sq_out", "dot", "max_ulp", "scale"})
 _ULP_BITS = {torch.float16: 16, torch.bfloat16: 16, torch.float32: 32, torch.float64: 64}
 #: A site's record for :func:`fused_many`: its rows' addresses (measured, reference), its
 #: partial fields' address, the row width, the rows' strides, the blocks per row.
@@ -51,7 +51,7 @@ if AVAILABLE:
                 MISMATCH: tl.constexpr, NONFINITE: tl.constexpr, EXCEED: tl.constexpr,
                 MAX_ABS: tl.constexpr, SUM_ABS: tl.constexpr, SQ_DIFF: tl.constexpr,
                 SQ_REF: tl.constexpr, SQ_OUT: tl.constexpr, DOT: tl.constexpr,
-                MAX_ULP: tl.constexpr):
+                MAX_ULP: tl.constexpr, SCALE: tl.constexpr):
         """Block ``blk`` of row ``row`` of both runs' rows, loaded, and its fields written
         to its place in ``out_ptr``. The one body of both kernels."""
         cols = blk * BLOCK + tl.arange(0, BLOCK)
@@ -109,6 +109,7 @@ if AVAILABLE:
         tl.store(base + SQ_OUT, tl.sum(bf * bf, axis=0).to(tl.float64))
         tl.store(base + DOT, tl.sum(bf * rf, axis=0).to(tl.float64))
         tl.store(base + MAX_ULP, tl.max(ulp, axis=0))
+        tl.store(base + SCALE, 0.0)  # unscaled (see divtrace.measure.scale)
 
     @triton.jit
     def _stats_kernel(b_ptr, r_ptr, out_ptr, n_cols, stride_b, stride_r, n_blocks, rtol, atol,
@@ -116,10 +117,10 @@ if AVAILABLE:
                       MISMATCH: tl.constexpr, NONFINITE: tl.constexpr, EXCEED: tl.constexpr,
                       MAX_ABS: tl.constexpr, SUM_ABS: tl.constexpr, SQ_DIFF: tl.constexpr,
                       SQ_REF: tl.constexpr, SQ_OUT: tl.constexpr, DOT: tl.constexpr,
-                      MAX_ULP: tl.constexpr):
+                      MAX_ULP: tl.constexpr, SCALE: tl.constexpr):
         _fields(b_ptr, r_ptr, out_ptr, tl.program_id(0), tl.program_id(1), n_cols, stride_b,
                 stride_r, n_blocks, rtol, atol, BLOCK, BITS, N_FIELDS, MISMATCH, NONFINITE,
-                EXCEED, MAX_ABS, SUM_ABS, SQ_DIFF, SQ_REF, SQ_OUT, DOT, MAX_ULP)
+                EXCEED, MAX_ABS, SUM_ABS, SQ_DIFF, SQ_REF, SQ_OUT, DOT, MAX_ULP, SCALE)
 
     @triton.jit
     def _many_kernel(sites_ptr, site_of_ptr, local_of_ptr, rtol, atol, BLOCK: tl.constexpr,
@@ -130,7 +131,7 @@ if AVAILABLE:
                      MISMATCH: tl.constexpr, NONFINITE: tl.constexpr, EXCEED: tl.constexpr,
                      MAX_ABS: tl.constexpr, SUM_ABS: tl.constexpr, SQ_DIFF: tl.constexpr,
                      SQ_REF: tl.constexpr, SQ_OUT: tl.constexpr, DOT: tl.constexpr,
-                     MAX_ULP: tl.constexpr):
+                     MAX_ULP: tl.constexpr, SCALE: tl.constexpr):
         """One program per (site, row, block): the site's record (see :func:`fused_many`)
         says where its rows and its partial fields are. The flags tell the compiler what
         :func:`_stats_kernel` learns from its arguments (16-byte aligned rows, strides and
@@ -160,7 +161,7 @@ if AVAILABLE:
         _fields(b_ptr, r_ptr, out_ptr, local // n_blocks, (local % n_blocks).to(tl.int32),
                 n_cols, stride_b, stride_r, n_blocks, rtol, atol, BLOCK, BITS, N_FIELDS,
                 MISMATCH, NONFINITE, EXCEED, MAX_ABS, SUM_ABS, SQ_DIFF, SQ_REF, SQ_OUT, DOT,
-                MAX_ULP)
+                MAX_ULP, SCALE)
 
 
 #: Triton's names of the dtypes the kernels read.

@@ -13,17 +13,14 @@ from torch import nn
 
 from divtrace.align.sites import Site, input_site
 from divtrace.align.status import Status, comparable, status_of
-from divtrace.measure import fused
 from divtrace.measure.elements import argmax, elementwise
 from divtrace.measure.host import Deferred, Host
+from divtrace.measure.pair import pair_fields
 from divtrace.measure.prints import Fingerprints
 from divtrace.measure.queue import FusedQueue, StatsQueue, budget_for
+from divtrace.measure.scale import WIDE, common
 from divtrace.measure.stats import (
-    block_stats,
-    blocks,
-    combine,
     lower_precision,
-    mixed_stats,
     tolerances,
 )
 from divtrace.record.lineage import InputPart, Origin, input_parts
@@ -308,7 +305,7 @@ class Meter(Sink):
         of its compared rows the queue holds; ``(None, None)`` when it is measured on its
         own."""
         n = rows.shape[0]  # (stored rows: the compared samples first)
-        if tensor.dtype != rows.dtype or not n:
+        if tensor.dtype != rows.dtype or not n or tensor.dtype in WIDE:  # WIDE: scaled
             return None, None
         queue: StatsQueue | FusedQueue
         if self._queue.takes(rows.device, rows.numel() // n, _CPU_BLOCK // n):
@@ -330,7 +327,8 @@ class Meter(Sink):
             b = (b.movedim(dim, 0) if dim else b).reshape(n, -1)
             r = (rows if n == rows.shape[0] else rows.narrow(0, slot, n)).reshape(n, -1)
             per_run.append(self.pair_stats(b, r))
-        return per_run[0] if len(per_run) == 1 else torch.cat(per_run)
+        found = per_run[0] if len(per_run) == 1 else torch.cat(per_run)
+        return common(found) if tensor.dtype in WIDE else found
 
     def pair_stats(self, b: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         """Per-row statistics of two ``[rows, elements]`` blocks (the measured run's, the
@@ -338,9 +336,5 @@ class Meter(Sink):
         mixed = b.dtype != r.dtype
         rtol, atol = self._tolerances(lower_precision(b.dtype, r.dtype) if mixed
                                       else b.dtype)
-        if fused.supports(b) and not mixed:  # one pass, no temporaries beyond a partial row
-            return fused.fused_stats(b, r, rtol, atol)
-        stats = mixed_stats if mixed else block_stats  # mixed: two configurations of a run
         width = _CPU_BLOCK if b.device.type == "cpu" else self._budget
-        return combine([stats(b[:, lo:hi], r[:, lo:hi], rtol, atol)
-                        for lo, hi in blocks(len(b), b.shape[1], width)])
+        return pair_fields(b, r, rtol, atol, width)

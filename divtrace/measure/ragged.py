@@ -12,6 +12,7 @@ from divtrace.align.status import Status, comparable
 from divtrace.measure.fields import FIELDS
 from divtrace.measure.host import Host
 from divtrace.measure.meter import Measured, Meter
+from divtrace.measure.scale import WIDE, common
 from divtrace.plan.prompts import Layout
 from divtrace.record.oplineage import per_sample
 from divtrace.record.rows import RowStore
@@ -94,7 +95,8 @@ class RaggedMeter(Meter):
                 found.append(self.pair_stats(b.reshape(1, -1),
                                              r.to(b.device).reshape(1, -1)))
             elements.append(b.numel())
-        return torch.cat(found), tuple(elements)
+        stats = torch.cat(found)
+        return (common(stats) if tensor.dtype in WIDE else stats), tuple(elements)
 
     def stats_at(self, key: str, tensor: torch.Tensor) -> torch.Tensor | None:
         stored = self.store.rows.get(key)

@@ -1,0 +1,33 @@
+"""The fields of one pair of ``[rows, elements]`` blocks: the fused kernel where it
+applies, eager blocks elsewhere, and float64 sums taken at a scale where they need it."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from divtrace.measure import fused
+from divtrace.measure.scale import WIDE, rescaled
+from divtrace.measure.stats import block_stats, blocks, combine, mixed_stats
+
+__all__ = ["pair_fields"]
+
+
+def _fields(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float, width: int
+            ) -> torch.Tensor:
+    if fused.supports(b) and b.dtype == r.dtype:  # one pass, no temporaries beyond a row
+        return fused.fused_stats(b, r, rtol, atol)
+    stats = mixed_stats if b.dtype != r.dtype else block_stats  # two configurations
+    return combine([stats(b[:, lo:hi], r[:, lo:hi], rtol, atol)
+                    for lo, hi in blocks(len(b), b.shape[1], width)])
+
+
+def pair_fields(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float, width: int
+                ) -> torch.Tensor:
+    """Per-row fields of ``b`` (the measured run's rows) against ``r`` (the reference
+    run's), in blocks of about ``width`` elements on the eager path."""
+    found = _fields(b, r, rtol, atol, width)
+    if b.dtype not in WIDE or b.dtype != r.dtype:
+        return found
+    return rescaled(found, b, r, partial(_fields, rtol=rtol, atol=atol, width=width))

@@ -1,0 +1,89 @@
+"""Norms of float64 rows beyond the range where their squares fit in float64.
+
+The sums of squares behind ``rel_l2`` and ``cosine`` are float64: for float32 and narrower
+values they cannot overflow or underflow, but float64 values beyond about 1e±154 square to
+infinity or to zero. Such rows have their four sums (``sq_diff``, ``sq_ref``, ``sq_out``,
+``dot``) taken again from the values times ``2**-e`` — a power of two, so every product is
+exact — with ``e`` the exponent of the row's largest finite value, and ``e`` is noted in the
+``scale`` field. Rows within ``2**±400`` keep ``e = 0`` and their figures bit for bit. Only
+ratios of these sums are read (``rel_l2``, ``cosine``), so a site's rows are brought to one
+common scale (:func:`common`) and the ratios need no other change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from divtrace.measure.fields import INDEX
+
+__all__ = ["WIDE", "common", "common_arrays", "ratio", "rescaled"]
+
+#: The dtypes whose squares can leave float64's range.
+WIDE = (torch.float64, torch.complex128)
+#: Rows whose largest value lies within 2**±this keep their sums as they are.
+_RANGE = 400
+_SUMS = [INDEX[name] for name in ("sq_diff", "sq_ref", "sq_out", "dot")]
+_SCALE = INDEX["scale"]
+
+
+def _largest(rows: torch.Tensor) -> torch.Tensor:
+    """Per row, the largest finite magnitude (0 for a row without one)."""
+    return torch.where(rows.isfinite(), rows.abs(), 0.0).amax(1)
+
+
+def rescaled(found: torch.Tensor, b: torch.Tensor, r: torch.Tensor,
+             measure: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``found`` (the fields of ``[rows, elements]`` blocks ``b``, ``r`` of a wide dtype)
+    with the sums of the rows beyond the range taken again at their scale by
+    ``measure``. On the CPU, rows within the range are not measured again; on a device
+    (where asking would wait for it) every wide block is."""
+    if not len(b) or not b.shape[1]:
+        return found
+    top = torch.maximum(_largest(b), _largest(r))
+    exponent = torch.frexp(top).exponent
+    beyond = (exponent > _RANGE) | ((exponent < -_RANGE) & (top > 0))
+    if b.device.type == "cpu" and not bool(beyond.any()):
+        return found
+    e = torch.where(beyond, exponent, 0)
+    factor = torch.ldexp(torch.ones_like(top), -e)[:, None]
+    again = measure(b * factor, r * factor)
+    out = found.clone()
+    out[:, _SUMS] = again[:, _SUMS]
+    out[:, _SCALE] = e.to(out.dtype)
+    return out
+
+
+def common(stats: torch.Tensor) -> torch.Tensor:
+    """A site's ``[rows, fields]`` with every row's sums at the largest scale among them
+    (exact: each is multiplied by a power of two)."""
+    e = stats[:, _SCALE]
+    top = e.amax()
+    out = stats.clone()
+    out[:, _SUMS] = stats[:, _SUMS] * torch.ldexp(torch.ones_like(e), 2 * (e - top).to(
+        torch.int32))[:, None]
+    out[:, _SCALE] = top
+    return out
+
+
+def common_arrays(arrays: list[np.ndarray]) -> tuple[list[np.ndarray], int]:
+    """Several sites' host fields brought to one scale (e.g. the inputs of one call), and
+    that scale's exponent; the arrays themselves when all are unscaled."""
+    tops = [int(a[:, _SCALE].max()) for a in arrays if len(a)]
+    if not any(tops):
+        return arrays, 0
+    top = max(tops)
+    out = []
+    for a in arrays:
+        a = a.copy()
+        a[:, _SUMS] *= np.ldexp(1.0, (2 * (a[:, _SCALE] - top)).astype(np.int64))[:, None]
+        a[:, _SCALE] = top
+        out.append(a)
+    return out, top
+
+
+def ratio(a: float, a_scale: int, b: float, b_scale: int) -> float:
+    """``a / b`` of two norms taken at the scales ``2**a_scale`` and ``2**b_scale``."""
+    return float(np.ldexp(a / b, a_scale - b_scale))
