@@ -286,3 +286,37 @@ def test_generation_on_cuda_gives_generate_tokens_and_aligned_steps() -> None:
     table = found.at(3).table
     assert (table["status"] == "ok").all()
     assert table.set_index("site").loc["model.embed_tokens", "numel"] == 3 * 128
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64,
+                                   torch.bool])
+def test_fingerprints_on_cuda_are_those_of_the_cpu(dtype: torch.dtype) -> None:
+    from divtrace.measure.prints import Fingerprints
+
+    rows = (torch.randn(5, 3, 70_001) * 5).to(dtype)  # beyond a period, and odd lengths
+    for width in (1 << 16, 1 << 20):
+        on_cpu = Fingerprints().of(rows, width)
+        on_cuda = Fingerprints().of(rows.cuda(), width)
+        assert torch.equal(on_cuda.cpu(), on_cpu)
+    odd = rows[:, :, 1:]  # rows that do not start on a word
+    assert torch.equal(Fingerprints().of(odd.cuda()).cpu(), Fingerprints().of(odd))
+
+
+@pytest.mark.parametrize("exponent", [-565, 664, -990])
+def test_float64_beyond_its_squares_on_cuda(exponent: int) -> None:
+    import math
+
+    scale = math.ldexp(1.0, exponent)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64, bias=False)).double().eval().cuda()
+    x = torch.randn(32, 64, dtype=torch.float64, device="cuda") * scale
+    result = divtrace.compare(model, x, chunk=2, samples=[0, 1], progress=False)
+    with torch.no_grad():
+        batched, split = model(x)[:2] / scale, model(x[:2]) / scale
+    row = result.table.set_index("site").loc["0"]
+    if torch.equal(batched, split):
+        assert row["rel_l2"] == 0
+    else:
+        expected = ((batched - split).norm() / split.norm()).item()
+        assert row["rel_l2"] == pytest.approx(expected, rel=1e-6)
+    assert math.isfinite(row["cosine"])
