@@ -37,6 +37,23 @@ print("fused == eager")
 """
 
 
+PRINTS = r"""
+import torch
+from divtrace.measure import fused as kernels
+from divtrace.measure.prints import _PERIOD, Fingerprints, _words
+g = torch.Generator().manual_seed(0)
+for shape in [(3, 5), (2, 4096), (2, 70_001), (1, 2 * _PERIOD + 3)]:
+    rows = torch.randn(shape, generator=g)
+    words = _words(rows)
+    eager = Fingerprints().of(rows)  # on the CPU: torch's wrapping integer sums
+    assert torch.equal(kernels.fused_prints(words, _PERIOD), eager), shape
+    changed = rows.clone()
+    changed[-1, -1] += 1
+    assert not torch.equal(kernels.fused_prints(_words(changed), _PERIOD), eager)
+print("prints == eager")
+"""
+
+
 MANY = r"""
 import math, sys, torch
 from divtrace.measure import fused as kernels
@@ -110,6 +127,10 @@ def _run(script: str, *args: str, interpret: bool = True) -> str:
 
 def test_fused_kernel_matches_the_eager_statistics() -> None:
     assert "fused == eager" in _run(CHECK)
+
+
+def test_the_fingerprint_kernel_gives_the_eager_fingerprints() -> None:
+    assert "prints == eager" in _run(PRINTS)
 
 
 def test_many_sites_in_one_launch_give_each_sites_figures_bit_for_bit() -> None:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from divtrace.measure import fused
+
 __all__ = ["Fingerprints"]
 
 #: The weights repeat their pattern every this many words, each repetition's sum times
@@ -73,6 +75,8 @@ class Fingerprints:
         if not k or not rows.numel():
             return total
         words = _words(rows.reshape(k, -1))
+        if words.is_cuda and fused.AVAILABLE:  # one kernel, no temporaries
+            return fused.fused_prints(words, _PERIOD)
         n = words.shape[1]
         step = max(_PERIOD, width // k // _PERIOD * _PERIOD)
         table = self._table(rows.device)
