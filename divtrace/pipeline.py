@@ -184,6 +184,7 @@ def execute(plan: Plan, model: nn.Module) -> Comparison:
         for probe in probes:
             probe.start(ctx)
         _measure(ctx, meter)
+        meter.flush()  # the queued copies go before the probes' passes
         for probe in probes:
             probe.after(ctx)
         for site in meter.sites:

@@ -232,6 +232,12 @@ class Meter(Sink):
         self.store.measured(site.key)  # stream: released unless still needed
         return measured
 
+    def flush(self) -> None:
+        """Computes the queued sites' statistics now, so that the copies they hold are
+        released (e.g. before the probes' passes)."""
+        self._queue.flush()
+        self._fused.flush()
+
     def fingerprints(self, rows: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
         """``[k, ...]`` rows (or several such blocks, one after the other) → their ``[k]``
         fingerprints, in blocks as wide as the statistics'."""
