@@ -84,7 +84,7 @@ def _checked(ctx: Context, group: list[int], batch: BatchedInput, host: Host) ->
     layout = meter.layout if isinstance(meter, RaggedMeter) else None
     check = PrintCheck(meter, first, list(group), host, layout)
     ctx.compared.execute(check, batch, [(0, batch.batch_size)], lambda _s, _e: _LABEL,
-                         check=ctx.check)
+                         check=ctx.check, copies=ctx.copies)
     ctx.progress.advance()
     return check
 
@@ -94,7 +94,7 @@ def _measured(ctx: Context, store: RowStore, batch: BatchedInput, host: Host) ->
     ``host``)."""
     meter = ctx.meter.over(store, host)
     ctx.compared.execute(meter, batch, [(0, batch.batch_size)], lambda _s, _e: _LABEL,
-                         check=ctx.check)
+                         check=ctx.check, copies=ctx.copies)
     ctx.progress.advance()
     return meter
 
@@ -110,7 +110,8 @@ def _repeated(ctx: Context, samples: list[int]) -> RowStore:
         store = RowStore(samples, plan.batch.batch_dim, False, learn_lineage=False,
                          pinned=True)
     ctx.compared.execute(store, plan.batch, [(0, plan.batch.batch_size)],
-                         lambda _s, _e: f"{_LABEL}, repeated", check=ctx.check)
+                         lambda _s, _e: f"{_LABEL}, repeated", check=ctx.check,
+                         copies=ctx.copies)
     ctx.progress.advance()
     return store
 
