@@ -358,3 +358,16 @@ def test_the_float64_sentence_says_how_far_apart_the_runs_are() -> None:
     assert "neither" not in apart
     close = Fp64Truth.sentences(Result(1.0e-6, 1.1e-6))[0]  # type: ignore[arg-type]
     assert "neither run is clearly closer" in close
+
+
+def test_samples_far_apart_in_scale_give_no_false_zero() -> None:
+    model = nn.Sequential(models.OrderedLinear(16, 16, variant_from=2)).double().eval()
+    x = torch.randn(4, 16, dtype=torch.float64)
+    x[0] *= math.ldexp(1.0, 600)
+    x[1:] *= math.ldexp(1.0, -600)
+    result = run(model, x)
+    samples = result.samples[result.samples["site"] == "0"].set_index("sample")
+    assert 0 < samples.loc[0, "rel_l2"] < 1e-12  # measured at its own scale
+    differ = samples["max_abs"] > 0
+    assert not (samples.loc[differ, "rel_l2"] == 0).any()  # NaN at worst, never 0
+    assert 0 < result.table.set_index("site").loc["0", "rel_l2"] < 1e-12

@@ -253,7 +253,8 @@ def test_the_default_keeps_fingerprints_not_the_rows() -> None:
 
     model, x = planted(1e-4), torch.randn(8, 16)
     plan = make_plan(model, x, progress=False)
-    assert plan.prints_batched and not plan.keeps_batched
+    assert plan.prints_batched
+    assert not plan.keeps_batched
     assert not make_plan(model, x, progress=False, independence=False).prints_batched
 
 

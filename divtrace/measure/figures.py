@@ -107,8 +107,10 @@ def _mean_abs(f: SiteFields) -> float:
 
 
 def _rel_l2(f: SiteFields) -> float:
-    """rel_l2, or NaN where the squares of float64 values beyond about 1e±154 underflowed
-    to 0 or overflowed to inf while the values themselves differ (never a false 0)."""
+    """rel_l2, or NaN where sums of squares underflowed to 0 or overflowed to inf while
+    the values differ (never a false 0). float64 rows are summed at their own scale
+    (:mod:`~divtrace.measure.scale`), so this is left to rows whose error is below about
+    1e-154 of their values, or samples of one site more than about 1e150 apart."""
     rel = float(rel_l2(f.norm("sq_diff"), f.norm("sq_ref")))
     if rel == 0 and f.max("max_abs") > 0:
         return math.nan
@@ -134,8 +136,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure("exceed", lambda f: f.share("exceed"), "fraction beyond rtol/atol"),
     Figure("max_abs", lambda f: f.max("max_abs"), "max |batched - split|"),
     Figure("mean_abs", _mean_abs, "mean |batched - split| over finite pairs"),
-    Figure("rel_l2", _rel_l2, "‖batched − split‖ / ‖split‖ (NaN where float64 values beyond "
-           "about 1e±154 make the squares overflow or underflow)"),
+    Figure("rel_l2", _rel_l2, "‖batched − split‖ / ‖split‖ (NaN where the sums of squares "
+           "cannot hold it, never a false 0)"),
     Figure("max_ulp", lambda f: f.max("max_ulp"), "max ULP distance in the tensor's own dtype"),
     Figure("cosine", _cosine, "cosine similarity of the two runs' rows"),
     Figure("nonfinite", lambda f: f.sum("nonfinite"), "elements NaN or infinite in either run"),
