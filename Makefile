@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 OUT ?= demo-output
 TORCH ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test quick lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ lint: $(VENV)/.installed
 
 test: lint
 	$(PY) -m pytest
+
+# While working: the suite without the tests marked slow (CI runs them all).
+quick: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not slow"
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/overhead.py

@@ -249,6 +249,7 @@ def test_kernel_families_are_short() -> None:
     assert kernel_family("aten::addmm") != kernel_family("aten::mm")
 
 
+@pytest.mark.slow
 def test_kernels_on_the_cpu_print_no_profiler_noise() -> None:
     import subprocess
     import sys

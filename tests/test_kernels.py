@@ -125,18 +125,22 @@ def _run(script: str, *args: str, interpret: bool = True) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_fused_kernel_matches_the_eager_statistics() -> None:
     assert "fused == eager" in _run(CHECK)
 
 
+@pytest.mark.slow
 def test_the_fingerprint_kernel_gives_the_eager_fingerprints() -> None:
     assert "prints == eager" in _run(PRINTS)
 
 
+@pytest.mark.slow
 def test_many_sites_in_one_launch_give_each_sites_figures_bit_for_bit() -> None:
     assert "many == alone" in _run(MANY, "cpu")
 
 
+@pytest.mark.slow
 def test_sites_queued_for_one_launch_give_the_tables_of_sites_measured_alone() -> None:
     assert "queued == alone" in _run(QUEUED)
 

@@ -17,6 +17,7 @@ def test_there_are_notebooks() -> None:
                                          "03_sweeps.ipynb", "04_generation.ipynb"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs(path: Path) -> None:
     notebook = nbformat.read(path, as_version=4)

@@ -149,6 +149,7 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=300, check=False)
 
 
+@pytest.mark.slow
 def test_the_command_line(tmp_path: Path) -> None:
     (tmp_path / "target.py").write_text(textwrap.dedent("""
         import torch
@@ -205,6 +206,7 @@ def test_the_command_line(tmp_path: Path) -> None:
     assert "graphs=True, but the split run cannot be replayed" in forced.stderr
 
 
+@pytest.mark.slow
 def test_the_readme_ci_example_runs_under_pytest(tmp_path: Path) -> None:
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     start = readme.index("# test_batch_invariance.py")
