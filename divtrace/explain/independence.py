@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import pandas as pd
 import torch
@@ -29,7 +29,7 @@ from torch import nn
 
 from divtrace.align.status import Status
 from divtrace.errors import DivtraceTypeError
-from divtrace.explain.probe import Context, Probe, TableView
+from divtrace.explain.probe import Context, Judged, Probe, TableView
 from divtrace.measure.figures import site_figures
 from divtrace.measure.host import Deferred, Host
 from divtrace.measure.meter import Meter
@@ -42,9 +42,6 @@ from divtrace.record.ragged import RaggedStore
 from divtrace.record.rows import RowStore
 from divtrace.record.stored import StoredRows
 from divtrace.words import sci
-
-if TYPE_CHECKING:
-    from divtrace.report.comparison import Comparison
 
 __all__ = ["Independence", "first_dependent"]
 
@@ -268,7 +265,7 @@ class Independence(Probe):
         return self.found
 
     @classmethod
-    def sentences(cls, result: Comparison) -> list[str]:
+    def sentences(cls, result: Judged) -> list[str]:
         found = result.info.notes.get("independence")
         if found is None:
             return []

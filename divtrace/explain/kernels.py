@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from torch import nn
 
-from divtrace.explain.probe import Context, Probe, TableView
+from divtrace.explain.probe import Context, Judged, Probe, TableView
 from divtrace.explain.profiling import kernel_family, kernels_by_site
-
-if TYPE_CHECKING:
-    from divtrace.report.comparison import Comparison
 
 __all__ = ["Kernels"]
 
@@ -55,7 +52,7 @@ class Kernels(Probe):
             row["kernels_differ"] = sorted(set(batched)) != sorted(set(split))
 
     @classmethod
-    def sentences(cls, result: Comparison) -> list[str]:
+    def sentences(cls, result: Judged) -> list[str]:
         if "kernels_batched" not in result.table:
             return []
         lines = []

@@ -7,7 +7,7 @@ import fnmatch
 import math
 from collections.abc import Mapping
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -15,7 +15,7 @@ from torch import nn
 from divtrace.align.sites import CONSTANT, INPUT, flatten_output, site_key
 from divtrace.align.status import Status
 from divtrace.compat import pytree
-from divtrace.explain.probe import Context, Probe, TableView, sums
+from divtrace.explain.probe import Context, Judged, Probe, TableView, sums
 from divtrace.measure.fields import INDEX
 from divtrace.measure.figures import rel_l2
 from divtrace.measure.host import Deferred
@@ -25,9 +25,6 @@ from divtrace.plan.checks import patterns
 from divtrace.record.lineage import Origin
 from divtrace.record.oplineage import op_outputs, per_sample
 from divtrace.record.stored import StoredRows
-
-if TYPE_CHECKING:
-    from divtrace.report.comparison import Comparison
 
 __all__ = ["LocalReplay", "ReplayStatus"]
 
@@ -171,7 +168,7 @@ class LocalReplay(Probe):
                     else (math.inf if out.diff > 0 else math.nan))
 
     @classmethod
-    def sentences(cls, result: Comparison) -> list[str]:
+    def sentences(cls, result: Judged) -> list[str]:
         table = result.table
         if "local_rel_l2" not in table:
             return []

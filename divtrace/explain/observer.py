@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -11,12 +11,9 @@ from torch import nn
 from divtrace.align.sites import ROOT, flatten_output, site_key
 from divtrace.align.status import Status, comparable
 from divtrace.errors import DivtraceTypeError
-from divtrace.explain.probe import Context, Probe
+from divtrace.explain.probe import Context, Judged, Probe
 from divtrace.measure.block import bit_equal
 from divtrace.measure.meter import Measured
-
-if TYPE_CHECKING:
-    from divtrace.report.comparison import Comparison
 
 __all__ = ["HOOK_SENSITIVE", "ObserverCheck"]
 
@@ -77,7 +74,7 @@ class ObserverCheck(Probe):
         return self.found
 
     @classmethod
-    def sentences(cls, result: Comparison) -> list[str]:
+    def sentences(cls, result: Judged) -> list[str]:
         found = result.info.notes.get("observer")
         if found is None:
             return []

@@ -16,9 +16,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
+import pandas as pd
 import torch
 from torch import nn
 
@@ -35,9 +36,42 @@ from divtrace.record.runner import Runner
 
 if TYPE_CHECKING:
     from divtrace.plan.make import Plan
-    from divtrace.report.comparison import Comparison
 
-__all__ = ["Context", "Probe", "Sums", "TableView", "sums"]
+__all__ = ["Context", "Judged", "Probe", "Settings", "Sums", "TableView", "sums"]
+
+
+class Settings(Protocol):
+    """What a probe's sentences read of a result's settings (a
+    :class:`~divtrace.report.meta.Meta`, which the report builds after the probes)."""
+
+    @property
+    def batch_size(self) -> int: ...
+
+    @property
+    def samples(self) -> tuple[int, ...]: ...
+
+    @property
+    def options(self) -> Mapping[str, Any]: ...
+
+    @property
+    def notes(self) -> Mapping[str, Any]: ...
+
+
+class Judged(Protocol):
+    """What a probe's sentences read of a result (a :class:`~divtrace.Comparison`): its
+    table, its settings and the rows it picks out."""
+
+    @property
+    def table(self) -> pd.DataFrame: ...
+
+    @property
+    def info(self) -> Settings: ...
+
+    @property
+    def output(self) -> pd.Series | None: ...
+
+    @property
+    def sources(self) -> pd.DataFrame: ...
 
 
 @dataclass
@@ -149,7 +183,7 @@ class Probe:
         return None
 
     @classmethod
-    def sentences(cls, result: Comparison) -> list[str]:
+    def sentences(cls, result: Judged) -> list[str]:
         """What the probe's columns say about ``result``, in plain sentences."""
         return []
 

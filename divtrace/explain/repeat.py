@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from torch import nn
 
 from divtrace.errors import DivtraceValueError
-from divtrace.explain.probe import Context, Probe, TableView
+from divtrace.explain.probe import Context, Judged, Probe, TableView
 from divtrace.measure.figures import site_figures
 from divtrace.measure.host import Deferred
 from divtrace.plan.checks import whole_number
 from divtrace.record.rows import RowStore
 from divtrace.record.stored import StoredRows
-
-if TYPE_CHECKING:
-    from divtrace.report.comparison import Comparison
 
 __all__ = ["RepeatNoise"]
 
@@ -75,7 +72,7 @@ class RepeatNoise(Probe):
                     row["noise_rel_l2"] = math.nan
 
     @classmethod
-    def sentences(cls, result: Comparison) -> list[str]:
+    def sentences(cls, result: Judged) -> list[str]:
         table = result.table
         if "noise_mismatch" not in table:
             return []

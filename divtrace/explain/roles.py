@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import math
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-from divtrace.explain.probe import Probe, TableView
+from divtrace.explain.probe import Judged, Probe, TableView
 from divtrace.words import listed
-
-if TYPE_CHECKING:
-    from divtrace.report.comparison import Comparison
 
 __all__ = ["Role", "Roles"]
 
@@ -50,7 +47,7 @@ class Roles(Probe):
                 row["role"] = (Role.SOURCE if inputs.mismatch == 0 else Role.CARRIER).value
 
     @classmethod
-    def sentences(cls, result: Comparison) -> list[str]:
+    def sentences(cls, result: Judged) -> list[str]:
         table = result.table
         sources = result.sources
         if sources.empty:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from divtrace.align.ragged import joined
 from divtrace.errors import DivtraceValueError
-from divtrace.explain.probe import Context, Probe, TableView
+from divtrace.explain.probe import Context, Judged, Probe, TableView
 from divtrace.measure.host import Deferred
 from divtrace.measure.meter import Measured
 from divtrace.plan.prompts import RaggedInput
@@ -20,9 +20,6 @@ from divtrace.record.ragged import RaggedStore
 from divtrace.record.rows import RowStore
 from divtrace.record.runner import Runner
 from divtrace.words import sci
-
-if TYPE_CHECKING:
-    from divtrace.report.comparison import Comparison
 
 __all__ = ["Fp64Truth"]
 
@@ -118,7 +115,7 @@ class Fp64Truth(Probe):
                     errors[1])
 
     @classmethod
-    def sentences(cls, result: Comparison) -> list[str]:
+    def sentences(cls, result: Judged) -> list[str]:
         out = result.output
         if out is None or math.isnan(out.get("batched_err_fp64", math.nan)):
             return []

@@ -16,8 +16,8 @@ import contextlib
 import numpy as np
 import torch
 
+from divtrace.devices import upload
 from divtrace.measure.fields import FIELDS, INDEX
-from divtrace.measure.host import upload
 from divtrace.measure.stats import reduce_blocks
 
 try:  # Triton ships with PyTorch's CUDA builds; without it the eager path is used

@@ -8,15 +8,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-__all__ = ["Deferred", "Host", "upload"]
-
-
-def upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``; to a GPU from pinned memory, so that the host does not
-    wait for the GPU's queued work."""
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
+__all__ = ["Deferred", "Host"]
 
 
 class Deferred:

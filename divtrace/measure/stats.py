@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import torch
 
 from divtrace.compat import default_tolerances
+from divtrace.devices import upload
 from divtrace.measure.block import F64, INT_VIEW, Block, max_ulp
 from divtrace.measure.fields import FIELDS, INDEX, MAX_FIELDS
-from divtrace.measure.host import upload
 
 __all__ = ["block_stats", "blocks", "combine", "lower_precision", "mixed_stats",
            "reduce_blocks", "tolerances", "ulp_ordered"]

@@ -6,7 +6,7 @@ import operator
 import warnings
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -14,12 +14,26 @@ from divtrace.compat import pytree
 from divtrace.errors import DivtraceTypeError, DivtraceValueError, DivtraceWarning
 from divtrace.plan.replace import replaced
 
-__all__ = ["BatchDim", "BatchedInput", "each_once", "prepare_input"]
+__all__ = ["BatchDim", "BatchedInput", "Driver", "each_once", "prepare_input"]
 
 #: ``batch_dim=``: one dimension for every input tensor, or a structure matching ``x``
 #: (a tuple for a tuple, a dict for a dict; an int or None for a whole argument), where
 #: None keeps that input whole.
 BatchDim = int | None | tuple[Any, ...] | list[Any] | dict[str, Any]
+
+
+class Driver(Protocol):
+    """How a pass runs the model when it is not one forward call (e.g. ``generate()`` up
+    to a step): an input may carry one as its ``driver``. Its sink and tracker are the
+    recorder's (:class:`divtrace.record.recorder.Sink`, ``Tracker``): a later stage's
+    types, which the plan only hands on."""
+
+    def observed(self, sink: Any) -> Any:
+        """The sink the recorder hands tensors to (only those of the observed call)."""
+
+    def run(self, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+            tracker: Any) -> Any:
+        """Runs the pass; returns its output."""
 
 
 def each_once(leaves: Iterable[Any], change: Callable[[Any], Any],

@@ -12,8 +12,7 @@ import torch
 from divtrace.align.ragged import real_tokens
 from divtrace.compat import pytree
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
-from divtrace.plan.inputs import BatchedInput
-from divtrace.record.loop import Driver
+from divtrace.plan.inputs import BatchedInput, Driver
 
 __all__ = ["Layout", "Prompts", "RaggedInput", "pad"]
 

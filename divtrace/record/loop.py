@@ -4,29 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
 from divtrace.align.sites import INPUT, flatten_output
 from divtrace.compat import version
-from divtrace.plan.inputs import BatchedInput, each_once
+from divtrace.plan.inputs import BatchedInput, Driver, each_once
 from divtrace.record.recorder import Recorder, Sink, Tracker
 
-__all__ = ["Driver", "InputCopies", "drive", "forward"]
-
-
-class Driver(Protocol):
-    """How a pass runs the model when it is not one forward call (e.g. ``generate()`` up
-    to a step): an input may carry one as its ``driver``."""
-
-    def observed(self, sink: Sink) -> Sink:
-        """The sink the recorder hands tensors to (only those of the observed call)."""
-
-    def run(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-            tracker: Tracker) -> Any:
-        """Runs the pass; returns its output."""
+__all__ = ["InputCopies", "drive", "forward"]
 
 
 class InputCopies:

@@ -13,7 +13,7 @@ from torch import nn
 from divtrace.align.sites import Site, input_site
 from divtrace.align.status import Status, comparable
 from divtrace.compat import foreach_copy, version
-from divtrace.measure.host import upload
+from divtrace.devices import upload
 from divtrace.record.cudagraph import slot_copy
 from divtrace.record.lineage import InputPart, Origin, input_parts, tensor_inputs
 from divtrace.record.recorder import Sink, Tracker, writes

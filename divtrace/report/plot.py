@@ -8,7 +8,7 @@ log axis, and a comparison where every site is identical says so.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import pandas as pd
@@ -19,10 +19,14 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
     from divtrace.report.comparison import Comparison
-    from divtrace.sweep import BatchSweep, Sweep
 
 __all__ = ["log_heatmap", "overlay", "plot_batch_sweep", "plot_samples", "plot_snowball",
            "plot_sources", "plot_sweep"]
+
+class Tabled(Protocol):  # a sweep (divtrace.Sweep, divtrace.BatchSweep): drawn from its table
+    @property
+    def table(self) -> pd.DataFrame: ...
+
 
 METRICS = ("rel_l2", "max_abs", "mean_abs", "max_ulp", "mismatch", "exceed")
 _MARKERS = "osD^v<>pX*hP"
@@ -255,12 +259,8 @@ def plot_samples(result: Comparison, ax: Axes | None = None, metric: str = "rel_
     return ax
 
 
-def overlay(
-    comparisons: Sequence[Comparison],
-    labels: Sequence[str] | None = None,
-    ax: Axes | None = None,
-    metric: str = "rel_l2",
-) -> Axes:
+def overlay(comparisons: Sequence[Comparison], labels: Sequence[str] | None = None,
+            ax: Axes | None = None, metric: str = "rel_l2") -> Axes:
     """Several snowball curves on one Axes, e.g. a whole network against one of its layers;
     each curve's bit-identical sites in its own row of the lane below.
 
@@ -309,7 +309,7 @@ def overlay(
     return ax
 
 
-def plot_sweep(sweep: Sweep, ax: Axes | None = None, metric: str = "output_rel_l2") -> Axes:
+def plot_sweep(sweep: Tabled, ax: Axes | None = None, metric: str = "output_rel_l2") -> Axes:
     """One point per setting on a log axis; bit-identical settings in the lane on the left."""
     ax = _axes(ax, (8, 0.6 + 0.4 * len(sweep.table)))
     values = sweep.table[metric].to_numpy(dtype=float)
@@ -317,8 +317,7 @@ def plot_sweep(sweep: Sweep, ax: Axes | None = None, metric: str = "output_rel_l
     lane = _lane(ax, side="left")
     ax.scatter(values[positive], position[positive], color="crimson", s=40, zorder=3)
     for x, y in zip(values[positive], position[positive], strict=True):
-        ax.annotate(f"{x:.2g}", (x, y), textcoords="offset points", xytext=(6, -3),
-                    fontsize=7)
+        ax.annotate(f"{x:.2g}", (x, y), textcoords="offset points", xytext=(6, -3), fontsize=7)
     lane.scatter(np.zeros(int((~positive).sum())), position[~positive], color="0.5", s=40)
     lane.set_yticks(position, list(sweep.table["setting"]), fontsize=8)
     lane.set_ylim(len(values) - 0.5, -0.5)
@@ -332,7 +331,7 @@ def plot_sweep(sweep: Sweep, ax: Axes | None = None, metric: str = "output_rel_l
     return ax
 
 
-def plot_batch_sweep(sweep: BatchSweep, ax: Axes | None = None, metric: str = "rel_l2") -> Axes:
+def plot_batch_sweep(sweep: Tabled, ax: Axes | None = None, metric: str = "rel_l2") -> Axes:
     """A site × batch-size heatmap of ``metric``; grey where bit-identical."""
     ax = _axes(ax)
     sites = list(dict.fromkeys(sweep.table["site"]))
