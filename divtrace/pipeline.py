@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from divtrace.assembly import Parts, parts_for
 from divtrace.errors import BatchMixingError, DivtraceWarning
 from divtrace.explain.probe import Context, Probe
 from divtrace.explain.registry import PROBES
@@ -146,41 +147,43 @@ def _meta(plan: Plan, ctx: Context, stored_bytes: int, draws: RandomDraws,
                if (note := p.note()) is not None})
 
 
-def _meter(plan: Plan, ctx: Context, host: Host, probes: tuple[Probe, ...]) -> Meter:
+def _meter(plan: Plan, ctx: Context, host: Host, parts: Parts,
+           probes: tuple[Probe, ...]) -> Meter:
     """The measured run's meter (for prompts of different lengths, one that cuts each
     prompt's real tokens out of the batched run's tensors)."""
     sites = [partial(p.on_site, ctx) for p in probes if p.watches_sites]
     calls = [partial(p.on_call, ctx) for p in probes if p.watches_calls]
-    size = plan.batch.batch_size
+    size, keep, prints = plan.batch.batch_size, parts.keeps_batched(plan), parts.prints_batched
     if isinstance(plan.batch, RaggedInput):
-        return RaggedMeter(ctx.store, size, host, plan.rtol, plan.atol,
-                           keep=plan.keeps_batched, prints=plan.prints_batched,
-                           site_watchers=sites, call_watchers=calls,
+        return RaggedMeter(ctx.store, size, host, plan.rtol, plan.atol, keep=keep,
+                           prints=prints, site_watchers=sites, call_watchers=calls,
                            layout=plan.batch.layout(0, size))
-    return Meter(ctx.store, size, host, plan.rtol, plan.atol, keep=plan.keeps_batched,
-                 prints=plan.prints_batched, site_watchers=sites, call_watchers=calls)
+    return Meter(ctx.store, size, host, plan.rtol, plan.atol, keep=keep, prints=prints,
+                 site_watchers=sites, call_watchers=calls)
 
 
-def execute(plan: Plan, model: nn.Module) -> Comparison:
-    """Carries out ``plan`` on ``model``; the model comes back untouched."""
+def execute(plan: Plan, model: nn.Module, parts: Parts | None = None) -> Comparison:
+    """Carries out ``plan`` on ``model`` with ``parts`` (default: those the plan asks for,
+    :func:`~divtrace.assembly.parts_for`); the model comes back untouched."""
+    parts = parts_for(plan, model) if parts is None else parts
     walk = plan.walk if plan.walk is not None and plan.walk.model is model else Walk.of(model)
     reference = Runner.of(plan.reference, model, plan.modules, plan.output_only, plan.name("a"),
-                          plan.recorder, walk=walk)
+                          parts.recorder, walk=walk)
     compared = Runner.of(plan.compared, model, plan.modules, plan.output_only, plan.name("b"),
-                         plan.recorder, beside=reference, walk=walk)
+                         parts.recorder, beside=reference, walk=walk)
     host = Host()
-    probes = copy.deepcopy(plan.probes)  # fresh ones: this run's findings are their own
+    probes = copy.deepcopy(parts.probes)  # fresh ones: this run's findings are their own
     devices = cuda_devices((walk, reference.model, compared.model), plan.batch.leaves)
-    with Progress(plan.passes, plan.progress) as progress, untouched(walk, devices):
+    with Progress(parts.passes(plan), plan.progress) as progress, untouched(walk, devices):
         draws = RandomDraws(devices)
         ctx = Context(plan, model, reference, compared, host, progress,
                       check=_random_check(plan, draws, (reference, compared)),
-                      copies=InputCopies(plan.batch))
+                      copies=InputCopies(plan.batch), recorder=parts.recorder)
         for probe in probes:
             probe.before(ctx)
         ctx.store = record(ctx, reference, plan.reference_chunks)
         stored_bytes = ctx.store.stored_bytes
-        meter = ctx.meter = _meter(plan, ctx, host, probes)
+        meter = ctx.meter = _meter(plan, ctx, host, parts, probes)
         for probe in probes:
             probe.start(ctx)
         _measure(ctx, meter)
@@ -196,4 +199,5 @@ def execute(plan: Plan, model: nn.Module) -> Comparison:
             "the model changed its input in place in a pass that ran on x itself (the "
             "first pass, on a copy, did not): rows of x were changed", DivtraceWarning,
             stacklevel=3)
-    return build(plan, probes, meter, _meta(plan, ctx, stored_bytes, draws, probes), host)
+    return build(plan, probes, meter, _meta(plan, ctx, stored_bytes, draws, probes), host,
+                 parts.figures)

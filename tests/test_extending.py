@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 import divtrace
 from divtrace.align.sites import Site, site_key
+from divtrace.assembly import parts_for
 from divtrace.explain.probe import Context, Probe, TableView
 from divtrace.measure.figures import Figure, SiteFields
 from divtrace.measure.host import Deferred
@@ -40,7 +41,8 @@ def test_a_column_is_one_figure() -> None:
     model, x = models.variant_mlp(), torch.randn(8, 16)
     plan = make_plan(model, x, progress=False, keep=True)
     figure = Figure("rms_abs", rms_abs, "root mean square of |batched - split|")
-    result = execute(replace(plan, figures=(*plan.figures, figure)), model)
+    parts = parts_for(plan, model)
+    result = execute(plan, model, replace(parts, figures=(*parts.figures, figure)))
     columns = list(result.table.columns)
     assert columns.index("rms_abs") == columns.index("nonfinite") + 1
     table = result.table.set_index("site")
@@ -92,7 +94,7 @@ def test_a_probe_adds_its_column_and_its_sentence() -> None:
     assert probe is not None
     assert BatchedNorm.create({}, model) is None
     plan = make_plan(model, x, samples=[1, 6], progress=False, keep=True, local=True)
-    result = execute(plan.with_probes(probe), model)
+    result = execute(plan, model, parts_for(plan, model).with_probes(probe))
     assert list(result.table.columns)[-1] == "batched_norm"
     table = result.table.set_index("site")
     for site in table.index:
@@ -140,7 +142,8 @@ def test_a_recorder_plugs_into_the_pipeline() -> None:
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)).eval()
     x = torch.randn(12, 16)
     plan = make_plan(model, x, progress=False)
-    result = execute(replace(plan, recorder=lambda _model, _modules: LinearCalls()), model)
+    parts = replace(parts_for(plan, model), recorder=lambda _model, _modules: LinearCalls())
+    result = execute(plan, model, parts)
     assert list(result.table["site"]) == ["linear", "linear#1"]
     with torch.no_grad():
         first = model[0](x), torch.cat([model[0](x[i:i + 1]) for i in range(12)])

@@ -249,13 +249,16 @@ def test_prompts_do_not_mix(name: str) -> None:
 
 
 def test_the_default_keeps_fingerprints_not_the_rows() -> None:
+    from divtrace.assembly import parts_for
     from divtrace.plan.make import make_plan
 
     model, x = planted(1e-4), torch.randn(8, 16)
     plan = make_plan(model, x, progress=False)
-    assert plan.prints_batched
-    assert not plan.keeps_batched
-    assert not make_plan(model, x, progress=False, independence=False).prints_batched
+    parts = parts_for(plan, model)
+    assert parts.prints_batched
+    assert not parts.keeps_batched(plan)
+    plan = make_plan(model, x, progress=False, independence=False)
+    assert not parts_for(plan, model).prints_batched
 
 
 def test_how_far_the_rows_moved_is_measured_against_the_rows_themselves() -> None:

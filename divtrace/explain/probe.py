@@ -32,7 +32,7 @@ from divtrace.progress import Progress
 from divtrace.record.lineage import Origin
 from divtrace.record.loop import InputCopies
 from divtrace.record.rows import RowStore
-from divtrace.record.runner import Runner
+from divtrace.record.runner import RecorderFactory, Runner, module_hooks
 
 if TYPE_CHECKING:
     from divtrace.plan.make import Plan
@@ -92,6 +92,8 @@ class Context:
     copies: InputCopies | None = None
     #: per chunked run (``a``, ``b``): how its passes ran (a CUDA graph, or eager and why)
     graphed: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: makes each run's recorder (for a probe's own runs)
+    recorder: RecorderFactory = module_hooks
     _store: RowStore | None = None
     _meter: Meter | None = None
 

@@ -68,7 +68,7 @@ class Fp64Truth(Probe):
         exact = Run(device="cpu" if device.type == "mps" else device,  # mps: no float64
                     dtype=torch.float64)
         runner = Runner.of(exact, ctx.model, plan.modules, False, "float64 truth run",
-                           plan.recorder)
+                           ctx.recorder)
         picked = plan.batch.select(list(plan.samples))
         count = len(plan.samples)
         passes = [(0, count)]

@@ -9,7 +9,7 @@ from typing import Any
 
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
 
-__all__ = ["patterns", "tolerance", "whole_number"]
+__all__ = ["GraphMode", "check_graphs", "patterns", "tolerance", "whole_number"]
 
 
 def whole_number(value: Any, name: str, minimum: int | None = None) -> int:
@@ -51,3 +51,18 @@ def patterns(value: Any, name: str) -> tuple[str, ...]:
     if bad:
         raise DivtraceTypeError(f"{name} must hold glob patterns (str); got {bad[0]!r}")
     return found
+
+
+#: ``compare(graphs=...)``: ``"auto"`` (graphs where they can be used and pay), True
+#: (graphs, or an error saying why not), False (the eager split run).
+GraphMode = bool | str
+
+
+def check_graphs(graphs: Any) -> GraphMode:
+    """The validated ``graphs=`` option."""
+    if graphs not in (False, True, "auto") or not isinstance(graphs, bool | str):
+        raise DivtraceValueError(
+            f"graphs must be 'auto' (replay the split run from a CUDA graph where it can be "
+            f"used), True (always, or an error) or False (the eager split run); got "
+            f"{graphs!r}")
+    return graphs

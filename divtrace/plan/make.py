@@ -10,27 +10,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from divtrace.align.sites import ROOT
 from divtrace.errors import (
     BatchMixingError,
     DivtraceTypeError,
     DivtraceValueError,
     DivtraceWarning,
 )
-from divtrace.explain.probe import Probe
-from divtrace.explain.registry import probes_for
-from divtrace.measure.figures import FIGURES, Figure
-from divtrace.plan.checks import tolerance
+from divtrace.plan.checks import GraphMode, check_graphs, tolerance
 from divtrace.plan.inputs import BatchDim, BatchedInput, prepare_input
 from divtrace.plan.prompts import Prompts, RaggedInput, ragged_input
 from divtrace.plan.runs import Run
 from divtrace.plan.samples import check_chunk, chunks_for, prepare_samples
 from divtrace.plan.selection import ModuleSpec, check_modules, mixing_modules, unobservable
 from divtrace.plan.walk import Walk
-from divtrace.record.graphs import GraphMode, check_graphs
-from divtrace.record.ops import OpRecorder
-from divtrace.record.recorder import Recorder
-from divtrace.record.runner import RecorderFactory, module_hooks
 
 __all__ = ["Plan", "make_plan"]
 
@@ -53,10 +45,8 @@ class Plan:
         output_only: Only the model's output is observed (a compiled run).
         train_mode: The modules that mix samples in train mode (allowed by the user).
         allow_train: Compare although the runs mix samples or draw random numbers.
-        probes: The explain probes, in column order.
-        options: ``compare()``'s explain options as given.
-        figures: The figures of the table (default: the registry's).
-        recorder: Makes each run's recorder (default: module forward hooks).
+        options: ``compare()``'s explain options as given (the probes they switch on are
+            made by the pipeline: :mod:`divtrace.assembly`).
         ops: Op sites too (True), op sites and the model's output only (``"only"``: no
             hook inside the model), or none (False).
         graphs: Chunked runs replayed from a CUDA graph: ``"auto"``, True or False.
@@ -78,32 +68,13 @@ class Plan:
     offload: bool
     progress: bool
     train_mode: tuple[str, ...]
-    probes: tuple[Probe, ...]
     allow_train: bool = False
     options: Mapping[str, Any] = field(default_factory=dict)
     default_pair: bool = True
-    figures: tuple[Figure, ...] = FIGURES
-    recorder: RecorderFactory = module_hooks
     ops: bool | str = False
     graphs: GraphMode = False
     graph_obstacle: str | None = None
     walk: Walk | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def passes(self) -> int:
-        """Forward passes in all, for the progress bar."""
-        return (len(self.reference_chunks) + max(1, len(self.compared_chunks))
-                + sum(probe.passes for probe in self.probes))
-
-    @property
-    def keeps_batched(self) -> bool:
-        """Whether the measured run's compared rows are kept (asked for, or needed)."""
-        return self.keep or any(probe.keeps_batched for probe in self.probes)
-
-    @property
-    def prints_batched(self) -> bool:
-        """Whether the measured run's compared rows are fingerprinted."""
-        return any(probe.prints_batched for probe in self.probes)
 
     def name(self, which: str) -> str:
         """How errors and the progress bar name run ``"a"`` (reference) or ``"b"``."""
@@ -111,10 +82,6 @@ class Plan:
         if run == Run(chunk=run.chunk) and run.name is None:
             return "batched run" if run.chunk is None else "split run"
         return f"run {which} ({run.label()})"
-
-    def with_probes(self, *probes: Probe) -> Plan:
-        """The same plan with more probes (after those of the options)."""
-        return replace(self, probes=(*self.probes, *probes))
 
 
 def _runs(a: Run | None, b: Run | None, chunk: int, size: int) -> tuple[Run, Run]:
@@ -168,20 +135,6 @@ def _check_ops(ops: Any, runs: tuple[Run, Run]) -> bool | str:
             "ops= records the ATen ops of an eager run; a compiled run (Run(compile=...)) "
             "runs fused code instead. Leave ops out, or compare eager runs")
     return ops
-
-
-def _recorder(ops: bool | str, modules: ModuleSpec, batch_dim: int, local: bool
-              ) -> RecorderFactory:
-    """The recorder of each run: module hooks, or with ``ops`` the op recorder."""
-    if not ops:
-        return module_hooks
-
-    def make(model: nn.Module, selected: dict[str, nn.Module]) -> Recorder:
-        scopes = set(selected) if modules is None else set(selected) - {ROOT}
-        return OpRecorder(model, selected, scopes, batch_dim, module_sites=ops is True,
-                          through_views=not local)
-
-    return make
 
 
 def _graph_obstacle(graphs: GraphMode, devices: set[torch.device], batch: BatchedInput,
@@ -277,7 +230,6 @@ def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
             "the model is a TorchScript module (torch.jit.script or trace), which takes no "
             "forward hooks; compare the eager model, or wrap it to compare its output: "
             "divtrace.compare(torch.nn.Sequential(model), x)")
-    probes = probes_for(options, model)
     rtol, atol = tolerance(rtol, "rtol"), tolerance(atol, "atol")
     batch = (_prompts_input(x, batch_dim)
              if isinstance(x, Prompts | RaggedInput) else prepare_input(x, batch_dim,
@@ -302,15 +254,10 @@ def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
     ref, test = _runs(a, b, chunk, size)
     devices = {p.device for _, p in walk.parameters}
     _check_input(walk.modules, x, batch, (ref, test), dispatched, devices)
-    needing = [probe.option for probe in probes if probe.whole_batch]
     if isinstance(batch, RaggedInput) and test.chunk is not None:
         raise DivtraceValueError(
             "with Prompts, run b must take the whole batch in one pass (its padding is "
             "the layout the prompts are measured in); give a chunk to run a only")
-    if test.chunk is not None and needing:
-        raise DivtraceValueError(
-            f"{', '.join(needing)} need(s) run b to take the whole batch in one pass; got "
-            f"b=Run(chunk={test.chunk}). Swap a and b, or leave {', '.join(needing)} out")
     train_mode = _check_train_mode(walk.named, allow_train)
     output_only = bool(ref.compile or test.compile)
     ops = _check_ops(ops, (ref, test))
@@ -321,9 +268,8 @@ def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
         compared_chunks=tuple(chunks_for(rows, test.chunk, size)) if test.chunk else (),
         modules=check_modules(model, modules, walk.named),
         output_only=output_only, rtol=rtol, atol=atol, keep=keep, offload=offload,
-        progress=progress, train_mode=train_mode, probes=probes, allow_train=allow_train,
+        progress=progress, train_mode=train_mode, allow_train=allow_train,
         options=options, default_pair=a is None and b is None, ops=ops, graphs=graphs,
         graph_obstacle=_graph_obstacle(graphs, devices, batch, (ref, test), ops, offload,
                                       dispatched),
-        recorder=_recorder(ops, modules, batch.batch_dim, bool(options.get("local"))),
         walk=walk)

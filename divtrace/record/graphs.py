@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from divtrace.errors import DivtraceValueError, DivtraceWarning
+from divtrace.plan.checks import GraphMode
 from divtrace.plan.inputs import BatchedInput, each_once
 from divtrace.record.cudagraph import Graph, graph_for
 from divtrace.record.lanes import Captured, Lane, first_difference, rows_of
@@ -38,12 +39,7 @@ from divtrace.record.loop import InputCopies, drive, forward
 from divtrace.record.recorder import Recorder
 from divtrace.record.rows import RowStore
 
-__all__ = ["MAX_LANES", "GraphMode", "GraphOutcome", "GraphedRun", "check_graphs",
-           "lanes_for"]
-
-#: ``compare(graphs=...)``: ``"auto"`` (graphs where they can be used and pay), True
-#: (graphs, or an error saying why not), False (the eager split run).
-GraphMode = bool | str
+__all__ = ["MAX_LANES", "GraphOutcome", "GraphedRun", "lanes_for"]
 
 #: Under ``"auto"``, the fewest passes a graph must replay to pay for its capture (a
 #: warm-up pass, a pass captured per lane, the check): on an H200, a small MLP's 7
@@ -62,16 +58,6 @@ def lanes_for(passes: int) -> int:
     :data:`MAX_LANES`, and no more than a quarter of the passes (each lane's capture
     costs about an eager pass)."""
     return max(1, min(MAX_LANES, passes // 4))
-
-
-def check_graphs(graphs: Any) -> GraphMode:
-    """The validated ``graphs=`` option."""
-    if graphs not in (False, True, "auto") or not isinstance(graphs, bool | str):
-        raise DivtraceValueError(
-            f"graphs must be 'auto' (replay the split run from a CUDA graph where it can be "
-            f"used), True (always, or an error) or False (the eager split run); got "
-            f"{graphs!r}")
-    return graphs
 
 
 @dataclass(frozen=True)

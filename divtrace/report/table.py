@@ -70,14 +70,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _measured_rows(plan: Plan, sites: list[Measured]
+def _measured_rows(plan: Plan, figures: tuple[Figure, ...], sites: list[Measured]
                    ) -> tuple[list[dict[str, Any]], Callable[[], pd.DataFrame],
                               dict[str, tuple[np.ndarray, int]], dict[str, tuple[bool, ...]]]:
     """Per measured site: its row, its fields and its argmax flips; and how to make the
     per-sample table (figures computed for all sites at once; the table made only when
     it is asked for)."""
     batch, samples = plan.batch.batch_size, plan.samples
-    blank = _blank(plan.figures)
+    blank = _blank(figures)
     rows = [_site_row(site, blank) for site in sites]
     fields: dict[str, tuple[np.ndarray, int]] = {}
     flips = {site.site.key: tuple(site.flips.get().astype(bool).tolist())
@@ -87,12 +87,12 @@ def _measured_rows(plan: Plan, sites: list[Measured]
         return rows, functools.partial(pd.DataFrame, columns=list(SAMPLE_COLUMNS)), fields, flips
     arrays = [site.stats.get() for _, site in measured if site.stats is not None]
     elements = [site.per_sample(batch) for _, site in measured]
-    found, mismatch, rel, max_abs = many_site_figures(arrays, elements, plan.figures)
-    for (i, site), array, counts, figures in zip(measured, arrays, elements, found,
-                                                 strict=True):
+    found, mismatch, rel, max_abs = many_site_figures(arrays, elements, figures)
+    for (i, site), array, counts, values in zip(measured, arrays, elements, found,
+                                                strict=True):
         fields[site.site.key] = (array, counts * len(samples) if isinstance(counts, int)
                                  else int(counts.sum()))
-        rows[i] |= figures
+        rows[i] |= values
     keys = [site.site.key for _, site in measured]
     per_sample = functools.partial(_per_sample, keys, samples, mismatch, rel, max_abs)
     return rows, per_sample, fields, flips
@@ -149,17 +149,17 @@ def _flags(values: list[Any]) -> bool:
     return bool(present) and all(isinstance(v, bool | np.bool_) for v in present)
 
 
-def build(plan: Plan, probes: tuple[Probe, ...], meter: Meter, meta: Meta, host: Host
-          ) -> Comparison:
+def build(plan: Plan, probes: tuple[Probe, ...], meter: Meter, meta: Meta, host: Host,
+          figures: tuple[Figure, ...] = FIGURES) -> Comparison:
     """Assembles the :class:`Comparison` of a finished run (fetches the figures first)."""
     host.fetch()
-    rows, samples, fields, flips = _measured_rows(plan, meter.sites)
+    rows, samples, fields, flips = _measured_rows(plan, figures, meter.sites)
     call_keys = {s.site.key: s.site.call_key for s in meter.sites if s.site.op}
     view = TableView(fields, meter.calls, plan.batch.batch_size, len(plan.samples), call_keys)
     for probe in probes:
         probe.fill(rows, view)
-    rows = _in_order(rows, meter.store, probes, plan.figures)
-    names = columns(plan.figures, tuple(type(p) for p in probes))
+    rows = _in_order(rows, meter.store, probes, figures)
+    names = columns(figures, tuple(type(p) for p in probes))
     data: dict[str, Any] = {c: [row.get(c, math.nan) for row in rows]
                             for c in names if c != "growth"}
     data["growth"] = np.asarray(

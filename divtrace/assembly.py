@@ -1,0 +1,87 @@
+"""What the pipeline assembles from a plan before anything runs: the explain probes that
+the options switch on, the table's figures and each run's recorder.
+
+The plan (:mod:`divtrace.plan`) is pure data — runs, inputs, samples, selection, options;
+the parts that carry out a comparison come from the later layers and are put together
+here, in the faces' layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from torch import nn
+
+from divtrace.align.sites import ROOT
+from divtrace.errors import DivtraceValueError
+from divtrace.explain.probe import Probe
+from divtrace.explain.registry import probes_for
+from divtrace.measure.figures import FIGURES, Figure
+from divtrace.plan.make import Plan
+from divtrace.record.ops import OpRecorder
+from divtrace.record.recorder import Recorder
+from divtrace.record.runner import RecorderFactory, module_hooks
+
+__all__ = ["Parts", "parts_for"]
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The parts of one comparison.
+
+    Attributes:
+        probes: The explain probes, in column order.
+        figures: The figures of the table (default: the registry's).
+        recorder: Makes each run's recorder (module forward hooks, or with ``ops`` the op
+            recorder).
+    """
+
+    probes: tuple[Probe, ...]
+    figures: tuple[Figure, ...] = FIGURES
+    recorder: RecorderFactory = module_hooks
+
+    def passes(self, plan: Plan) -> int:
+        """Forward passes in all, for the progress bar."""
+        return (len(plan.reference_chunks) + max(1, len(plan.compared_chunks))
+                + sum(probe.passes for probe in self.probes))
+
+    def keeps_batched(self, plan: Plan) -> bool:
+        """Whether the measured run's compared rows are kept (asked for, or needed)."""
+        return plan.keep or any(probe.keeps_batched for probe in self.probes)
+
+    @property
+    def prints_batched(self) -> bool:
+        """Whether the measured run's compared rows are fingerprinted."""
+        return any(probe.prints_batched for probe in self.probes)
+
+    def with_probes(self, *probes: Probe) -> Parts:
+        """The same parts with more probes (after those of the options)."""
+        return replace(self, probes=(*self.probes, *probes))
+
+
+def parts_for(plan: Plan, model: nn.Module) -> Parts:
+    """The parts that ``plan`` asks for: each probe validates its own option here."""
+    probes = probes_for(plan.options, model)
+    needing = [probe.option for probe in probes if probe.whole_batch]
+    if plan.compared.chunk is not None and needing:
+        raise DivtraceValueError(
+            f"{', '.join(needing)} need(s) run b to take the whole batch in one pass; got "
+            f"b=Run(chunk={plan.compared.chunk}). Swap a and b, or leave "
+            f"{', '.join(needing)} out")
+    return Parts(probes, FIGURES, _recorder(plan))
+
+
+def _recorder(plan: Plan) -> RecorderFactory:
+    """The recorder of each run: module hooks, or with ``ops`` the op recorder."""
+    ops = plan.ops
+    if not ops:
+        return module_hooks
+    modules, batch_dim = plan.modules, plan.batch.batch_dim
+    local = bool(plan.options.get("local"))
+
+    def make(model: nn.Module, selected: dict[str, nn.Module]) -> Recorder:
+        scopes = set(selected) if modules is None else set(selected) - {ROOT}
+        return OpRecorder(model, selected, scopes, batch_dim, module_sites=ops is True,
+                          through_views=not local)
+
+    return make
