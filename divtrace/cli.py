@@ -107,8 +107,8 @@ def _compare(args: argparse.Namespace) -> int:
                               kernels=args.kernels, ops=ops, graphs=graphs,
                               independence=not args.no_independence,
                               progress=not args.no_progress)
-    for suffix, write in (("json", result.to_json), ("html", result.to_html),
-                          ("csv", result.to_csv), ("save", result.save)):
+    for suffix, write in (("json", result.save), ("html", result.to_html),
+                          ("csv", result.to_csv)):
         if getattr(args, suffix):
             write(getattr(args, suffix))
     print(result.summary())
@@ -187,10 +187,10 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--graphs", choices=["auto", "true", "false"], default="auto",
                      help="on CUDA, replay the split run from a CUDA graph (auto: where it "
                           "can; true: or fail; false: eager)")
-    run.add_argument("--json", help="write the settings, summary and tables as JSON")
+    run.add_argument("--json", help="save the comparison as JSON (the settings, summary and "
+                     "tables), for `divtrace show` / `diff` and divtrace.load")
     run.add_argument("--html", help="write a self-contained HTML report")
     run.add_argument("--csv", help="write the table as CSV")
-    run.add_argument("--save", help="save the comparison for `divtrace show` / `diff`")
     run.add_argument("--fail-on", choices=["divergence", "not-rounding"],
                      help="exit 1 when the runs are not bit-identical (divergence) or when "
                           "the verdict is not rounding")

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         result = divtrace.compare(model, x, chunk=2, samples=[0, 1])
         results[name] = result
         result.to_csv(args.out / f"{name}.csv")
-        result.to_json(args.out / f"{name}.json")
+        result.save(args.out / f"{name}.json")
         result.to_html(args.out / f"{name}.html", title=f"divtrace: {name} on {device}")
         print(f"== {name}: batch of {args.batch} vs its first 2 samples ({device}) ==")
         print(result.summary(), end="\n\n")

@@ -105,11 +105,15 @@ def test_files(diverging, tmp_path: Path) -> None:
     back = pd.read_csv(csv)
     assert list(back.columns) == list(divtrace.COLUMNS)
     assert list(back["site"].astype(str)) == list(diverging.table["site"])
-    doc = json.loads(diverging.to_json(tmp_path / "t.json").read_text())
+    saved = diverging.save(tmp_path / "t.json")
+    doc = json.loads(saved.read_text())  # one JSON: the saved format, readable as it is
     assert doc["meta"]["batch_size"] == 6
-    assert doc["table"][3]["site"] == "3"
-    assert doc["table"][3]["mismatch"] > 0
-    assert len(doc["samples"]) == 7 * 6
+    assert doc["summary"] == diverging.summary()
+    table = dict(zip(doc["table"]["columns"], doc["table"]["data"], strict=True))
+    assert table["site"][3] == "3"
+    assert table["mismatch"][3] > 0
+    assert len(doc["samples"]["data"][0]) == 7 * 6
+    assert divtrace.load(saved).table.equals(diverging.table)
     page = diverging.to_html(tmp_path / "t.html").read_text()
     images = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
     assert len(images) == 3  # snowball, per-sample heatmap, where error enters

@@ -160,7 +160,7 @@ def test_the_command_line(tmp_path: Path) -> None:
         def invariant():
             return torch.nn.Sequential(torch.nn.Tanh()).eval(), torch.randn(8, 4)
     """))
-    done = cli("compare", "target.py:build", "--save", "a.json", "--csv", "a.csv",
+    done = cli("compare", "target.py:build", "--json", "a.json", "--csv", "a.csv",
                "--no-progress", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("Verdict: ")
@@ -173,7 +173,7 @@ def test_the_command_line(tmp_path: Path) -> None:
                 "--no-progress", cwd=tmp_path)
     assert quiet.returncode == 0
     assert "Verdict: identical" in quiet.stdout
-    cli("compare", "target.py:invariant", "--save", "b.json", "--no-progress", cwd=tmp_path)
+    cli("compare", "target.py:invariant", "--json", "b.json", "--no-progress", cwd=tmp_path)
     shown = cli("show", "a.json", cwd=tmp_path)
     assert shown.returncode == 0
     assert shown.stdout.splitlines()[0] == done.stdout.splitlines()[0]
@@ -192,11 +192,11 @@ def test_the_command_line(tmp_path: Path) -> None:
     assert "path/to/file.py:function" in bad.stderr
     helped = cli("compare", "--help", cwd=tmp_path)
     assert "--fail-on" in helped.stdout
-    eager = cli("compare", "target.py:build", "--graphs", "false", "--save", "c.json",
+    eager = cli("compare", "target.py:build", "--graphs", "false", "--json", "c.json",
                 "--no-progress", cwd=tmp_path)
     assert eager.returncode == 0, eager.stderr
     assert divtrace.load(tmp_path / "c.json").meta["graphs"] is False
-    untested = cli("compare", "target.py:build", "--no-independence", "--save", "d.json",
+    untested = cli("compare", "target.py:build", "--no-independence", "--json", "d.json",
                    "--no-progress", cwd=tmp_path)
     assert untested.returncode == 0, untested.stderr
     assert divtrace.load(tmp_path / "d.json").meta["independence"] is False

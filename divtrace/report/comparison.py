@@ -232,14 +232,12 @@ class Comparison:
         """Writes :attr:`table` as CSV and returns the path."""
         return files.write_csv(self, path)
 
-    def to_json(self, path: str | Path) -> Path:
-        """Writes the settings, summary, table and per-sample figures as JSON."""
-        return files.write_json(self, path)
-
     def save(self, path: str | Path) -> Path:
-        """Writes the comparison losslessly (table with dtypes, per-sample figures, meta,
-        environment) as versioned JSON; :func:`divtrace.load` reads it back. The kept
-        tensors of ``keep=True`` are not saved."""
+        """Writes the comparison losslessly as versioned JSON — the settings (meta, with the
+        environment), the summary, the table with its dtypes and the per-sample figures,
+        each table column-wise (``columns``, ``dtypes``, ``data``); :func:`divtrace.load`
+        and ``divtrace show`` read it back. The kept tensors of ``keep=True`` are not
+        saved."""
         from divtrace.report import saved
 
         return saved.write(path, "comparison", saved.comparison_fields(self))

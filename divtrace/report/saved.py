@@ -114,6 +114,6 @@ def read(path: str | Path) -> dict[str, Any]:
 
 def comparison_fields(result: Comparison) -> dict[str, Any]:
     """What a saved comparison holds."""
-    return {"meta": result.meta, "table": frame_to_json(result.table),
-            "samples": frame_to_json(result.samples),
+    return {"meta": result.meta, "summary": result.summary(),
+            "table": frame_to_json(result.table), "samples": frame_to_json(result.samples),
             "probes": [probe.__name__ for probe in result.probes]}
