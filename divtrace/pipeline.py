@@ -30,7 +30,7 @@ from divtrace.progress import Progress
 from divtrace.record.graphs import GraphedRun
 from divtrace.record.guard import RandomDraws, SeededOps, cuda_devices, untouched
 from divtrace.record.loop import InputCopies
-from divtrace.record.ragged import RaggedStore
+from divtrace.record.ragged import row_store
 from divtrace.record.rows import RowStore
 from divtrace.record.runner import Runner
 from divtrace.report.comparison import Comparison
@@ -45,12 +45,7 @@ def record(ctx: Context, runner: Runner, chunks: tuple[tuple[int, int], ...]) ->
     """Runs ``chunks`` of the batch with ``runner``, keeping the compared samples' rows
     (notes in ``ctx`` what the output was when it held no tensor)."""
     plan = ctx.plan
-    if isinstance(plan.batch, RaggedInput):  # prompts of different lengths
-        store: RowStore = RaggedStore(list(plan.samples), 0, plan.offload,
-                                      pinned=plan.keep, ragged=plan.batch)
-    else:
-        store = RowStore(list(plan.samples), plan.batch.batch_dim, plan.offload,
-                         pinned=plan.keep)
+    store = row_store(plan.batch, list(plan.samples), plan.offload, pinned=plan.keep)
 
     def label(start: int, stop: int) -> str:
         inside = [s for s in plan.samples if start <= s < stop]

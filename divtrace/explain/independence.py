@@ -24,7 +24,6 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import pandas as pd
-import torch
 from torch import nn
 
 from divtrace.align.status import Status
@@ -36,9 +35,9 @@ from divtrace.measure.meter import Meter
 from divtrace.measure.moved import PrintCheck
 from divtrace.measure.ragged import RaggedMeter
 from divtrace.plan.inputs import BatchedInput
-from divtrace.plan.prompts import RaggedInput
 from divtrace.record.lineage import Origin
-from divtrace.record.ragged import RaggedStore
+from divtrace.record.ragged import row_store
+from divtrace.record.recorder import Sink
 from divtrace.record.rows import RowStore
 from divtrace.record.stored import StoredRows
 from divtrace.words import sci
@@ -73,16 +72,20 @@ def _held_store(store: RowStore, group: list[int]) -> RowStore:
     return kept
 
 
+def _run(ctx: Context, sink: Sink, batch: BatchedInput, label: str = _LABEL) -> None:
+    """One pass of the compared run over the whole ``batch``, told to ``sink``."""
+    ctx.compared.execute(sink, batch, [(0, batch.batch_size)], lambda _s, _e: label,
+                         check=ctx.check, copies=ctx.copies)
+    ctx.progress.advance()
+
+
 def _checked(ctx: Context, group: list[int], batch: BatchedInput, host: Host) -> PrintCheck:
     """A pass of ``batch`` (the rows of ``group`` held), each site's held rows checked
     against the measured pass's fingerprints."""
     meter = ctx.meter
-    first = meter.store.samples.index(group[0])
-    layout = meter.layout if isinstance(meter, RaggedMeter) else None
-    check = PrintCheck(meter, first, list(group), host, layout)
-    ctx.compared.execute(check, batch, [(0, batch.batch_size)], lambda _s, _e: _LABEL,
-                         check=ctx.check, copies=ctx.copies)
-    ctx.progress.advance()
+    check = PrintCheck(meter, list(group), host,
+                       meter.layout if isinstance(meter, RaggedMeter) else None)
+    _run(ctx, check, batch)
     return check
 
 
@@ -90,26 +93,14 @@ def _measured(ctx: Context, store: RowStore, batch: BatchedInput, host: Host) ->
     """A pass of ``batch``, its held rows measured against ``store`` (the figures go to
     ``host``)."""
     meter = ctx.meter.over(store, host)
-    ctx.compared.execute(meter, batch, [(0, batch.batch_size)], lambda _s, _e: _LABEL,
-                         check=ctx.check, copies=ctx.copies)
-    ctx.progress.advance()
+    _run(ctx, meter, batch)
     return meter
 
 
 def _repeated(ctx: Context, samples: list[int]) -> RowStore:
     """The unchanged batch once more, the rows of ``samples`` kept."""
-    plan = ctx.plan
-    store: RowStore
-    if isinstance(plan.batch, RaggedInput):
-        store = RaggedStore(samples, 0, False, learn_lineage=False, pinned=True,
-                            ragged=plan.batch)
-    else:
-        store = RowStore(samples, plan.batch.batch_dim, False, learn_lineage=False,
-                         pinned=True)
-    ctx.compared.execute(store, plan.batch, [(0, plan.batch.batch_size)],
-                         lambda _s, _e: f"{_LABEL}, repeated", check=ctx.check,
-                         copies=ctx.copies)
-    ctx.progress.advance()
+    store = row_store(ctx.plan.batch, samples, pinned=True, learn_lineage=False)
+    _run(ctx, store, ctx.plan.batch, f"{_LABEL}, repeated")
     return store
 
 
@@ -124,8 +115,8 @@ def _noisy(ctx: Context, store: RowStore, host: Host) -> dict[str, Deferred]:
                 not store.complete(stored)):
             continue
         was = measured.prints.narrow(0, first, len(store.samples))
-        now = (meter.fingerprints(stored.rows) if stored.rows is not None else torch.cat(
-            [meter.fingerprints(p.unsqueeze(0)) for p in stored.parts or () if p is not None]))
+        now = meter.fingerprints(stored.rows if stored.rows is not None else [
+            p.unsqueeze(0) for p in stored.parts or () if p is not None])
         if now.shape == was.shape:
             found[measured.site.key] = host.add((now != was).any().double().reshape(1))
     return found

@@ -326,13 +326,10 @@ class Meter(Sink):
 
     def stats(self, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Per-sample statistics of the compared rows of ``tensor`` against ``rows``."""
-        dim = self.store.batch_dim % tensor.dim()
         per_run = []
-        for slot, row, n in self._runs:
-            b = tensor if n == self.batch else tensor.narrow(dim, row, n)
-            b = (b.movedim(dim, 0) if dim else b).reshape(n, -1)
-            r = (rows if n == rows.shape[0] else rows.narrow(0, slot, n)).reshape(n, -1)
-            per_run.append(self.pair_stats(b, r))
+        for (slot, _, n), b in zip(self._runs, self.rows(tensor, self._runs), strict=True):
+            r = rows if n == rows.shape[0] else rows.narrow(0, slot, n)
+            per_run.append(self.pair_stats(b.reshape(n, -1), r.reshape(n, -1)))
         found = per_run[0] if len(per_run) == 1 else torch.cat(per_run)
         return common(found) if tensor.dtype in WIDE else found
 

@@ -20,13 +20,11 @@ __all__ = ["PrintCheck"]
 @dataclass
 class PrintCheck(Sink):
     """Per site of a whole-batch pass: whether each held sample's rows differ from the
-    measured pass's (``meter``, which made fingerprints). ``first``, ``held``: the held
-    samples' first place among the compared samples, and their rows in the batch (the
-    compared samples from ``first`` on). ``layout``: where each prompt's real tokens lie,
-    for prompts of different lengths."""
+    measured pass's (``meter``, which made fingerprints). ``held``: the held samples' rows
+    in the batch (a run of the compared samples). ``layout``: where each prompt's real
+    tokens lie, for prompts of different lengths."""
 
     meter: Meter
-    first: int
     held: list[int]
     host: Host
     layout: Layout | None = None
@@ -37,6 +35,8 @@ class PrintCheck(Sink):
 
     def __post_init__(self) -> None:
         self._sites = {m.site.key: m for m in self.meter.sites if m.prints is not None}
+        self._first = self.meter.store.samples.index(self.held[0])  # among the compared
+        self._runs = runs_of(self.held)
 
     def on_tensor(self, site: Site, tensor: torch.Tensor) -> None:
         measured = self._sites.get(site.key)
@@ -47,15 +47,14 @@ class PrintCheck(Sink):
                 tuple(usable.shape), usable.dtype) != (measured.shape, measured.dtype):
             return  # not the same site any more: not tested
         assert measured.prints is not None
-        was = measured.prints.narrow(0, self.first, len(self.held))
+        was = measured.prints.narrow(0, self._first, len(self.held))
         self.moved[site.key] = self.host.add((self._prints(usable, measured) != was).double())
 
     def _prints(self, tensor: torch.Tensor, measured: Measured) -> torch.Tensor:
         """The held samples' fingerprints in this pass's ``tensor``."""
         if self.layout is None:
-            return self.meter.fingerprints(self.meter.rows(tensor, runs_of(self.held)))
+            return self.meter.fingerprints(self.meter.rows(tensor, self._runs))
         assert measured.part_shapes is not None
-        shapes = measured.part_shapes[self.first:self.first + len(self.held)]
-        return torch.cat([self.meter.fingerprints(
-            self.layout.tokens(tensor, sample, shape).unsqueeze(0))
-            for sample, shape in zip(self.held, shapes, strict=True)])
+        shapes = measured.part_shapes[self._first:self._first + len(self.held)]
+        return self.meter.fingerprints([self.layout.tokens(tensor, sample, shape).unsqueeze(0)
+                                        for sample, shape in zip(self.held, shapes, strict=True)])
