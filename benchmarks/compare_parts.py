@@ -78,7 +78,8 @@ def main() -> int:
 
     ways: dict[str, Callable[[], object]] = {
         "bare split passes": split, "bare batched pass": batched,
-        "compare()": lambda: divtrace.compare(model, x, samples=samples, chunk=args.chunk,
+        "compare()": lambda: divtrace.compare(model, x, samples=samples,
+                                              a=divtrace.Run(chunk=args.chunk),
                                               progress=False, **selection)}
     with calls_timed(parts, lambda label, seconds: TIMES[label].append(seconds), device):
         for fn in ways.values():

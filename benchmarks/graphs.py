@@ -67,11 +67,13 @@ def measure(name: str, device: torch.device, repeats: int) -> dict[str, Any]:
     model, x = build(case, device)
     ways = {
         "bare": lambda: bare_passes(model, x, case),
-        "eager": lambda: divtrace.compare(model, x, chunk=case["chunk"],
-                                          samples=case["samples"], graphs=False,
+        "eager": lambda: divtrace.compare(model, x, a=divtrace.Run(chunk=case["chunk"]),
+                                          resources=divtrace.Resources(graphs=False),
+                                          samples=case["samples"],
                                           progress=False),
-        "graphs": lambda: divtrace.compare(model, x, chunk=case["chunk"],
-                                           samples=case["samples"], graphs="auto",
+        "graphs": lambda: divtrace.compare(model, x, a=divtrace.Run(chunk=case["chunk"]),
+                                           resources=divtrace.Resources(graphs="auto"),
+                                           samples=case["samples"],
                                            progress=False),
     }
     for fn in ways.values():
@@ -86,8 +88,8 @@ def measure(name: str, device: torch.device, repeats: int) -> dict[str, Any]:
     for way, fn in ways.items():
         peaks[way], results[way] = cuda_peak(fn, device)
     graphed, eager = results["graphs"], results["eager"]
-    run = graphed.meta["graphed"]["a"]
-    stored = graphed.meta["stored_bytes"]
+    run = graphed.meta.graphed["a"]
+    stored = graphed.meta.stored_bytes
     return {
         "case": name, "repeats": repeats, "bare_s": median["bare"],
         "eager_ratio": median["eager"] / median["bare"],
@@ -95,7 +97,7 @@ def measure(name: str, device: torch.device, repeats: int) -> dict[str, Any]:
         "replayed": run["replayed"], "passes": run["passes"], "reason": run["reason"],
         "lanes": run["lanes"], "capture_s": run["capture_s"],
         "same_table": bool(graphed.table.equals(eager.table)
-                           and graphed.samples.equals(eager.samples)),
+                           and graphed.per_sample.equals(eager.per_sample)),
         "stored_bytes": stored, "pool_bytes": run["pool_bytes"],
         "bare_peak_bytes": peaks["bare"], "eager_peak_bytes": peaks["eager"],
         "graphs_peak_bytes": peaks["graphs"],

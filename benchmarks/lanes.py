@@ -94,11 +94,11 @@ def sweep(name: str, repeats: int) -> list[str]:
             graphs.MAX_LANES = lanes
 
             def run() -> divtrace.Comparison:
-                return divtrace.compare(model, x, chunk=case["chunk"],
+                return divtrace.compare(model, x, a=divtrace.Run(chunk=case["chunk"]),
                                         samples=case["samples"], progress=False)
             run()  # warm-up
             ratio = statistics.median(timed(run, device) for _ in range(repeats)) / bare
-            outcome = run().meta["graphed"]["a"]
+            outcome = run().meta.graphed["a"]
             lines.append(
                 f"  {copy:11} lanes {outcome['lanes']}: {ratio:.2f}x the bare passes; "
                 f"capture {outcome['capture_s'] * 1e3:.0f} ms (Python of the captured "

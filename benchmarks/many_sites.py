@@ -90,7 +90,8 @@ def main() -> int:
 
         def run(package: Any, model: torch.nn.Module = model, x: torch.Tensor = x,
                 **options: Any) -> Callable[[], object]:
-            return lambda: package.compare(model, x, samples=[0, 1], chunk=args.chunk,
+            return lambda: package.compare(model, x, samples=[0, 1],
+                                           a=divtrace.Run(chunk=args.chunk),
                                            progress=False, **options)
 
         ways: dict[str, Callable[[], object]] = {"bare": bare, "new": run(divtrace)}
@@ -166,7 +167,7 @@ def main() -> int:
             bare_peak, _ = cuda_peak(bare, device)
             for way in ("new", "old") if old is not None else ("new",):
                 peak, result = cuda_peak(ways[way], device)
-                stored = result.meta["stored_bytes"]  # type: ignore[attr-defined]
+                stored = result.meta.stored_bytes  # type: ignore[attr-defined]
                 row[f"extra_over_stored_{way}"] = (peak - bare_peak) / stored
             memory_text = f"; extra peak / stored {row['extra_over_stored_new']:.2f}" + (
                 f" (older {row['extra_over_stored_old']:.2f})" if old is not None else "")

@@ -97,7 +97,8 @@ def measure(name: str, case: dict[str, Any], device: torch.device, repeats: int
     model, x = build(case, device)
 
     def run(**options: Any) -> Any:
-        return divtrace.compare(model, x, chunk=case["chunk"], samples=case["samples"],
+        return divtrace.compare(model, x, a=divtrace.Run(chunk=case["chunk"]),
+                                samples=case["samples"],
                                 progress=False, **options)
 
     def moded() -> None:
@@ -120,12 +121,12 @@ def measure(name: str, case: dict[str, Any], device: torch.device, repeats: int
         "case": name, "device": str(device), "repeats": repeats,
         "seconds": median, "ratio": {way: t / median["bare"] for way, t in median.items()},
         "module_sites": int((table["op"] == "").sum()), "op_sites": int((table["op"] != "").sum()),
-        "stored_bytes": result.meta["stored_bytes"],
+        "stored_bytes": result.meta.stored_bytes,
     }
     if device.type == "cuda":
         bare_peak, _ = cuda_peak(lambda: bare_passes(model, x, case), device)
         peak, _ = cuda_peak(lambda: run(ops=True), device)
-        row["extra_over_stored"] = (peak - bare_peak) / max(result.meta["stored_bytes"], 1)
+        row["extra_over_stored"] = (peak - bare_peak) / max(result.meta.stored_bytes, 1)
     return row
 
 

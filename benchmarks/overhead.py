@@ -79,7 +79,7 @@ def bare_passes(model: nn.Module, x: torch.Tensor, case: dict[str, Any]) -> None
 
 def with_divtrace(model: nn.Module, x: torch.Tensor, case: dict[str, Any],
                   options: dict[str, Any] | None = None) -> divtrace.Comparison:
-    return divtrace.compare(model, x, chunk=case["chunk"], samples=case["samples"],
+    return divtrace.compare(model, x, a=divtrace.Run(chunk=case["chunk"]), samples=case["samples"],
                             progress=False, **(options or {}))
 
 
@@ -163,7 +163,7 @@ def measure(name: str, device: torch.device, repeats: int, option: str = "defaul
     peak_of = cpu_peak if device.type == "cpu" else lambda fn: cuda_peak(fn, device)
     bare_peak, _ = peak_of(lambda: bare_passes(model, x, case))
     peak, result = peak_of(lambda: with_divtrace(model, x, case, options))
-    stored = result.meta["stored_bytes"]  # type: ignore[attr-defined]
+    stored = result.meta.stored_bytes  # type: ignore[attr-defined]
     bare_t, div_t = statistics.median(bare_times), statistics.median(divtrace_times)
     return {
         "case": name, "options": option, "device": str(device), "repeats": repeats,

@@ -44,8 +44,8 @@ def main() -> int:
     graphs = {"auto": "auto", "on": True, "off": False}[args.graphs]
 
     def run() -> divtrace.Comparison:
-        result = divtrace.compare(model, x, chunk=args.chunk, samples=args.samples or None,
-                                  graphs=graphs, progress=False)
+        result = divtrace.compare(model, x, a=divtrace.Run(chunk=args.chunk),
+                                  resources=divtrace.Resources(graphs=graphs), samples=args.samples or None, progress=False)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return result

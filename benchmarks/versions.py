@@ -57,7 +57,8 @@ def measure(name: str, old: Any, device: torch.device, repeats: int,
     model, x = build(case, device)
 
     def run(package: Any) -> Callable[[], object]:
-        return lambda: package.compare(model, x, chunk=case["chunk"], samples=case["samples"],
+        return lambda: package.compare(model, x, a=divtrace.Run(chunk=case["chunk"]),
+                                       samples=case["samples"],
                                        progress=False, **OPTIONS[option])
 
     contenders = {"bare": lambda: bare_passes(model, x, case), "old": run(old),

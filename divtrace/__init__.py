@@ -16,12 +16,19 @@ from divtrace.errors import (
     DivtraceValueError,
     DivtraceWarning,
 )
+from divtrace.explain.independence import Independence
+from divtrace.explain.kernels import Kernels
+from divtrace.explain.local import Local
+from divtrace.explain.observer import Observer
+from divtrace.explain.probe import Probe
 from divtrace.explain.registry import EXPLAIN_COLUMNS
+from divtrace.explain.repeat import Repeat
+from divtrace.explain.truth import Fp64
 from divtrace.generate.result import Generation
 from divtrace.generation import compare_generate
 from divtrace.io import load
 from divtrace.plan.prompts import Prompts
-from divtrace.plan.runs import Run
+from divtrace.plan.runs import Resources, Run
 from divtrace.report.comparison import Comparison
 from divtrace.report.diff import Diff, diff
 from divtrace.report.plot import overlay
@@ -40,8 +47,16 @@ __all__ = [
     "DivtraceTypeError",
     "DivtraceValueError",
     "DivtraceWarning",
+    "Fp64",
     "Generation",
+    "Independence",
+    "Kernels",
+    "Local",
+    "Observer",
+    "Probe",
     "Prompts",
+    "Repeat",
+    "Resources",
     "Run",
     "Sweep",
     "__version__",

@@ -1,9 +1,9 @@
 """What the pipeline assembles from a plan before anything runs: the explain probes that
-the options switch on, the table's figures and each run's recorder.
+``explain=`` asks for, the table's figures and each run's recorder.
 
-The plan (:mod:`divtrace.plan`) is pure data — runs, inputs, samples, selection, options;
-the parts that carry out a comparison come from the later layers and are put together
-here, in the faces' layer.
+The plan (:mod:`divtrace.plan`) is pure data — runs, inputs, samples, selection,
+``explain=`` as given; the parts that carry out a comparison come from the later layers
+and are put together here, in the faces' layer.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from torch import nn
 
 from divtrace.align.sites import ROOT
 from divtrace.errors import DivtraceValueError
+from divtrace.explain.local import Local
 from divtrace.explain.probe import Probe
 from divtrace.explain.registry import probes_for
 from divtrace.measure.figures import FIGURES, Figure
@@ -42,7 +43,7 @@ class Parts:
 
     def passes(self, plan: Plan) -> int:
         """Forward passes in all, for the progress bar."""
-        return (len(plan.reference_chunks) + max(1, len(plan.compared_chunks))
+        return (len(plan.a_chunks) + max(1, len(plan.b_chunks))
                 + sum(probe.passes for probe in self.probes))
 
     def keeps_batched(self, plan: Plan) -> bool:
@@ -55,33 +56,33 @@ class Parts:
         return any(probe.prints_batched for probe in self.probes)
 
     def with_probes(self, *probes: Probe) -> Parts:
-        """The same parts with more probes (after those of the options)."""
+        """The same parts with more probes (after those of ``explain=``)."""
         return replace(self, probes=(*self.probes, *probes))
 
 
 def parts_for(plan: Plan, model: nn.Module) -> Parts:
-    """The parts that ``plan`` asks for: each probe validates its own option here."""
-    probes = probes_for(plan.options, model)
-    needing = [probe.option for probe in probes if probe.whole_batch]
-    if plan.compared.chunk is not None and needing:
+    """The parts that ``plan`` asks for: each probe is checked against the model here."""
+    probes = probes_for(plan.explain, model)
+    needing = [probe.name or type(probe).__name__ for probe in probes if probe.whole_batch]
+    if plan.b.chunk is not None and needing:
         raise DivtraceValueError(
-            f"{', '.join(needing)} need(s) run b to take the whole batch in one pass; got "
-            f"b=Run(chunk={plan.compared.chunk}). Swap a and b, or leave "
-            f"{', '.join(needing)} out")
-    return Parts(probes, FIGURES, _recorder(plan))
+            f"explain={needing} need(s) run b to take the whole batch in one pass; got "
+            f"b=Run(chunk={plan.b.chunk}). Swap a and b, or leave them out of explain=")
+    through_views = not any(isinstance(probe, Local) for probe in probes)
+    return Parts(probes, FIGURES, _recorder(plan, through_views))
 
 
-def _recorder(plan: Plan) -> RecorderFactory:
-    """The recorder of each run: module hooks, or with ``ops`` the op recorder."""
+def _recorder(plan: Plan, through_views: bool) -> RecorderFactory:
+    """The recorder of each run: module hooks, or with ``ops`` the op recorder (which
+    follows lineage through views unless the local replay needs every op's inputs)."""
     ops = plan.ops
     if not ops:
         return module_hooks
     modules, batch_dim = plan.modules, plan.batch.batch_dim
-    local = bool(plan.options.get("local"))
 
     def make(model: nn.Module, selected: dict[str, nn.Module]) -> Recorder:
         scopes = set(selected) if modules is None else set(selected) - {ROOT}
         return OpRecorder(model, selected, scopes, batch_dim, module_sites=ops is True,
-                          through_views=not local)
+                          through_views=through_views)
 
     return make

@@ -95,6 +95,39 @@ def _compact(table: pd.DataFrame, limit: int = 15) -> str:
     return readable(shown).to_string(index=False) + more
 
 
+def _value(text: str) -> Any:
+    """A value of ``--a``/``--b``: a number, true/false/none, a torch dtype, or text."""
+    lowered = text.lower()
+    if lowered in ("true", "false", "none"):
+        return {"true": True, "false": False, "none": None}[lowered]
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    dtype = getattr(torch, text, None)
+    return dtype if isinstance(dtype, torch.dtype) else text
+
+
+def _run(spec: str | None, flag: str) -> Any:
+    """``--a chunk=4,dtype=bfloat16`` as ``divtrace.Run(chunk=4, dtype=torch.bfloat16)``."""
+    import divtrace
+
+    if spec is None:
+        return None
+    fields: dict[str, Any] = {}
+    for part in filter(None, spec.split(",")):
+        name, sep, value = part.partition("=")
+        if not sep:
+            raise UsageError(f"{flag} takes Run fields as name=value, comma-separated "
+                             f"(e.g. chunk=4,dtype=bfloat16); got {part!r}")
+        fields[name.strip()] = _value(value.strip())
+    try:
+        return divtrace.Run(**fields)
+    except TypeError as exc:
+        raise UsageError(f"{flag}: {exc}") from exc
+
+
 def _compare(args: argparse.Namespace) -> int:
     import divtrace
 
@@ -102,11 +135,14 @@ def _compare(args: argparse.Namespace) -> int:
     samples = [int(s) for s in args.samples.split(",")] if args.samples else None
     ops: bool | str = "only" if args.ops == "only" else args.ops == "true"
     graphs: bool | str = "auto" if args.graphs == "auto" else args.graphs == "true"
-    result = divtrace.compare(model, x, chunk=args.chunk, samples=samples,
-                              local=args.local, truth=args.truth, repeat=args.repeat,
-                              kernels=args.kernels, ops=ops, graphs=graphs,
-                              independence=not args.no_independence,
-                              progress=not args.no_progress)
+    explain = [name for name in (args.explain or "").split(",") if name]
+    modules = [name for name in args.modules.split(",") if name] if args.modules else None
+    result = divtrace.compare(
+        model, x, samples=samples, batch_dim=args.batch_dim, modules=modules, ops=ops,
+        explain=explain, rtol=args.rtol, atol=args.atol, allow_train=args.allow_train,
+        a=_run(args.a, "--a"), b=_run(args.b, "--b"),
+        resources=divtrace.Resources(offload=args.offload, graphs=graphs),
+        progress=not args.no_progress)
     for suffix, write in (("json", result.save), ("html", result.to_html),
                           ("csv", result.to_csv)):
         if getattr(args, suffix):
@@ -167,26 +203,33 @@ def parser() -> argparse.ArgumentParser:
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = commands.add_parser(
-        "compare", help="compare a model batched and split",
-        description="Compare a model batched and split. TARGET is path/to/file.py:function "
-                    "or package.module:function; the function returns (model, x).")
+        "compare", help="compare a model batched and split (or any two runs)",
+        description="Compare two runs of a model: by default split (a) and batched (b), "
+                    "as divtrace.compare does. TARGET is path/to/file.py:function or "
+                    "package.module:function; the function returns (model, x).")
     run.add_argument("target", metavar="TARGET")
-    run.add_argument("--chunk", type=int, default=1, help="the split run's batch size "
-                     "(default 1: per sample)")
     run.add_argument("--samples", help="comma-separated rows to compare (default: all)")
-    run.add_argument("--device", help="move the model and x there first (cuda, cpu, ...)")
-    run.add_argument("--dtype", help="cast the model and floating inputs first (bfloat16)")
-    run.add_argument("--no-independence", action="store_true",
-                     help="leave out the independence test (the verdict then rests on size)")
-    run.add_argument("--local", action="store_true", help="error each layer adds alone")
-    run.add_argument("--truth", choices=["fp64"], help="measure both runs against float64")
-    run.add_argument("--repeat", type=int, default=0, help="repeat the batched run N times")
-    run.add_argument("--kernels", action="store_true", help="the kernels of each site")
+    run.add_argument("--batch-dim", type=int, default=0, help="the batch dimension")
+    run.add_argument("--modules", help="comma-separated glob patterns of modules to observe")
     run.add_argument("--ops", choices=["none", "true", "only"], default="none",
                      help="op-level sites (true: besides modules; only: no module hooks)")
+    run.add_argument("--explain", help="comma-separated probes: local, fp64, repeat, "
+                     "kernels, observer; --explain=-independence turns a default off")
+    run.add_argument("--rtol", type=float, help="relative tolerance of the exceed column")
+    run.add_argument("--atol", type=float, help="absolute tolerance of the exceed column")
+    run.add_argument("--allow-train", action="store_true",
+                     help="compare although train-mode modules mix samples")
+    run.add_argument("--a", metavar="FIELDS", help="run a as Run fields, e.g. chunk=4 "
+                     "(default chunk=1: per sample)")
+    run.add_argument("--b", metavar="FIELDS", help="run b as Run fields, e.g. "
+                     "dtype=bfloat16 (default: the whole batch in one pass)")
+    run.add_argument("--offload", action="store_true",
+                     help="keep run a's rows in CPU memory")
     run.add_argument("--graphs", choices=["auto", "true", "false"], default="auto",
-                     help="on CUDA, replay the split run from a CUDA graph (auto: where it "
-                          "can; true: or fail; false: eager)")
+                     help="on CUDA, replay run a from a CUDA graph (auto: where it can; "
+                          "true: or fail; false: eager)")
+    run.add_argument("--device", help="move the model and x there first (cuda, cpu, ...)")
+    run.add_argument("--dtype", help="cast the model and floating inputs first (bfloat16)")
     run.add_argument("--json", help="save the comparison as JSON (the settings, summary and "
                      "tables), for `divtrace show` / `diff` and divtrace.load")
     run.add_argument("--html", help="write a self-contained HTML report")

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, divtrace.Comparison] = {}
     for name, model in models(args.seed).items():
         model.to(device)
-        result = divtrace.compare(model, x, chunk=2, samples=[0, 1])
+        result = divtrace.compare(model, x, samples=[0, 1], a=divtrace.Run(chunk=2))
         results[name] = result
         result.to_csv(args.out / f"{name}.csv")
         result.save(args.out / f"{name}.json")

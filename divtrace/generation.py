@@ -85,7 +85,7 @@ def compare_generate(
         >>> found = divtrace.compare_generate(lm, [torch.tensor([1, 2, 3]), torch.tensor([4])],
         ...                                   max_new_tokens=3, eos_token_id=None,
         ...                                   progress=False)
-        >>> len(found.table), list(found.first_divergence["steps"])
+        >>> len(found.table), list(found.per_prompt["steps"])
         (6, [3, 3])
     """
     if not isinstance(model, nn.Module) or not callable(getattr(model, "generate", None)):

@@ -1,6 +1,6 @@
 """The pipeline: a :class:`~divtrace.plan.make.Plan` carried out, stage by stage.
 
-record the reference run → measure the compared run against it → explain (the probes'
+record run a → measure run b against it → explain (the probes'
 passes and columns) → report (:class:`~divtrace.Comparison`).
 """
 
@@ -10,7 +10,6 @@ import copy
 import warnings
 from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 import torch
 from torch import nn
@@ -18,7 +17,7 @@ from torch import nn
 from divtrace.assembly import Parts, parts_for
 from divtrace.errors import BatchMixingError, DivtraceWarning
 from divtrace.explain.probe import Context, Probe
-from divtrace.explain.registry import PROBES
+from divtrace.explain.roles import Roles
 from divtrace.measure.chunked import compare_stores
 from divtrace.measure.host import Host
 from divtrace.measure.meter import Meter
@@ -57,29 +56,22 @@ def record(ctx: Context, runner: Runner, chunks: tuple[tuple[int, int], ...]) ->
                                      ctx.progress.advance, ctx.check, ctx.copies, graphed,
                                      plan.graph_obstacle)
     if graphed is not None and graphed.outcome is not None:
-        ctx.graphed["a" if runner is ctx.reference else "b"] = graphed.outcome.to_dict()
+        ctx.graphed["a" if runner is ctx.a else "b"] = graphed.outcome.to_dict()
     return store
 
 
 def _measure(ctx: Context, meter: Meter) -> None:
     """The compared run, measured against the stored rows: in its hooks when it takes
     the whole batch, row by row from its own recording when it is chunked too."""
-    plan, compared = ctx.plan, ctx.compared
+    plan, compared = ctx.plan, ctx.b
     size = plan.batch.batch_size
-    if plan.compared_chunks:
-        compare_stores(meter, record(ctx, compared, plan.compared_chunks), size)
+    if plan.b_chunks:
+        compare_stores(meter, record(ctx, compared, plan.b_chunks), size)
         return
     ctx.progress.stage(compared.name)
     ctx.output_type = compared.execute(
         meter, plan.batch, [(0, size)], lambda _s, _e: f"{compared.name} (B={size})",
         ctx.progress.advance, ctx.check, ctx.copies)
-
-
-def _plain(value: Any) -> Any:
-    """A JSON-ready form of an option's value (NumPy scalars become Python numbers)."""
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    return value.item() if hasattr(value, "item") else str(value)
 
 
 def _random_check(plan: Plan, draws: RandomDraws, runners: tuple[Runner, Runner]
@@ -94,7 +86,7 @@ def _random_check(plan: Plan, draws: RandomDraws, runners: tuple[Runner, Runner]
         if not draws.drew() or plan.allow_train:
             return
         runner = runners[0] if run == runners[0].name else runners[1]
-        start, stop = plan.reference_chunks[0] if runner is runners[0] else (
+        start, stop = plan.a_chunks[0] if runner is runners[0] else (
             0, plan.batch.batch_size)
         seeded = SeededOps()
         args, kwargs = runner.feed(*plan.batch.rows(start, stop, copy=True))
@@ -124,21 +116,23 @@ def _random_check(plan: Plan, draws: RandomDraws, runners: tuple[Runner, Runner]
 
 def _meta(plan: Plan, ctx: Context, stored_bytes: int, draws: RandomDraws,
           probes: tuple[Probe, ...]) -> Meta:
-    reference = plan.reference
-    options = {probe.option: _plain(plan.options.get(probe.option))
-               for probe in PROBES if probe.option} | {"ops": plan.ops, "graphs": plan.graphs}
+    run_a = plan.a
     return Meta(
-        batch_size=plan.batch.batch_size, chunk=reference.chunk or plan.batch.batch_size,
+        batch_size=plan.batch.batch_size, a_chunk=run_a.chunk or plan.batch.batch_size,
         samples=plan.samples, batch_dim=plan.batch.batch_dim,
-        split_passes=len(plan.reference_chunks), stored_bytes=stored_bytes, rtol=plan.rtol,
+        a_passes=len(plan.a_chunks), stored_bytes=stored_bytes, rtol=plan.rtol,
         atol=plan.atol, train_mode=bool(plan.train_mode), torch=torch.__version__,
-        options=options,
-        runs=None if plan.default_pair else (reference.label(), plan.compared.label()),
+        explain={p.name or type(p).__name__: p.settings() for p in probes if not
+                 isinstance(p, Roles)},
+        ops=plan.ops,
+        resources={"keep": plan.keep, "offload": plan.offload, "graphs": plan.graphs},
+        names=(plan.name("a"), plan.name("b")),
+        runs=None if plan.default_pair else (run_a.label(), plan.b.label()),
         random_draws=draws.seen, output_type=ctx.output_type, graphed=dict(ctx.graphed),
         environment=environment(),
-        settings={"a": run_settings(reference, ctx.reference.model),
-                  "b": run_settings(plan.compared, ctx.compared.model)},
-        notes={p.option or type(p).__name__: note for p in probes
+        settings={"a": run_settings(run_a, ctx.a.model),
+                  "b": run_settings(plan.b, ctx.b.model)},
+        notes={p.name or type(p).__name__: note for p in probes
                if (note := p.note()) is not None})
 
 
@@ -162,9 +156,9 @@ def execute(plan: Plan, model: nn.Module, parts: Parts | None = None) -> Compari
     :func:`~divtrace.assembly.parts_for`); the model comes back untouched."""
     parts = parts_for(plan, model) if parts is None else parts
     walk = plan.walk if plan.walk is not None and plan.walk.model is model else Walk.of(model)
-    reference = Runner.of(plan.reference, model, plan.modules, plan.output_only, plan.name("a"),
+    reference = Runner.of(plan.a, model, plan.modules, plan.output_only, plan.name("a"),
                           parts.recorder, walk=walk)
-    compared = Runner.of(plan.compared, model, plan.modules, plan.output_only, plan.name("b"),
+    compared = Runner.of(plan.b, model, plan.modules, plan.output_only, plan.name("b"),
                          parts.recorder, beside=reference, walk=walk)
     host = Host()
     probes = copy.deepcopy(parts.probes)  # fresh ones: this run's findings are their own
@@ -176,7 +170,7 @@ def execute(plan: Plan, model: nn.Module, parts: Parts | None = None) -> Compari
                       copies=InputCopies(plan.batch), recorder=parts.recorder)
         for probe in probes:
             probe.before(ctx)
-        ctx.store = record(ctx, reference, plan.reference_chunks)
+        ctx.store = record(ctx, reference, plan.a_chunks)
         stored_bytes = ctx.store.stored_bytes
         meter = ctx.meter = _meter(plan, ctx, host, parts, probes)
         for probe in probes:

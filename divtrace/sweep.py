@@ -80,13 +80,13 @@ class Sweep:
 
 
 def sweep(model: nn.Module, x: Any, settings: Mapping[str, Any] | Sequence[Run], *,
-          reference: Run | None = None, chunk: int = 1, progress: bool = True,
+          a: Run | None = None, chunk: int = 1, progress: bool = True,
           **options: Any) -> Sweep:
     """Runs the model under several settings: does each one diverge, and where?
 
-    Without ``reference``, each setting answers "do batched and split runs part under
-    this setting?": the batched run and a split run in chunks of ``chunk``, both with the
-    setting. With ``reference``, each setting's run is compared with the reference run.
+    Without ``a``, each setting answers "do batched and split runs part under this
+    setting?": run a in chunks of ``chunk`` and run b on the whole batch, both with the
+    setting. With ``a``, each setting is run b, compared with run a.
 
     Args:
         model: The model.
@@ -94,9 +94,9 @@ def sweep(model: nn.Module, x: Any, settings: Mapping[str, Any] | Sequence[Run],
         settings: A list of :class:`Run`, a dict of named runs, or a settings matrix: a
             dict of Run fields to lists of values, every combination of which is run,
             e.g. ``{"cudnn": [True, False], "tf32_matmul": [False, True]}``.
-        reference: The run each setting is compared with (default: none — batched vs
-            split under each setting).
-        chunk: The split run's batch size when there is no reference.
+        a: The run each setting is compared with (default: none — split vs batched
+            under each setting).
+        chunk: Run a's batch size under each setting, when ``a`` is not given.
         progress: A progress bar over the settings, on stderr.
         **options: Passed to :func:`divtrace.compare` (``samples``, ``modules``, ...).
 
@@ -107,20 +107,24 @@ def sweep(model: nn.Module, x: Any, settings: Mapping[str, Any] | Sequence[Run],
         >>> import torch, divtrace
         >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4)).eval()
         >>> found = divtrace.sweep(net, torch.randn(6, 4), {"dtype": [torch.float64]},
-        ...                        reference=divtrace.Run(), progress=False)
+        ...                        a=divtrace.Run(), progress=False)
         >>> list(found.table.setting)
         ['dtype=float64']
     """
     named = _settings(settings)
+    if a is not None and chunk != 1:
+        raise DivtraceValueError(
+            "chunk= splits each setting when a= is not given; with a=, give run a's "
+            "batch size as Run(chunk=...)")
     if not named:
         raise DivtraceValueError("settings is empty; give at least one Run")
     rows, comparisons = [], {}
     for name, run in tqdm(named.items(), desc="divtrace: sweep", disable=not progress,
                           leave=False):
-        if reference is None:  # batched vs split, both under this setting
+        if a is None:  # split vs batched, both under this setting
             first, second = replace(run, chunk=chunk), replace(run, chunk=None)
         else:
-            first, second = reference, run
+            first, second = a, run
         result = compare(model, x, a=first, b=second, progress=False, **options)
         comparisons[name] = result
         out = result.output
@@ -213,7 +217,7 @@ def sweep_batch(model: nn.Module, x: Any, sizes: Iterable[int] | None = None, *,
         args, kwargs = batch.rows(0, size)  # x's first rows, in x's own form
         part: Any = args[0] if isinstance(x, torch.Tensor) else (
             args if isinstance(x, tuple) else kwargs)
-        result = compare(model, part, chunk=1, samples=compared, batch_dim=batch_dim,
+        result = compare(model, part, samples=compared, batch_dim=batch_dim,
                          progress=False, **options)
         comparisons[size] = result
         for row in result.table.itertuples():

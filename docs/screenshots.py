@@ -51,8 +51,8 @@ def plots(out: Path, results: dict[str, divtrace.Comparison], x: torch.Tensor) -
     save("overlay", (11, 4.5), lambda ax: divtrace.overlay(list(results.values()),
                                                            list(results), ax=ax))
     save("samples", (11, 2.2), lambda ax: whole.plot_samples(ax=ax))
-    explained = divtrace.compare(demo.models(0)["vgg11"], x[:8], chunk=2, samples=[0, 1],
-                                 local=True, kernels=True, progress=False)
+    explained = divtrace.compare(demo.models(0)["vgg11"], x[:8], explain=["local", "kernels"],
+                                 a=divtrace.Run(chunk=2), samples=[0, 1], progress=False)
     save("sources", (9, 3), lambda ax: explained.plot_sources(ax=ax))
     head = torch.nn.Sequential(*list(demo.models(0)["vgg11"].classifier)[:2]).eval()
     flat = torch.randn(16, 25088)
@@ -78,7 +78,8 @@ def main() -> int:
             browser_shot(args.chromium, reports / f"{name}.html",
                          args.out / f"report_{name}.png", size)
         x = torch.rand(16, 3, 64, 64, generator=torch.Generator().manual_seed(0))
-        results = {name: divtrace.compare(model, x, chunk=2, samples=[0, 1], progress=False)
+        results = {name: divtrace.compare(model, x, a=divtrace.Run(chunk=2), samples=[0, 1],
+                                          progress=False)
                    for name, model in demo.models(0).items()}
         plots(args.out, results, x)
     print(f"wrote {sorted(p.name for p in args.out.glob('*.png'))}")

@@ -41,7 +41,7 @@ def test_observer_check_hooked_batched_output_equals_a_plain_forward() -> None:
     captured: list[torch.Tensor] = []
     handle = model.register_forward_hook(lambda m, a, out: captured.append(out.clone()))
     try:
-        divtrace.compare(model, x, progress=False, independence=False)
+        divtrace.compare(model, x, progress=False, explain=["-independence"])
     finally:
         handle.remove()
     batched = [t for t in captured if t.shape[0] == 8]
@@ -84,7 +84,7 @@ def test_user_exception_keeps_its_type_and_gains_a_note() -> None:
     state, hooks = snapshot(model), hook_counts(model)
     training = [m.training for m in model.modules()]
     with pytest.raises(KeyError, match="boom") as info:
-        divtrace.compare(model, torch.randn(4, 16), chunk=2, progress=False)
+        divtrace.compare(model, torch.randn(4, 16), a=divtrace.Run(chunk=2), progress=False)
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "batched run (B=4)" in notes
     assert "last site reached: act" in notes
@@ -187,7 +187,8 @@ class _Tied(nn.Module):
 class _OwnListing(_Tied):
     """Lists its parameters its own way (as wrappers such as FSDP do)."""
 
-    def named_parameters(self, *args: object, **kwargs: object):  # type: ignore[no-untyped-def,override]
+    def named_parameters(self, *args: object,
+                         **kwargs: object):  # type: ignore[no-untyped-def,override]
         return iter([("only", self.embed.weight)])
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -18,7 +19,8 @@ def run(model: nn.Module, x: object, **kwargs: object) -> divtrace.Comparison:
 
 @pytest.mark.parametrize("chunk", [1, 2, 3])
 def test_first_divergence_is_the_batch_variant_module(chunk: int) -> None:
-    result = run(models.variant_mlp(variant_from=4), torch.randn(8, 16), chunk=chunk)
+    result = run(models.variant_mlp(variant_from=4), torch.randn(8, 16),
+                 a=divtrace.Run(chunk=chunk))
     table = result.table.set_index("site")
     first = result.first_divergence
     assert first is not None
@@ -32,7 +34,7 @@ def test_first_divergence_is_the_batch_variant_module(chunk: int) -> None:
 
 def test_no_divergence_below_the_variant_threshold() -> None:
     # the split chunks (2) and the batch (3) both stay below variant_from=4
-    result = run(models.variant_mlp(variant_from=4), torch.randn(3, 16), chunk=2)
+    result = run(models.variant_mlp(variant_from=4), torch.randn(3, 16), a=divtrace.Run(chunk=2))
     assert result.first_divergence is None
     assert (result.table["mismatch"] == 0).all()
 
@@ -54,26 +56,27 @@ def test_elementwise_and_identity_models_never_diverge(model: nn.Module) -> None
 def test_table_columns_are_stable() -> None:
     result = run(models.variant_mlp(), torch.randn(4, 16))
     assert tuple(result.table.columns) == divtrace.COLUMNS
-    assert list(result.samples.columns) == ["site", "sample", "mismatch", "rel_l2", "max_abs"]
+    assert list(result.per_sample.columns) == ["site", "sample", "mismatch", "rel_l2", "max_abs"]
 
 
 def test_the_per_sample_table_is_the_same_made_early_or_late() -> None:
     # it is made when first asked for: through select() first, or on its own
     x = torch.randn(6, 16)
     late, early = (run(models.variant_mlp(), x, samples=[0, 3]) for _ in range(2))
-    whole = early.samples
-    leaves = late.select(leaf=True).samples
+    whole = early.per_sample
+    leaves = late.select(leaf=True).per_sample
     assert len(whole) == 2 * len(early.table)
     assert 0 < len(leaves) < len(whole)
     assert leaves.equals(whole[whole["site"].isin(late.select(leaf=True).table["site"])]
                          .reset_index(drop=True))
-    assert late.samples.equals(whole)
+    assert late.per_sample.equals(whole)
 
 
 def test_figures_agree_with_a_direct_computation() -> None:
     model = models.variant_mlp()
     x = torch.randn(6, 16)
-    result = run(model, x, chunk=1, samples=[1, 4], keep=True)
+    result = run(model, x, a=divtrace.Run(chunk=1), resources=divtrace.Resources(keep=True),
+                 samples=[1, 4])
     with torch.no_grad():
         batched = model(x)[[1, 4]]
         split = torch.cat([model(x[1:2]), model(x[4:5])])
@@ -85,10 +88,10 @@ def test_figures_agree_with_a_direct_computation() -> None:
     assert row["rel_l2"] == pytest.approx((diff.norm() / split.double().norm()).item(),
                                           rel=1e-4)
     assert row["numel"] == batched.numel()
-    got_b, got_s = result.pair("(model)")
+    got_s, got_b = result.pair("(model)")
     torch.testing.assert_close(got_b, batched, rtol=0, atol=0)
     torch.testing.assert_close(got_s, split, rtol=0, atol=0)
-    per_sample = result.samples.query("site == '(model)'").set_index("sample")
+    per_sample = result.per_sample.query("site == '(model)'").set_index("sample")
     for i, s in enumerate([1, 4]):
         expected = (diff[i].norm() / split[i].double().norm()).item()
         assert per_sample.loc[s, "rel_l2"] == pytest.approx(expected, rel=1e-4)
@@ -106,11 +109,12 @@ def test_growth_relates_to_the_preceding_divergent_leaf() -> None:
 
 
 def test_inplace_relu_does_not_alter_the_recorded_site() -> None:
-    result = run(models.inplace_relu_model(), torch.randn(6, 16), keep=True)
-    batched, split = result.pair("0")
+    result = run(models.inplace_relu_model(), torch.randn(6, 16),
+                 resources=divtrace.Resources(keep=True))
+    split, batched = result.pair("0")
     assert (batched < 0).any()
     assert (split < 0).any()
-    after_b, after_s = result.pair("1")
+    after_s, after_b = result.pair("1")
     assert (after_b >= 0).all()
     assert (after_s >= 0).all()
     assert result.table.set_index("site").loc["0", "mismatch"] == 0
@@ -122,14 +126,14 @@ def test_an_inplace_op_seen_in_the_first_chunk_costs_no_pass() -> None:
     handle = model.register_forward_pre_hook(lambda m, a: passes.append(a[0].shape[0]))
     x = torch.randn(6, 16)
     try:
-        result = run(model, x, keep=True, independence=False)
+        result = run(model, x, explain=["-independence"], resources=divtrace.Resources(keep=True))
     finally:
         handle.remove()
     # the first chunk copies every site at once and sees that ReLU(inplace=True) changes
     # sites 0 and 2 afterwards: the later chunks copy those at once too, the others
     # together at the end of the chunk; no pass runs twice
     assert passes == [1, 1, 1, 1, 1, 1, 6]
-    _, split = result.pair("0")
+    split, _ = result.pair("0")
     with torch.no_grad():
         expected = torch.cat([model[0](x[i:i + 1]) for i in range(6)])
     torch.testing.assert_close(split, expected, rtol=0, atol=0)  # negatives kept
@@ -159,11 +163,11 @@ def test_an_inplace_op_found_late_reruns_that_chunk_once() -> None:
     passes: list[int] = []
     handle = model.register_forward_pre_hook(lambda m, a: passes.append(a[0].shape[0]))
     try:
-        result = run(model, x, keep=True, independence=False)
+        result = run(model, x, explain=["-independence"], resources=divtrace.Resources(keep=True))
     finally:
         handle.remove()
     assert passes == [1, 1, 1, 1, 1, 4]  # the third chunk ran twice
-    _, split = result.pair("fc")
+    split, _ = result.pair("fc")
     with torch.no_grad():  # each row alone, as the split run made it, before mul_
         alone = torch.cat([model.fc(x[i:i + 1]) for i in range(4)])
     torch.testing.assert_close(split, alone, rtol=0, atol=0)
@@ -212,8 +216,9 @@ def test_keyword_and_tuple_inputs_slice_only_batched_tensors() -> None:
     model = models.KeywordModel().eval()
     x = torch.randn(6, 16)
     bias = torch.randn(())  # no batch dimension: passes through whole
-    result = run(model, {"x": x, "bias": bias, "scale": 2.0}, samples=[0, 5], keep=True)
-    batched, split = result.pair("(model)")
+    result = run(model, {"x": x, "bias": bias, "scale": 2.0}, samples=[0, 5],
+                 resources=divtrace.Resources(keep=True))
+    split, batched = result.pair("(model)")
     with torch.no_grad():
         expected = torch.cat([model(x[i:i + 1], bias=bias, scale=2.0) for i in (0, 5)])
     torch.testing.assert_close(split, expected, rtol=0, atol=0)
@@ -232,13 +237,13 @@ def test_only_the_chunks_holding_compared_samples_run() -> None:
     seen: list[int] = []
     handle = model.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[0]))
     try:
-        result = run(model, torch.randn(10, 16), chunk=3, samples=[1, 7],
-                     independence=False)
+        result = run(model, torch.randn(10, 16), explain=["-independence"],
+                     a=divtrace.Run(chunk=3), samples=[1, 7])
     finally:
         handle.remove()
     assert seen == [3, 3, 10]  # rows 0:3 and 6:9, then the batched run
-    assert result.meta["split_passes"] == 2
-    assert sorted(result.samples["sample"].unique()) == [1, 7]
+    assert result.meta.a_passes == 2
+    assert sorted(result.per_sample["sample"].unique()) == [1, 7]
 
 
 def test_batch_dim_other_than_zero() -> None:
@@ -300,7 +305,7 @@ def test_nonfinite_inputs_are_counted_not_fatal() -> None:
 def test_first_exceeding_defaults_and_custom_tolerances() -> None:
     model = nn.Sequential(models.OrderedLinear(16, 16, variant_from=2),
                           models.Scale(1e7), models.Scale(1e-7))
-    result = run(model, torch.randn(6, 16), keep=True)
+    result = run(model, torch.randn(6, 16), resources=divtrace.Resources(keep=True))
     # the rounding difference is about 1e-7 relative: within assert_close's float32
     # default at site 0, far beyond its atol once scaled by 1e7 at site 1
     assert result.first_divergence["site"] == "0"
@@ -358,7 +363,7 @@ def test_split_rows_are_released_as_soon_as_measured(
 def test_offload_gives_the_same_table() -> None:
     x = torch.randn(6, 16)
     a = run(models.variant_mlp(), x).table
-    b = run(models.variant_mlp(), x, offload=True).table
+    b = run(models.variant_mlp(), x, resources=divtrace.Resources(offload=True)).table
     assert a.equals(b)
 
 
@@ -366,9 +371,11 @@ def test_results_are_immutable() -> None:
     result = run(models.variant_mlp(), torch.randn(4, 16))
     table = result.table
     table.loc[0, "mismatch"] = 99.0
-    result.meta["samples"].append(100)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        result.meta.batch_size = 3  # type: ignore[misc]
+    result.meta.to_dict()["samples"].append(100)
     assert result.table.loc[0, "mismatch"] == 0
-    assert 100 not in result.meta["samples"]
+    assert 100 not in result.meta.samples
     leaves = result.select(leaf=True)
     assert "(model)" not in set(leaves.table["site"])
     assert "(model)" in set(result.table["site"])

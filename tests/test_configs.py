@@ -32,7 +32,7 @@ def test_float32_against_float64() -> None:
     assert (table["rel_l2"] < 1e-6).all()
     assert (table["rel_l2"] > 0).all()  # float32 rounding shows against float64
     assert next(model.parameters()).dtype == torch.float32  # the user's model untouched
-    assert result.meta["runs"] == ["as is", "dtype=float64"]
+    assert result.meta.runs == ("as is", "dtype=float64")
     assert result.summary().splitlines()[1].startswith(
         "Run b (dtype=float64) vs run a (as is), B=6")
     assert result.verdict == "rounding"
@@ -106,9 +106,12 @@ def test_compiled_run_compares_the_output() -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "error", "message"), [
-    ({"a": Run(), "chunk": 2}, divtrace.DivtraceValueError, "give the batch size of each"),
+    ({"a": Run(chunk=4)}, divtrace.DivtraceValueError, "runs a and b are the same: as is, "
+     "the B=4 rows in one pass; chunk=4 takes it whole"),
+    ({"a": Run(tf32_matmul=True), "b": Run(tf32_matmul=True)}, divtrace.DivtraceValueError,
+     "runs a and b are the same: tf32_matmul=True"),
     ({"a": "cpu"}, divtrace.DivtraceTypeError, "a must be a divtrace.Run"),
-    ({"b": Run(chunk=2), "local": True}, divtrace.DivtraceValueError, "whole batch"),
+    ({"b": Run(chunk=2), "explain": ["local"]}, divtrace.DivtraceValueError, "whole batch"),
 ])
 def test_bad_runs(kwargs: dict, error: type, message: str) -> None:
     with pytest.raises(error, match=message):
@@ -130,14 +133,14 @@ def test_sweep_over_a_settings_matrix() -> None:
     model = models.variant_mlp(variant_from=4)
     found = divtrace.sweep(model, torch.randn(6, 16),
                            {"chunk": [1, 2, None], "dtype": [torch.float64]},
-                           reference=Run(), progress=False)
+                           a=Run(), progress=False)
     table = found.table.set_index("setting")
     assert list(table.index) == ["chunk=1, dtype=float64", "chunk=2, dtype=float64",
                                  "dtype=float64"]
     assert (table["output_rel_l2"] > 0).all()  # float64 against float32 everywhere
     assert set(found.comparisons) == set(table.index)
     exact = divtrace.sweep(model, torch.randn(6, 16), [Run(chunk=5), Run(chunk=2)],
-                           reference=Run(), progress=False).table.set_index("setting")
+                           a=Run(), progress=False).table.set_index("setting")
     assert exact.loc["chunk=2", "output_rel_l2"] > 0  # 6 rows (reversed) vs 2 (in order)
     assert exact.loc["chunk=5", "first_divergence"] == "3"
     assert exact.loc["chunk=5", "sources"] == 1
@@ -154,19 +157,19 @@ def test_sweep_of_batched_against_split_under_each_setting() -> None:
     # batched (6 rows) against chunks of 2: the variant layer parts the runs either way
     assert list(table["first_divergence"]) == ["3", "3"]
     assert list(table["sources"]) == [1, 1]
-    plain = divtrace.compare(model, x, chunk=2, progress=False)
+    plain = divtrace.compare(model, x, a=divtrace.Run(chunk=2), progress=False)
     assert table.loc["float32", "output_rel_l2"] == plain.output["rel_l2"]
     below = divtrace.sweep(model, x, [Run(name="float32")], chunk=3, progress=False)
     assert below.table.iloc[0]["first_divergence"] == "3"  # 6 rows vs 3: still reversed
-    assert found.comparisons["dtype=float64"].meta["runs"] == ["chunk=2, dtype=float64",
-                                                              "dtype=float64"]
+    assert found.comparisons["dtype=float64"].meta.runs == ("chunk=2, dtype=float64",
+                                                              "dtype=float64")
 
 
 def test_sweep_plot() -> None:
     import matplotlib.pyplot as plt
 
     found = divtrace.sweep(models.variant_mlp(variant_from=4), torch.randn(6, 16),
-                           [Run(chunk=1), Run(chunk=3)], reference=Run(), progress=False)
+                           [Run(chunk=1), Run(chunk=3)], a=Run(), progress=False)
     fig, ax = plt.subplots()
     try:
         assert found.plot(ax=ax) is ax
@@ -209,7 +212,7 @@ def test_batch_size_sweep_plot_and_errors() -> None:
 
 def test_default_comparison_is_unchanged() -> None:
     result = run(models.variant_mlp(), torch.randn(4, 16))
-    assert result.meta["runs"] is None
+    assert result.meta.runs is None
     assert result.summary().splitlines()[1].startswith(
         "Batched run (B=4) vs split run (per sample)")
     assert math.isnan(result.table.set_index("site").loc["0", "growth"])

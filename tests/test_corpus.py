@@ -119,7 +119,7 @@ def test_weight_norm_layers_stay_layers_where_the_error_enters() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(weight_norm(models.OrderedLinear(8, 16)), nn.Tanh(),
                           weight_norm(nn.Linear(16, 4))).eval()
-    table = run(model, torch.randn(6, 8), local=True).table.set_index("site")
+    table = run(model, torch.randn(6, 8), explain=["local"]).table.set_index("site")
     assert "2.parametrizations.weight" not in table.index
     assert table.loc["2", "leaf"]
     assert table.loc["2", "local_status"] == "ok"
@@ -132,7 +132,7 @@ def test_dynamic_quantization_is_found_to_mix_samples() -> None:
         model = torch.ao.quantization.quantize_dynamic(
             nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).eval(),
             {nn.Linear}, dtype=torch.qint8)
-    result = run(model, torch.randn(6, 8), local=True)
+    result = run(model, torch.randn(6, 8), explain=["local"])
     table = result.table.set_index("site")
     assert table.loc["0", "leaf"]
     assert table.loc["0", "role"] == "source"
@@ -197,7 +197,7 @@ def test_float64_beyond_its_squares_is_measured_at_its_scale(exponent: int) -> N
     assert row["cosine"] == pytest.approx(
         (batched * split).sum().item() / (batched.norm() * split.norm()).item(), abs=1e-12)
     per_sample = (diff.norm(dim=1) / split.norm(dim=1)).numpy()
-    samples = result.samples
+    samples = result.per_sample
     np.testing.assert_allclose(samples[samples["site"] == "0"]["rel_l2"].to_numpy(),
                                per_sample, rtol=1e-6)
     assert result.verdict == "rounding"
@@ -270,7 +270,7 @@ def test_the_element_wise_view_says_where_the_large_relative_differences_lie() -
 
     x = torch.randn(32, 16)
     result = run(Tiny(), x, rtol=1e-7, atol=0.0)
-    view = result.info.notes["output_elements"]["(model)"]
+    view = result.meta.notes["output_elements"]["(model)"]
     text = result.summary()
     assert "Element by element (as torch.allclose(batched, split, rtol=1e-07, atol=0)" in text
     assert f"{int(view['beyond'])} of {int(view['finite'])} elements are beyond" in text
@@ -288,7 +288,7 @@ def test_boolean_columns_survive_save_and_load(tmp_path: object) -> None:
     from pathlib import Path
 
     result = run(nn.Sequential(*models.variant_mlp(), nn.Identity()).eval(),
-                 torch.randn(6, 16), local=True)
+                 torch.randn(6, 16), explain=["local"])
     assert result.table["adds_error"].dtype == "boolean"
     assert result.table["adds_error"].isna().any()  # the model's own output row
     path = Path(str(tmp_path)) / "run.json"
@@ -303,7 +303,7 @@ def test_op_sites_paired_across_kernel_paths_do_not_decide_the_size() -> None:
     # sums of two orders, which say nothing about rounding once every sample is shown
     # independent
     assert run(models.variant_mlp(), torch.randn(8, 16), ops=True).verdict == "rounding"
-    said = run(models.variant_mlp(), torch.randn(8, 16), ops=True, independence=False)
+    said = run(models.variant_mlp(), torch.randn(8, 16), ops=True, explain=["-independence"])
     assert said.verdict == "not rounding"  # by size alone, as before
 
 
@@ -328,7 +328,7 @@ def test_the_rounding_sentence_names_where_error_enters_first() -> None:
     # the source, where the runs first part
     model = nn.Sequential(models.OrderedLinear(16, 32, variant_from=2), nn.Tanh(),
                           models.OrderedLinear(32, 64, variant_from=2)).eval()
-    result = run(model, torch.randn(8, 16), local=True)
+    result = run(model, torch.randn(8, 16), explain=["local"])
     table = result.table.set_index("site")
     assert table.loc["2", "local_rel_l2"] > 0
     first = result.summary().splitlines()[0]
@@ -338,7 +338,7 @@ def test_the_rounding_sentence_names_where_error_enters_first() -> None:
 def test_a_layer_that_copies_values_is_not_headlined_as_amplifying() -> None:
     model = nn.Sequential(models.OrderedLinear(16, 32, variant_from=2),
                           nn.Unflatten(1, (2, 4, 4)), nn.Upsample(scale_factor=3)).eval()
-    result = run(model, torch.randn(8, 16), local=True)
+    result = run(model, torch.randn(8, 16), explain=["local"])
     said = [s for s in result.summary().splitlines() if "largest amplification" in s]
     assert said
     assert "the error grows 1×" in said[0] or "the relative error stays" in said[0]
@@ -347,16 +347,17 @@ def test_a_layer_that_copies_values_is_not_headlined_as_amplifying() -> None:
 def test_the_float64_sentence_says_how_far_apart_the_runs_are() -> None:
     import pandas as pd
 
-    from divtrace.explain.truth import Fp64Truth
+    from divtrace.report.meta import Meta
 
-    class Result:  # the output row is all the sentence reads
+    class Result:  # the output row and the runs' names are all the sentence reads
         def __init__(self, batched: float, split: float) -> None:
-            self.output = pd.Series({"batched_err_fp64": batched, "split_err_fp64": split})
+            self.output = pd.Series({"b_err_fp64": batched, "a_err_fp64": split})
+            self.meta = Meta(4, 1, (0,), 0, 4, 0, None, None, False, "")
 
-    apart = Fp64Truth.sentences(Result(5.1e-7, 1.5e-6))[0]  # type: ignore[arg-type]
+    apart = divtrace.Fp64.sentences(Result(5.1e-7, 1.5e-6))[0]  # type: ignore[arg-type]
     assert "the split run is 2.94× further from it than the batched run" in apart
     assert "neither" not in apart
-    close = Fp64Truth.sentences(Result(1.0e-6, 1.1e-6))[0]  # type: ignore[arg-type]
+    close = divtrace.Fp64.sentences(Result(1.0e-6, 1.1e-6))[0]  # type: ignore[arg-type]
     assert "neither run is clearly closer" in close
 
 
@@ -366,7 +367,7 @@ def test_samples_far_apart_in_scale_give_no_false_zero() -> None:
     x[0] *= math.ldexp(1.0, 600)
     x[1:] *= math.ldexp(1.0, -600)
     result = run(model, x)
-    samples = result.samples[result.samples["site"] == "0"].set_index("sample")
+    samples = result.per_sample[result.per_sample["site"] == "0"].set_index("sample")
     assert 0 < samples.loc[0, "rel_l2"] < 1e-12  # measured at its own scale
     differ = samples["max_abs"] > 0
     assert not (samples.loc[differ, "rel_l2"] == 0).any()  # NaN at worst, never 0

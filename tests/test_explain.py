@@ -37,7 +37,7 @@ def test_roles_without_options(chain: nn.Sequential) -> None:
 
 
 def test_local_error_of_a_source_equals_its_divergence(chain: nn.Sequential) -> None:
-    result = run(chain, torch.randn(8, 16), local=True)
+    result = run(chain, torch.randn(8, 16), explain=["local"])
     table = result.table.set_index("site")
     assert table.loc["3", "local_rel_l2"] == table.loc["3", "rel_l2"]
     assert table.loc["3", "local_max_abs"] == table.loc["3", "max_abs"]
@@ -46,7 +46,7 @@ def test_local_error_of_a_source_equals_its_divergence(chain: nn.Sequential) -> 
 
 
 def test_carriers_add_no_local_error(chain: nn.Sequential) -> None:
-    result = run(chain, torch.randn(8, 16), local=True)
+    result = run(chain, torch.randn(8, 16), explain=["local"])
     table = result.table.set_index("site")
     for site in ("4", "5", "6", "7"):  # Hardtanh, batch-invariant OrderedLinear, Scales
         assert table.loc[site, "local_rel_l2"] == 0
@@ -60,7 +60,7 @@ def test_carriers_add_no_local_error(chain: nn.Sequential) -> None:
 
 
 def test_scaling_by_k_amplifies_error_by_k(chain: nn.Sequential) -> None:
-    table = run(chain, torch.randn(8, 16), local=True).table.set_index("site")
+    table = run(chain, torch.randn(8, 16), explain=["local"]).table.set_index("site")
     assert table.loc["6", "amplification"] == 4.0  # a power of two: exact
     # ×3 rounds in both runs, and the error is a few units in the last place
     assert table.loc["7", "amplification"] == pytest.approx(3.0, rel=0.1)
@@ -71,8 +71,8 @@ def test_local_replay_leaves_the_table_and_the_model_alone(chain: nn.Sequential)
     calls: list[int] = []
     handle = chain[3].register_forward_hook(lambda m, a, o: calls.append(o.shape[0]))
     try:
-        plain = run(chain, torch.randn(8, 16), independence=False)
-        replayed = run(chain, torch.randn(8, 16), local=True, independence=False)
+        plain = run(chain, torch.randn(8, 16), explain=["-independence"])
+        replayed = run(chain, torch.randn(8, 16), explain=["-independence", "local"])
     finally:
         handle.remove()
     assert list(plain.table["site"]) == list(replayed.table["site"])
@@ -84,7 +84,7 @@ def test_local_replay_leaves_the_table_and_the_model_alone(chain: nn.Sequential)
 def test_replay_is_skipped_where_asked_or_in_train_mode(chain: nn.Sequential) -> None:
     chain[5].train()  # no BatchNorm or Dropout: compare() allows it, replay does not
     try:
-        result = run(chain, torch.randn(8, 16), local=True, replay_skip=["3"])
+        result = run(chain, torch.randn(8, 16), explain=[divtrace.Local(skip=["3"])])
     finally:
         chain[5].eval()
     table = result.table.set_index("site")
@@ -95,7 +95,7 @@ def test_replay_is_skipped_where_asked_or_in_train_mode(chain: nn.Sequential) ->
 
 
 def test_an_input_made_by_a_functional_op_is_measured() -> None:
-    result = run(models.FunctionalBetween().eval(), torch.randn(6, 16), local=True)
+    result = run(models.FunctionalBetween().eval(), torch.randn(6, 16), explain=["local"])
     table = result.table.set_index("site")
     assert table.loc["first", "role"] == "source"
     assert table.loc["second", "role"] == "carrier"
@@ -113,7 +113,7 @@ def test_an_input_changed_in_place_unseen_is_unknown() -> None:
 
 
 def test_repeat_reports_no_noise_for_a_deterministic_model(chain: nn.Sequential) -> None:
-    result = run(chain, torch.randn(8, 16), repeat=2)
+    result = run(chain, torch.randn(8, 16), explain=[divtrace.Repeat(2)])
     ok = result.table[result.table["status"] == "ok"]
     assert (ok["noise_mismatch"] == 0).all()
     assert (ok["noise_rel_l2"] == 0).all()
@@ -122,7 +122,7 @@ def test_repeat_reports_no_noise_for_a_deterministic_model(chain: nn.Sequential)
 
 def test_repeat_finds_run_to_run_noise() -> None:
     model = nn.Sequential(models.OrderedLinear(16, 16), models.Noisy(), nn.ReLU()).eval()
-    result = run(model, torch.randn(6, 16), repeat=1)
+    result = run(model, torch.randn(6, 16), explain=[divtrace.Repeat(1)])
     table = result.table.set_index("site")
     assert table.loc["0", "noise_mismatch"] == 0
     assert table.loc["1", "noise_mismatch"] > 0.9
@@ -131,14 +131,14 @@ def test_repeat_finds_run_to_run_noise() -> None:
 
 
 def test_fp64_truth(chain: nn.Sequential) -> None:
-    result = run(chain, torch.randn(8, 16), truth="fp64")
+    result = run(chain, torch.randn(8, 16), explain=["fp64"])
     table = result.table.set_index("site")
-    for column in ("batched_err_fp64", "split_err_fp64"):
+    for column in ("b_err_fp64", "a_err_fp64"):
         assert (table[column] > 0).all()  # float32 vs float64: rounding everywhere
         assert (table[column] < 1e-5).all()
     # before the source both runs are the same numbers, so equally far from the truth
-    assert table.loc["2", "batched_err_fp64"] == table.loc["2", "split_err_fp64"]
-    assert table.loc["3", "batched_err_fp64"] != table.loc["3", "split_err_fp64"]
+    assert table.loc["2", "b_err_fp64"] == table.loc["2", "a_err_fp64"]
+    assert table.loc["3", "b_err_fp64"] != table.loc["3", "a_err_fp64"]
     assert "neither run is clearly closer to the exact answer" in result.summary()
     assert next(chain.parameters()).dtype == torch.float32  # the user's model untouched
 
@@ -151,19 +151,19 @@ def test_fp64_truth_spots_the_wrong_run() -> None:
             return x
 
     model = nn.Sequential(models.OrderedLinear(16, 16), Sloppy()).eval()
-    result = run(model, torch.randn(6, 16), truth="fp64")
+    result = run(model, torch.randn(6, 16), explain=["fp64"])
     assert "the batched run is" in result.summary()
     assert "further from it than the split run" in result.summary()
 
 
 def test_kernels_on_the_cpu_name_the_ops() -> None:
     model = nn.Sequential(models.OrderedLinear(16, 16), models.SwitchOp(16, 8)).eval()
-    result = run(model, torch.randn(6, 16), kernels=True)
+    result = run(model, torch.randn(6, 16), explain=["kernels"])
     table = result.table.set_index("site")
-    assert "aten::mul" in table.loc["0", "kernels_batched"]
+    assert "aten::mul" in table.loc["0", "kernels_b"]
     assert not table.loc["0", "kernels_differ"]
-    assert "aten::mm" in table.loc["1", "kernels_batched"]
-    assert "aten::mm" not in table.loc["1", "kernels_split"]
+    assert "aten::mm" in table.loc["1", "kernels_b"]
+    assert "aten::mm" not in table.loc["1", "kernels_a"]
     assert table.loc["1", "kernels_differ"]
     assert table.loc["1", "role"] == "source"
     assert "'1' (SwitchOp): the batched run launched GEMM (mm), where the split run launched" in (
@@ -173,26 +173,33 @@ def test_kernels_on_the_cpu_name_the_ops() -> None:
 def test_option_columns_only_with_their_option(chain: nn.Sequential) -> None:
     plain = run(chain, torch.randn(4, 16)).table
     assert tuple(plain.columns) == divtrace.COLUMNS
-    full = run(chain, torch.randn(4, 16), local=True, truth="fp64", repeat=1).table
+    full = run(chain, torch.randn(4, 16), explain=["local", "fp64", divtrace.Repeat(1)]).table
     extra = [c for c in full.columns if c not in divtrace.COLUMNS]
-    expected = [*divtrace.EXPLAIN_COLUMNS["local"], *divtrace.EXPLAIN_COLUMNS["truth"],
+    expected = [*divtrace.EXPLAIN_COLUMNS["local"], *divtrace.EXPLAIN_COLUMNS["fp64"],
                 *divtrace.EXPLAIN_COLUMNS["repeat"]]
     assert extra == expected
 
 
 @pytest.mark.parametrize(("option", "message"), [
-    ({"truth": "fp32"}, "truth must be None or 'fp64'"),
-    ({"repeat": -1}, "repeat must be a whole number"),
+    ({"explain": ["fp32"]}, "explain= has no probe 'fp32'; the probes are independence, "
+     "local, fp64"),
+    ({"explain": ["-local"]}, "turns off a default probe, but 'local' runs only when named"),
+    ({"explain": ["local", divtrace.Local()]}, "explain= names 'local' twice"),
+    ({"explain": ["-independence", "independence"]}, "names 'independence' twice"),
 ])
-def test_bad_options(chain: nn.Sequential, option: dict, message: str) -> None:
+def test_bad_explain(chain: nn.Sequential, option: dict, message: str) -> None:
     with pytest.raises(divtrace.DivtraceValueError, match=message):
         run(chain, torch.randn(4, 16), **option)
+    with pytest.raises(divtrace.DivtraceValueError, match="whole number >= 1; got -1"):
+        divtrace.Repeat(-1)
+    with pytest.raises(divtrace.DivtraceTypeError, match=r"Observer\(always=...\) must be True"):
+        divtrace.Observer("yes")  # type: ignore[arg-type]
 
 
 def test_plots_show_local_error_fp64_and_sources(chain: nn.Sequential) -> None:
     import matplotlib.pyplot as plt
 
-    result = run(chain, torch.randn(8, 16), local=True, truth="fp64", kernels=True)
+    result = run(chain, torch.randn(8, 16), explain=["local", "fp64", "kernels"])
     fig, (top, bottom) = plt.subplots(2, 1)
     try:
         result.plot(ax=top)
@@ -215,21 +222,21 @@ def test_the_model_input_is_not_recorded_again(chain: nn.Sequential) -> None:
     # own input is the same rows in both runs, so the first layer's input is not copied;
     # the model hands on its last layer's output as it is, so the two share their rows
     assert table["site"].iloc[-1] == "(model)"
-    assert result.meta["stored_bytes"] == int(table["numel"].iloc[:-1].sum()) * 4
+    assert result.meta.stored_bytes == int(table["numel"].iloc[:-1].sum()) * 4
     assert table.set_index("site").loc["0", "input_mismatch"] == 0
 
 
 def test_fp64_truth_with_inplace_ops() -> None:
-    result = run(models.inplace_relu_model(), torch.randn(6, 16), truth="fp64")
+    result = run(models.inplace_relu_model(), torch.randn(6, 16), explain=["fp64"])
     table = result.table
-    assert (table["batched_err_fp64"] < 1e-5).all()
-    assert (table["split_err_fp64"] < 1e-5).all()
+    assert (table["b_err_fp64"] < 1e-5).all()
+    assert (table["a_err_fp64"] < 1e-5).all()
 
 
 def test_a_module_passing_its_input_through_is_a_carrier() -> None:
     model = nn.Sequential(models.OrderedLinear(16, 16, variant_from=2), nn.Dropout(0.5),
                           nn.Identity()).eval()
-    table = run(model, torch.randn(6, 16), local=True).table.set_index("site")
+    table = run(model, torch.randn(6, 16), explain=["local"]).table.set_index("site")
     assert list(table.loc[["0", "1", "2"], "role"]) == ["source", "carrier", "carrier"]
     assert table.loc["1", "local_rel_l2"] == 0
 

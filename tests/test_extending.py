@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import torch
@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 import divtrace
 from divtrace.align.sites import Site, site_key
 from divtrace.assembly import parts_for
-from divtrace.explain.probe import Context, Probe, TableView
+from divtrace.explain.probe import Context, TableView
 from divtrace.measure.figures import Figure, SiteFields
 from divtrace.measure.host import Deferred
 from divtrace.measure.meter import Measured
@@ -39,7 +39,7 @@ def rms_abs(fields: SiteFields) -> float:
 
 def test_a_column_is_one_figure() -> None:
     model, x = models.variant_mlp(), torch.randn(8, 16)
-    plan = make_plan(model, x, progress=False, keep=True)
+    plan = make_plan(model, x, progress=False, resources=divtrace.Resources(keep=True))
     figure = Figure("rms_abs", rms_abs, "root mean square of |batched - split|")
     parts = parts_for(plan, model)
     result = execute(plan, model, replace(parts, figures=(*parts.figures, figure)))
@@ -47,7 +47,7 @@ def test_a_column_is_one_figure() -> None:
     assert columns.index("rms_abs") == columns.index("nonfinite") + 1
     table = result.table.set_index("site")
     for site in ("3", "4", "5"):
-        batched, split = result.pair(site)
+        split, batched = result.pair(site)
         expected = (batched.double() - split.double()).square().mean().sqrt().item()
         assert expected > 0
         assert table.loc[site, "rms_abs"] == pytest.approx(expected, rel=1e-12)
@@ -57,55 +57,64 @@ def test_a_column_is_one_figure() -> None:
 # -- a probe ----------------------------------------------------------------------------
 
 
-class BatchedNorm(Probe):
-    """``norms=True``: the norm of the measured run's compared rows at every site."""
+class BatchedNorm(divtrace.Probe):
+    """The norm of run b's compared rows at every site: a column and a sentence."""
 
-    option: ClassVar[str] = "norms"
-    columns: ClassVar[tuple[str, ...]] = ("batched_norm",)
-    shown: ClassVar[tuple[str, ...]] = ("batched_norm",)
+    columns = ("b_norm",)
+    shown = ("b_norm",)
 
     def __init__(self) -> None:
         self.found: dict[str, Deferred] = {}
 
-    @classmethod
-    def create(cls, options: Mapping[str, Any], model: nn.Module) -> BatchedNorm | None:
-        return cls() if options.get("norms") else None
-
     def on_site(self, ctx: Context, measured: Measured, tensor: torch.Tensor,
                 rows: torch.Tensor) -> None:
         norm = torch.linalg.vector_norm(ctx.store.pick(tensor).double()).reshape(1)
-        self.found[measured.site.key] = ctx.host.add(norm)
+        self.found[measured.site.key] = ctx.host.add(norm)  # fetched with the rest
 
     def fill(self, rows: list[dict[str, Any]], view: TableView) -> None:
         for row in rows:
-            found = self.found.get(row["site"])
-            if found is not None:
-                row["batched_norm"] = float(found.get()[0])
+            if row["site"] in self.found:
+                row["b_norm"] = float(self.found[row["site"]].get()[0])
 
     @classmethod
     def sentences(cls, result: divtrace.Comparison) -> list[str]:
-        top = result.table.loc[result.table["batched_norm"].idxmax()]
-        return [f"The largest batched norm is {top['batched_norm']:.3g}, at '{top['site']}'."]
+        top = result.table.loc[result.table["b_norm"].idxmax()]
+        return [f"The largest norm in run b is {top['b_norm']:.3g}, at '{top['site']}'."]
 
 
 def test_a_probe_adds_its_column_and_its_sentence() -> None:
     model, x = models.variant_mlp(), torch.randn(8, 16)
-    probe = BatchedNorm.create({"norms": True}, model)
-    assert probe is not None
-    assert BatchedNorm.create({}, model) is None
-    plan = make_plan(model, x, samples=[1, 6], progress=False, keep=True, local=True)
-    result = execute(plan, model, parts_for(plan, model).with_probes(probe))
-    assert list(result.table.columns)[-1] == "batched_norm"
+    probe = BatchedNorm()
+    result = divtrace.compare(model, x, samples=[1, 6], explain=["local", probe],
+                              resources=divtrace.Resources(keep=True), progress=False)
+    assert list(result.table.columns)[-1] == "b_norm"
+    assert result.meta.explain == {"independence": {}, "local": {"skip": []},
+                                   "BatchedNorm": {}}
     table = result.table.set_index("site")
     for site in table.index:
-        batched, _ = result.pair(site)
+        _, batched = result.pair(site)
         expected = torch.linalg.vector_norm(batched.double()).item()
-        assert table.loc[site, "batched_norm"] == pytest.approx(expected, rel=1e-12)
-    top = table["batched_norm"].idxmax()
-    assert f"The largest batched norm is {table.loc[top, 'batched_norm']:.3g}, at '{top}'." in (
+        assert table.loc[site, "b_norm"] == pytest.approx(expected, rel=1e-12)
+    top = table["b_norm"].idxmax()
+    assert f"The largest norm in run b is {table.loc[top, 'b_norm']:.3g}, at '{top}'." in (
         result.summary())
-    assert ">batched_norm</th>" in result._repr_html_()
-    assert not probe.found  # the plan's probe stays fresh: each run works on a copy
+    assert ">b_norm</th>" in result._repr_html_()
+    assert not probe.found  # the given probe stays fresh: each run works on a copy
+    again = divtrace.compare(model, x, samples=[1, 6], explain=[BatchedNorm], progress=False)
+    assert again.table["b_norm"].equals(result.table["b_norm"])  # a class is made for you
+
+
+def test_a_probe_checks_the_model_first() -> None:
+    class ForConvolutions(BatchedNorm):
+        def check(self, model: nn.Module) -> bool:  # nothing to do without a convolution
+            return any(isinstance(m, nn.Conv1d) for m in model.modules())
+
+    x = torch.randn(8, 16)
+    assert "b_norm" not in divtrace.compare(models.variant_mlp(), x,
+                                            explain=[ForConvolutions()], progress=False).table
+    conv = nn.Sequential(nn.Unflatten(1, (1, 16)), nn.Conv1d(1, 2, 3)).eval()
+    assert "b_norm" in divtrace.compare(conv, x, explain=[ForConvolutions()],
+                                        progress=False).table
 
 
 # -- a recorder -------------------------------------------------------------------------
@@ -180,11 +189,11 @@ def test_an_output_format_reads_the_public_result(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("options", [{}, {"a": divtrace.Run(), "b": divtrace.Run(chunk=2),
-                                          "truth": "fp64"}])
+                                          "explain": ["fp64"]}])
 def test_meta_round_trips_through_json(options: dict[str, Any]) -> None:
     model = nn.Sequential(*models.variant_mlp(), nn.Flatten()).eval()
     result = divtrace.compare(model, torch.randn(6, 16), progress=False, **options)
-    back = Meta.from_dict(json.loads(json.dumps(result.meta)))
-    assert back == result.info
-    assert back.to_dict() == result.meta
-    assert result.info.flips["(model)"] == tuple(result.meta["flips"]["(model)"])
+    back = Meta.from_dict(json.loads(json.dumps(result.meta.to_dict())))
+    assert back == result.meta
+    assert back.to_dict() == result.meta.to_dict()
+    assert isinstance(back.flips["(model)"], tuple)

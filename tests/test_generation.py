@@ -70,7 +70,7 @@ def test_one_token_and_a_prompt_of_length_one() -> None:
     found = divtrace.compare_generate(tiny(), some_prompts(1, 3), max_new_tokens=1,
                                       eos_token_id=None, progress=False)
     assert list(found.table["step"]) == [0, 0]
-    first = found.first_divergence
+    first = found.per_prompt
     assert list(first["length"]) == [1, 3]
     assert list(first["steps"]) == [1, 1]
     comparison = found.at(0)
@@ -107,10 +107,10 @@ def test_prompts_that_parted_earlier_are_left_out() -> None:
     table.loc[(table["prompt"] == 1) & (table["step"] == 1), "same_token"] = False
     table.loc[later, "same_prefix"] = False
     parted = replace(found, table=table)
-    assert parted.first_divergence.set_index("prompt").loc[1, "first_token_split"] == 1
+    assert parted.per_prompt.set_index("prompt").loc[1, "first_token_split"] == 1
     with pytest.warns(divtrace.DivtraceWarning, match=r"prompts \[1\] are left out"):
         comparison = parted.at(2)
-    assert comparison.info.samples == (0, 2)
+    assert comparison.meta.samples == (0, 2)
     assert "1 of 3 prompts generated other tokens" in parted.summary()
 
 

@@ -29,7 +29,7 @@ def test_observer_check_on_cuda(vgg_features: nn.Module) -> None:
     captured: list[torch.Tensor] = []
     handle = vgg_features.register_forward_hook(lambda m, a, o: captured.append(o.clone()))
     try:
-        divtrace.compare(vgg_features, x, chunk=2, samples=[0, 1], progress=False)
+        divtrace.compare(vgg_features, x, a=divtrace.Run(chunk=2), samples=[0, 1], progress=False)
     finally:
         handle.remove()
     batched = [t for t in captured if t.shape[0] == 16]
@@ -38,12 +38,13 @@ def test_observer_check_on_cuda(vgg_features: nn.Module) -> None:
 
 def test_split_rows_are_what_a_chunked_loop_gives(vgg_features: nn.Module) -> None:
     x = torch.rand(16, 3, 64, 64, device="cuda")
-    result = divtrace.compare(vgg_features, x, chunk=2, samples=[0, 1, 5], keep=True,
+    result = divtrace.compare(vgg_features, x, a=divtrace.Run(chunk=2),
+                              resources=divtrace.Resources(keep=True), samples=[0, 1, 5],
                               progress=False)
     with torch.no_grad():
         split = torch.cat([vgg_features(x[0:2]), vgg_features(x[4:6])[1:]])
         batched = vgg_features(x)[[0, 1, 5]]
-    got_batched, got_split = result.pair("(model)")
+    got_split, got_batched = result.pair("(model)")
     torch.testing.assert_close(got_split, split, rtol=0, atol=0)
     torch.testing.assert_close(got_batched, batched, rtol=0, atol=0)
     row = result.table.set_index("site").loc["(model)"]
@@ -52,14 +53,14 @@ def test_split_rows_are_what_a_chunked_loop_gives(vgg_features: nn.Module) -> No
 
 def _sync_warnings(model: nn.Module, x: torch.Tensor, graphs: bool,
                    independence: bool = False) -> int:
-    divtrace.compare(model, x, graphs=graphs, progress=False,
-                     independence=independence)  # warm-up
+    explain = [] if independence else ["-independence"]
+    resources = divtrace.Resources(graphs=graphs)
+    divtrace.compare(model, x, explain=explain, resources=resources, progress=False)  # warm-up
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            divtrace.compare(model, x, graphs=graphs, progress=False,
-                             independence=independence)
+            divtrace.compare(model, x, explain=explain, resources=resources, progress=False)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     return sum("synchroniz" in str(w.message) for w in caught)
@@ -84,7 +85,8 @@ def test_offload_gives_the_same_table_on_cuda() -> None:
     model = models.variant_mlp().cuda()
     x = torch.randn(8, 16, device="cuda")
     on_device = divtrace.compare(model, x, progress=False).table
-    offloaded = divtrace.compare(model, x, offload=True, progress=False).table
+    offloaded = divtrace.compare(model, x, resources=divtrace.Resources(offload=True),
+                                 progress=False).table
     assert on_device.equals(offloaded)
     assert on_device.set_index("site").loc["3", "mismatch"] > 0
 
@@ -123,24 +125,25 @@ def test_cosine_through_the_fused_kernel_resolves_rounding_level_divergence() ->
 def test_explain_options_on_cuda() -> None:
     model = nn.Sequential(*models.variant_mlp(), models.Scale(4.0)).eval().cuda()
     result = divtrace.compare(model, torch.randn(8, 16, device="cuda"), progress=False,
-                              local=True, truth="fp64", repeat=1, kernels=True)
+                              explain=["local", "fp64", divtrace.Repeat(1), "kernels"])
     table = result.table.set_index("site")
     assert list(result.sources["site"]) == ["3"]
     assert table.loc["3", "local_rel_l2"] == table.loc["3", "rel_l2"]
     assert table.loc["4", "local_rel_l2"] == 0
     assert table.loc["6", "amplification"] == 4.0
     assert (table.loc[["0", "3", "6"], "noise_mismatch"] == 0).all()
-    assert (table["batched_err_fp64"] < 1e-5).all()
-    assert table.loc["3", "kernels_batched"]  # CUDA kernel names were found
+    assert (table["b_err_fp64"] < 1e-5).all()
+    assert table.loc["3", "kernels_b"]  # CUDA kernel names were found
 
 
 def test_kernels_of_a_convolution_on_cuda(vgg_features: nn.Module) -> None:
     x = torch.rand(16, 3, 64, 64, device="cuda")
-    result = divtrace.compare(vgg_features, x, chunk=2, samples=[0, 1], kernels=True,
+    result = divtrace.compare(vgg_features, x, explain=["kernels"], a=divtrace.Run(chunk=2),
+                              samples=[0, 1],
                               progress=False)
     conv = result.table.set_index("site").loc["0"]
-    assert conv["kernels_batched"]
-    assert conv["kernels_split"]
+    assert conv["kernels_b"]
+    assert conv["kernels_a"]
 
 
 def test_cpu_against_cuda() -> None:
@@ -158,7 +161,7 @@ def test_flags_reach_cuda_runs_and_come_back() -> None:
     x = torch.rand(4, 3, 16, 16, device="cuda")
     model(x)  # materialise the lazy layer
     result = divtrace.compare(model, x, a=divtrace.Run(cudnn=True),
-                              b=divtrace.Run(cudnn=False), kernels=True, progress=False)
+                              b=divtrace.Run(cudnn=False), explain=["kernels"], progress=False)
     conv = result.table.set_index("site").loc["0"]
     assert conv["kernels_differ"]  # cuDNN kernels against the native convolution
     assert (torch.backends.cudnn.enabled, torch.backends.cuda.matmul.allow_tf32) == before
@@ -228,9 +231,9 @@ def test_a_llama_dispatched_over_two_gpus_with_accelerate() -> None:
 def test_the_observer_check_of_a_transformer_layer_on_cuda() -> None:
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True).eval().cuda()
-    result = divtrace.compare(layer, torch.randn(8, 16, 64, device="cuda"), chunk=2,
+    result = divtrace.compare(layer, torch.randn(8, 16, 64, device="cuda"), a=divtrace.Run(chunk=2),
                               samples=[0, 1], progress=False)
-    note = result.info.notes["observer"]
+    note = result.meta.notes["observer"]
     said = "Observer effect" in result.summary()
     assert said == (not note["identical"])
     assert note["identical"] or note["differs"]["(model)"] > 0
@@ -245,7 +248,8 @@ def test_an_input_on_another_device_is_named_before_the_model_runs() -> None:
 def test_op_sites_on_cuda_match_the_ops_run_by_hand() -> None:
     torch.manual_seed(0)
     model, x = models.Attention().eval().cuda(), torch.randn(8, 16, 32, device="cuda")
-    result = divtrace.compare(model, x, ops=True, keep=True, local=True, kernels=True,
+    result = divtrace.compare(model, x, ops=True, explain=["local", "kernels"],
+                              resources=divtrace.Resources(keep=True),
                               progress=False)
     table = result.table.set_index("site")
     ops = table[table["op"] != ""]
@@ -256,9 +260,9 @@ def test_op_sites_on_cuda_match_the_ops_run_by_hand() -> None:
         expected = nn.functional.scaled_dot_product_attention(q, k, v)
         alone = torch.cat([nn.functional.scaled_dot_product_attention(
             q[i:i + 1], k[i:i + 1], v[i:i + 1]) for i in range(8)])
-    batched, _split = result.pair(sdpa)
+    _split, batched = result.pair(sdpa)
     torch.testing.assert_close(batched, expected, rtol=0, atol=0)
-    assert ops.loc[sdpa, "kernels_batched"]  # a CUDA kernel named for the op itself
+    assert ops.loc[sdpa, "kernels_b"]  # a CUDA kernel named for the op itself
     assert ops["local_status"].eq("ok").all()
     if torch.equal(model.qkv(x)[:1], model.qkv(x[:1])):  # identical inputs: the op's own
         assert ops.loc[sdpa, "mismatch"] == (expected != alone).double().mean().item()
@@ -310,7 +314,7 @@ def test_float64_beyond_its_squares_on_cuda(exponent: int) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64, bias=False)).double().eval().cuda()
     x = torch.randn(32, 64, dtype=torch.float64, device="cuda") * scale
-    result = divtrace.compare(model, x, chunk=2, samples=[0, 1], progress=False)
+    result = divtrace.compare(model, x, a=divtrace.Run(chunk=2), samples=[0, 1], progress=False)
     with torch.no_grad():
         batched, split = model(x)[:2] / scale, model(x[:2]) / scale
     row = result.table.set_index("site").loc["0"]

@@ -267,15 +267,18 @@ def test_graphs_on_the_cpu_are_eager_and_say_why() -> None:
     model = models.variant_mlp()
     x = torch.randn(8, 16)
     result = divtrace.compare(model, x, progress=False)
-    assert result.meta["graphed"]["a"]["replayed"] == 0
-    assert result.meta["graphed"]["a"]["reason"] == "the input is not on a CUDA device"
-    assert result.table.equals(divtrace.compare(model, x, graphs=False, progress=False).table)
+    assert result.meta.graphed["a"]["replayed"] == 0
+    assert result.meta.graphed["a"]["reason"] == "the input is not on a CUDA device"
+    eager = divtrace.compare(model, x, resources=divtrace.Resources(graphs=False),
+                             progress=False)
+    assert result.table.equals(eager.table)
     with pytest.raises(DivtraceValueError, match=r"graphs=True, but .* not on a CUDA device"):
-        divtrace.compare(model, x, graphs=True, progress=False)
+        divtrace.compare(model, x, resources=divtrace.Resources(graphs=True), progress=False)
     with pytest.raises(DivtraceValueError, match="graphs must be 'auto'"):
-        divtrace.compare(model, x, graphs="yes", progress=False)
+        divtrace.compare(model, x, resources=divtrace.Resources(graphs="yes"), progress=False)
     with pytest.raises(DivtraceValueError, match="op sites"):
-        divtrace.compare(model, x, graphs=True, ops=True, progress=False)
+        divtrace.compare(model, x, resources=divtrace.Resources(graphs=True), ops=True,
+                         progress=False)
 
 
 # -- on CUDA -------------------------------------------------------------------------
@@ -283,7 +286,7 @@ def test_graphs_on_the_cpu_are_eager_and_say_why() -> None:
 
 def _tables_equal(graphed: divtrace.Comparison, eager: divtrace.Comparison) -> None:
     assert graphed.table.equals(eager.table)
-    assert graphed.samples.equals(eager.samples)
+    assert graphed.per_sample.equals(eager.per_sample)
     assert graphed.summary() == eager.summary()
 
 
@@ -299,12 +302,14 @@ def test_a_graphed_split_run_gives_exactly_the_eager_table(name: str) -> None:
     x = (torch.randn(14, 16) if name == "mlp" else torch.rand(14, 3, 96, 96)).cuda()
     # per sample: 3 lanes, the last group of two takes one chunk again
     for chunk, samples in ((1, None), (2, None), (3, list(range(3, 12)))):
-        graphed = divtrace.compare(model, x, chunk=chunk, samples=samples, graphs=True,
+        graphed = divtrace.compare(model, x, a=divtrace.Run(chunk=chunk),
+                                   resources=divtrace.Resources(graphs=True), samples=samples,
                                    progress=False)
-        eager = divtrace.compare(model, x, chunk=chunk, samples=samples, graphs=False,
+        eager = divtrace.compare(model, x, a=divtrace.Run(chunk=chunk),
+                                 resources=divtrace.Resources(graphs=False), samples=samples,
                                  progress=False)
         _tables_equal(graphed, eager)
-        run = graphed.meta["graphed"]["a"]
+        run = graphed.meta.graphed["a"]
         assert run["lanes"] == lanes_for(run["passes"]) == (3 if chunk == 1 else 1)
         assert run["replayed"] == run["passes"] - 1
         assert run["reason"] is None
@@ -328,9 +333,10 @@ def test_a_model_that_synchronises_falls_back_on_cuda() -> None:
     with pytest.warns(DivtraceWarning, match="could not be captured") as caught:
         graphed = divtrace.compare(model, x, progress=False)
     assert caught[0].filename == __file__  # points at the call of compare()
-    _tables_equal(graphed, divtrace.compare(model, x, graphs=False, progress=False))
+    _tables_equal(graphed, divtrace.compare(model, x, resources=divtrace.Resources(graphs=False),
+                                            progress=False))
     with pytest.raises(DivtraceValueError, match=r"graphs=True, but .* could not be captured"):
-        divtrace.compare(model, x, graphs=True, progress=False)
+        divtrace.compare(model, x, resources=divtrace.Resources(graphs=True), progress=False)
     # CUDA, and random draws on it, still work after the failed capture
     assert torch.equal(model(x), model(x))
     assert torch.randn(3, device="cuda").isfinite().all()
@@ -351,10 +357,11 @@ def test_a_graph_left_to_the_garbage_collector_does_not_break_a_capture() -> Non
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", DivtraceWarning)
-            result = divtrace.compare(model, x, graphs=True, progress=False)
+            result = divtrace.compare(model, x, resources=divtrace.Resources(graphs=True),
+                                      progress=False)
     finally:
         gc.set_threshold(*threshold)
-    assert result.meta["graphed"]["a"]["replayed"] == 15
+    assert result.meta.graphed["a"]["replayed"] == 15
 
 
 @pytest.mark.cuda
@@ -366,12 +373,14 @@ def test_graphs_under_deterministic_algorithms() -> None:
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        graphed = divtrace.compare(model, x, graphs=True, progress=False)
-        eager = divtrace.compare(model, x, graphs=False, progress=False)
+        graphed = divtrace.compare(model, x, resources=divtrace.Resources(graphs=True),
+                                   progress=False)
+        eager = divtrace.compare(model, x, resources=divtrace.Resources(graphs=False),
+                                 progress=False)
     finally:
         torch.use_deterministic_algorithms(was)
     _tables_equal(graphed, eager)
-    assert graphed.meta["graphed"]["a"]["replayed"] == 5
+    assert graphed.meta.graphed["a"]["replayed"] == 5
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
@@ -398,17 +407,20 @@ def test_slot_copy_writes_each_row_to_its_slot_bit_for_bit(
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("options", [{"local": True}, {"truth": "fp64"}, {"repeat": 1},
-                                     {"keep": True}, {"modules": ["layer1.*"]},
-                                     {"chunk": 2, "samples": [2, 3, 4, 5, 6, 7]}])
+@pytest.mark.parametrize("options", [{"explain": ["local"]}, {"explain": ["fp64"]},
+                                     {"explain": [divtrace.Repeat(1)]},
+                                     {"modules": ["layer1.*"]},
+                                     {"a": divtrace.Run(chunk=2), "samples": [2, 3, 4, 5, 6, 7]}])
 def test_graphs_with_explain_options(options: dict[str, object]) -> None:
     torch.manual_seed(0)
     model = resnet18(num_classes=10).eval().cuda()
     x = torch.rand(8, 3, 64, 64, device="cuda")
-    graphed = divtrace.compare(model, x, graphs=True, progress=False, **options)
-    _tables_equal(graphed, divtrace.compare(model, x, graphs=False, progress=False,
+    graphed = divtrace.compare(model, x, resources=divtrace.Resources(graphs=True), progress=False,
+                               **options)
+    _tables_equal(graphed, divtrace.compare(model, x, resources=divtrace.Resources(graphs=False),
+                                            progress=False,
                                             **options))
-    assert graphed.meta["graphed"]["a"]["replayed"] > 0
+    assert graphed.meta.graphed["a"]["replayed"] > 0
 
 
 @pytest.mark.cuda
@@ -418,11 +430,13 @@ def test_graphs_for_two_chunked_runs_and_a_language_model() -> None:
     model = models.variant_mlp().cuda()
     x = torch.randn(16, 16, device="cuda")
     a, b = divtrace.Run(chunk=1), divtrace.Run(chunk=4)
-    graphed = divtrace.compare(model, x, a=a, b=b, graphs=True, progress=False)
-    _tables_equal(graphed, divtrace.compare(model, x, a=a, b=b, graphs=False,
+    graphed = divtrace.compare(model, x, a=a, b=b, resources=divtrace.Resources(graphs=True),
+                               progress=False)
+    _tables_equal(graphed, divtrace.compare(model, x, a=a, b=b,
+                                            resources=divtrace.Resources(graphs=False),
                                             progress=False))
-    assert [graphed.meta["graphed"][run]["replayed"] for run in "ab"] == [15, 3]
-    assert [graphed.meta["graphed"][run]["lanes"] for run in "ab"] == [4, 1]
+    assert [graphed.meta.graphed[run]["replayed"] for run in "ab"] == [15, 3]
+    assert [graphed.meta.graphed[run]["lanes"] for run in "ab"] == [4, 1]
     config = transformers.BertConfig(hidden_size=64, num_hidden_layers=2,
                                      num_attention_heads=4, intermediate_size=128,
                                      vocab_size=300)
@@ -431,9 +445,11 @@ def test_graphs_for_two_chunked_runs_and_a_language_model() -> None:
     mask = torch.ones_like(ids)
     mask[::3, 9:] = 0  # padded rows: the mask is an input of every lane
     inputs = {"input_ids": ids, "attention_mask": mask}
-    graphed = divtrace.compare(bert, inputs, graphs=True, progress=False)
-    _tables_equal(graphed, divtrace.compare(bert, inputs, graphs=False, progress=False))
-    run = graphed.meta["graphed"]["a"]
+    graphed = divtrace.compare(bert, inputs, resources=divtrace.Resources(graphs=True),
+                               progress=False)
+    _tables_equal(graphed, divtrace.compare(bert, inputs, progress=False,
+                                            resources=divtrace.Resources(graphs=False)))
+    run = graphed.meta.graphed["a"]
     assert (run["replayed"], run["lanes"]) == (15, 4)  # the last group of three takes one again
 
 
@@ -446,8 +462,8 @@ def test_the_html_page_says_how_the_split_run_ran() -> None:
     assert ">graphed<" not in html  # in the runs' rows, not among the settings
 
     def replayed(outcome: GraphOutcome) -> str:
-        info = replace(result.info, graphed={"a": outcome.to_dict()})
-        return page(divtrace.Comparison(result.table, result.samples, info, {}), "graphs")
+        info = replace(result.meta, graphed={"a": outcome.to_dict()})
+        return page(divtrace.Comparison(result.table, result.per_sample, info, {}), "graphs")
 
     assert ("63 of 64 passes replayed from a CUDA graph, 4 side by side (pool 96 MiB), each "
             "checked bit for bit against the eager first pass"

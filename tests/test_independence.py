@@ -40,7 +40,7 @@ def dependent(result: divtrace.Comparison) -> list[str]:
 
 
 @pytest.mark.parametrize("eps", [1.0, 1e-4, 1e-6])
-@pytest.mark.parametrize("options", [{}, {"chunk": 2}, {"samples": [0, 5]}],
+@pytest.mark.parametrize("options", [{}, {"a": divtrace.Run(chunk=2)}, {"samples": [0, 5]}],
                          ids=["all", "chunk2", "two-samples"])
 def test_planted_mixing_is_not_rounding_whatever_its_size(eps: float, options: dict) -> None:
     result = run(planted(eps), torch.randn(16, 16), **options)
@@ -67,7 +67,7 @@ def test_without_mixing_the_verdict_is_rounding_and_says_why() -> None:
         summary.splitlines()[0])
     assert "Independence test (2 more batched passes, each half of the samples held" in (
         summary)
-    assert result.info.notes["independence"]["passes"] == 2
+    assert result.meta.notes["independence"]["passes"] == 2
 
 
 def test_some_samples_are_held_in_one_pass() -> None:
@@ -83,12 +83,15 @@ def test_some_samples_are_held_in_one_pass() -> None:
 
 
 def test_leaving_it_out_says_the_verdict_rests_on_the_size() -> None:
-    result = run(models.variant_mlp(), torch.randn(8, 16), independence=False)
+    result = run(models.variant_mlp(), torch.randn(8, 16), explain=["-independence"])
     assert "depends_on_others" not in result.table
     assert result.verdict == "rounding"
     assert "rests on the size of the error alone" in result.summary().splitlines()[0]
-    with pytest.raises(divtrace.DivtraceTypeError, match="independence must be True"):
-        run(models.variant_mlp(), torch.randn(8, 16), independence="yes")
+    with pytest.raises(divtrace.DivtraceTypeError, match="explain= takes probe names"):
+        run(models.variant_mlp(), torch.randn(8, 16), explain=[True])
+    with pytest.raises(divtrace.DivtraceValueError, match="no probe 'yes'; the probes are "
+                       "independence, local, fp64, repeat, kernels, observer"):
+        run(models.variant_mlp(), torch.randn(8, 16), explain="yes")
 
 
 def test_a_chunked_run_b_is_not_tested_and_that_is_said() -> None:
@@ -142,7 +145,7 @@ def test_a_padding_mask_in_a_transformer_encoder_is_no_mixing() -> None:
     mask = torch.zeros(6, 5, dtype=torch.bool)
     mask[::2, 3:] = True  # padding at the end of every other sequence
     result = run(model, {"src": x, "src_key_padding_mask": mask})
-    assert result.info.notes["independence"]["ran"]
+    assert result.meta.notes["independence"]["ran"]
     assert dependent(result) == []
     assert result.verdict in ("rounding", "identical")
 
@@ -230,7 +233,7 @@ def test_language_models_with_padding_do_not_mix(name: str) -> None:
     mask[1, :3] = 0  # left padding in two of the four rows
     mask[3, :5] = 0
     result = run(model, {"input_ids": ids, "attention_mask": mask})
-    assert result.info.notes["independence"]["ran"]
+    assert result.meta.notes["independence"]["ran"]
     assert dependent(result) == []
     assert result.verdict in ("rounding", "identical")
 
@@ -240,7 +243,7 @@ def test_prompts_do_not_mix(name: str) -> None:
     generator = torch.Generator().manual_seed(2)
     prompts = [torch.randint(1, 100, (n,), generator=generator) for n in (5, 9, 3, 7)]
     result = run(_hf(name), divtrace.Prompts(prompts))
-    assert result.info.notes["independence"]["ran"]
+    assert result.meta.notes["independence"]["ran"]
     assert dependent(result) == []
     assert result.verdict in ("rounding", "identical")
 
@@ -257,7 +260,7 @@ def test_the_default_keeps_fingerprints_not_the_rows() -> None:
     parts = parts_for(plan, model)
     assert parts.prints_batched
     assert not parts.keeps_batched(plan)
-    plan = make_plan(model, x, progress=False, independence=False)
+    plan = make_plan(model, x, progress=False, explain=["-independence"])
     assert not parts_for(plan, model).prints_batched
 
 
@@ -271,7 +274,7 @@ def test_how_far_the_rows_moved_is_measured_against_the_rows_themselves() -> Non
     expected = ((after - before).double().norm() / before.double().norm()).item()
     assert result.table.set_index("site").loc["2", "others_rel_l2"] == pytest.approx(
         expected, rel=1e-6)
-    assert result.info.notes["independence"]["passes"] == 3  # test, repetition, sizing
+    assert result.meta.notes["independence"]["passes"] == 3  # test, repetition, sizing
 
 
 class MixingLM(nn.Module):
@@ -319,4 +322,4 @@ def test_a_zero_whose_sign_follows_the_others_is_no_dependence() -> None:
     assert not torch.equal(before.view(torch.int32), after.view(torch.int32))
     result = run(model, x)
     assert dependent(result) == []
-    assert result.info.notes["independence"]["passes"] == 5  # the halves, then sized
+    assert result.meta.notes["independence"]["passes"] == 5  # the halves, then sized

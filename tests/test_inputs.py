@@ -108,20 +108,23 @@ def test_samples_as_range_tensor_or_int() -> None:
     x = torch.randn(8, 16)
     for samples in (range(2, 4), torch.tensor([2, 3]), 3):
         result = run(models.variant_mlp(), x, samples=samples)
-        assert set(result.samples["sample"]) <= {2, 3}
+        assert set(result.per_sample["sample"]) <= {2, 3}
 
 
 @pytest.mark.parametrize("chunk", [8, 9])
 def test_chunk_not_below_batch(chunk: int) -> None:
-    with pytest.raises(divtrace.DivtraceValueError, match=r"chunk=\d+ but the batch has only B=8"):
-        run(models.variant_mlp(), torch.randn(8, 16), chunk=chunk)
+    with pytest.raises(divtrace.DivtraceValueError,
+                       match=r"runs a and b are the same: as is, the B=8 rows in one "
+                             r"pass; chunk=\d takes it whole\. Give run a a chunk below 8"):
+        run(models.variant_mlp(), torch.randn(8, 16), a=divtrace.Run(chunk=chunk))
 
 
 def test_chunk_of_the_wrong_value() -> None:
-    with pytest.raises(divtrace.DivtraceValueError, match="at least 1"):
-        run(models.variant_mlp(), torch.randn(8, 16), chunk=0)
-    with pytest.raises(divtrace.DivtraceTypeError, match="chunk must be an int"):
-        run(models.variant_mlp(), torch.randn(8, 16), chunk=2.0)
+    with pytest.raises(divtrace.DivtraceValueError,
+                       match=r"Run\(chunk=...\) must be None or an int >= 1; got 0"):
+        run(models.variant_mlp(), torch.randn(8, 16), a=divtrace.Run(chunk=0))
+    with pytest.raises(divtrace.DivtraceTypeError, match=r"int >= 1; got 2\.0"):
+        run(models.variant_mlp(), torch.randn(8, 16), a=divtrace.Run(chunk=2.0))
 
 
 def test_disagreeing_batch_sizes_warn_and_pass_through() -> None:
@@ -153,6 +156,6 @@ def test_pair_needs_keep() -> None:
     result = run(models.variant_mlp(), torch.randn(4, 16))
     with pytest.raises(divtrace.DivtraceValueError, match="keep=True"):
         result.pair("0")
-    kept = run(models.variant_mlp(), torch.randn(4, 16), keep=True)
+    kept = run(models.variant_mlp(), torch.randn(4, 16), resources=divtrace.Resources(keep=True))
     with pytest.raises(divtrace.DivtraceValueError, match=r"no compared site 'nope'.*0, 1"):
         kept.pair("nope")

@@ -108,7 +108,7 @@ for elements, budget in ((queue.FUSED_ELEMENTS, None), (queue.FUSED_ELEMENTS, 1)
                                   independence=False))
     counted.append(list(launches))
 for other in found[1:]:
-    assert found[0].table.equals(other.table) and found[0].samples.equals(other.samples)
+    assert found[0].table.equals(other.table) and found[0].per_sample.equals(other.per_sample)
 assert (found[0].table["mismatch"] > 0).any()
 sites = sum(counted[0])
 assert counted[0] == [sites] and counted[1] == [1] * sites and counted[2] == [], counted
@@ -195,9 +195,9 @@ def test_small_sites_queued_on_cuda_give_the_same_table(monkeypatch: pytest.Monk
     results = []
     for elements in (queue.FUSED_ELEMENTS, 0):  # queued; each site alone
         monkeypatch.setattr(queue, "FUSED_ELEMENTS", elements)
-        results.append(divtrace.compare(model, x, chunk=2, samples=[0, 1, 5],
+        results.append(divtrace.compare(model, x, a=divtrace.Run(chunk=2), samples=[0, 1, 5],
                                         progress=False))
     queued, alone = results
     assert queued.table.equals(alone.table)
-    assert queued.samples.equals(alone.samples)
+    assert queued.per_sample.equals(alone.per_sample)
     assert (queued.table["mismatch"] > 0).any()

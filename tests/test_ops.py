@@ -66,14 +66,15 @@ def test_in_place_ops_are_measured_after_they_ran() -> None:
     x = torch.randn(5, 7)
     given = x.clone()
     # a split run that differs only by a scale: b=a*(1+eps) makes mul's output differ
-    result = divtrace.compare(models.InplaceOps(), x, ops=True, progress=False, keep=True)
+    result = divtrace.compare(models.InplaceOps(), x, ops=True, progress=False,
+                              resources=divtrace.Resources(keep=True))
     ops = ops_of(result)
     assert list(ops.index) == ["(model):aten.mul", "(model):aten.add_", "(model):aten.relu_"]
     assert ops["status"].eq("ok").all()
     assert ops["role"].eq("clean").all()
-    batched, _split = result.pair("(model):aten.mul")
+    _split, batched = result.pair("(model):aten.mul")
     torch.testing.assert_close(batched, x * 3.0, rtol=0, atol=0)  # before add_ changed it
-    batched, _ = result.pair("(model):aten.add_")
+    _, batched = result.pair("(model):aten.add_")
     torch.testing.assert_close(batched, x * 3.0 + 1.0, rtol=0, atol=0)
     assert torch.equal(x, given)
 
@@ -95,7 +96,8 @@ def test_an_op_in_one_run_only_is_reported_and_aligned_around() -> None:
 def test_sdpa_is_one_op_site() -> None:
     torch.manual_seed(4)
     model, x = models.Attention().eval(), torch.randn(4, 6, 32)
-    result = divtrace.compare(model, x, ops=True, progress=False, keep=True)
+    result = divtrace.compare(model, x, ops=True, progress=False,
+                              resources=divtrace.Resources(keep=True))
     ops = ops_of(result)
     sdpa = [s for s in ops.index if "scaled_dot_product" in s]
     assert sdpa
@@ -106,7 +108,7 @@ def test_sdpa_is_one_op_site() -> None:
     with torch.no_grad():
         q, k, v = model.qkv(x).view(4, 6, 3, 4, 8).permute(2, 0, 3, 1, 4)
         expected = nn.functional.scaled_dot_product_attention(q, k, v)
-    batched, _ = result.pair(sdpa[0])
+    _, batched = result.pair(sdpa[0])
     torch.testing.assert_close(batched, expected, rtol=0, atol=0)
 
 
@@ -133,7 +135,7 @@ def test_ops_only_puts_no_hook_inside_the_model() -> None:
 def test_local_replays_single_ops() -> None:
     torch.manual_seed(5)
     model, x = models.FunctionalLinear().eval(), torch.randn(8, 256)
-    result = divtrace.compare(model, x, ops=True, local=True, progress=False)
+    result = divtrace.compare(model, x, ops=True, explain=["local"], progress=False)
     ops = ops_of(result)
     assert ops["local_status"].eq("ok").all()
     assert ops.loc["(model):aten.mm", "adds_error"] == True  # noqa: E712
@@ -141,16 +143,16 @@ def test_local_replays_single_ops() -> None:
     # the residual add gets the split run's inputs: it adds nothing of its own
     assert ops.loc["(model):aten.add#1", "adds_error"] == False  # noqa: E712
     attention = divtrace.compare(models.Attention().eval(), torch.randn(4, 6, 32), ops=True,
-                                 local=True, progress=False)
+                                 explain=["local"], progress=False)
     assert ops_of(attention)["local_status"].eq("ok").all()
 
 
 def test_kernels_name_each_op() -> None:
     model, x = models.FunctionalLinear().eval(), torch.randn(4, 256)
-    result = divtrace.compare(model, x, ops=True, kernels=True, progress=False)
+    result = divtrace.compare(model, x, ops=True, explain=["kernels"], progress=False)
     ops = ops_of(result)
-    assert "aten::mm" in ops.loc["(model):aten.mm", "kernels_batched"]
-    assert "aten::tanh" in ops.loc["(model):aten.tanh", "kernels_split"]
+    assert "aten::mm" in ops.loc["(model):aten.mm", "kernels_b"]
+    assert "aten::tanh" in ops.loc["(model):aten.tanh", "kernels_a"]
 
 
 def test_two_chunked_runs_compare_op_sites() -> None:
@@ -206,9 +208,10 @@ def test_a_write_through_an_alias_does_not_change_what_was_recorded() -> None:
             return h * 1.0
 
     x = torch.randn(6, 5)
-    result = divtrace.compare(WritesThroughAlias(), x, ops=True, keep=True, progress=False)
+    result = divtrace.compare(WritesThroughAlias(), x, ops=True,
+                              resources=divtrace.Resources(keep=True), progress=False)
     ops = ops_of(result)
     assert ops.loc["(model):aten.mul", "mismatch"] == 0
-    batched, split = result.pair("(model):aten.mul")
+    split, batched = result.pair("(model):aten.mul")
     torch.testing.assert_close(split, x * 2.0, rtol=0, atol=0)
     torch.testing.assert_close(batched, x * 2.0, rtol=0, atol=0)

@@ -82,7 +82,7 @@ def test_compare_reads_the_new_api_and_changes_nothing(setup: str) -> None:
     assert everything() == before
     assert result.verdict in ("rounding", "identical")
     assert both.verdict
-    settings = result.info.settings["a"]
+    settings = result.meta.settings["a"]
     assert settings["tf32_matmul"] == (effective("cuda.matmul") == "tf32")
     assert settings["tf32_cudnn"] == (effective("cudnn.conv") == "tf32")
 
@@ -126,13 +126,13 @@ def test_the_budget_sees_tf32_set_through_the_new_api() -> None:
     result = divtrace.compare(models.variant_mlp(), torch.randn(4, 16), progress=False)
     torch.backends.cudnn.conv.fp32_precision = "tf32"
     torch.backends.cuda.matmul.fp32_precision = "ieee"
-    on_gpu = {k: v | {"device": "cuda:0"} for k, v in result.info.settings.items()}
+    on_gpu = {k: v | {"device": "cuda:0"} for k, v in result.meta.settings.items()}
     for key in on_gpu:  # the flags as a run on a GPU would record them now
         on_gpu[key] |= {k: v for k, v in run_settings(divtrace.Run(), models.variant_mlp())
                         .items() if k.startswith(("tf32", "matmul", "bf16"))}
-    meta = replace(result.info, settings=on_gpu)
+    meta = replace(result.meta, settings=on_gpu)
     limit, _, name = budget("float32", meta)
     assert name == "TF32"
     assert limit == pytest.approx(3.97e-3, rel=1e-2)
     assert [what for _, what in reduced(meta)] == ["TF32 for float32 convolutions in cuDNN"]
-    assert budget("float32", result.info)[2] == "float32"  # on the CPU TF32 does nothing
+    assert budget("float32", result.meta)[2] == "float32"  # on the CPU TF32 does nothing

@@ -63,7 +63,7 @@ def test_the_output_is_compared_on_real_tokens(side: str, build: object) -> None
     assert out["mismatch"] == (b != a).double().mean().item()
     diff = (b.double() - a.double()).norm() / a.double().norm()
     assert out["rel_l2"] == pytest.approx(diff.item(), rel=1e-9, abs=1e-30)
-    samples = result.samples
+    samples = result.per_sample
     last = samples[samples["site"] == out["site"]].set_index("sample")
     for i in range(4):
         expected = (batched[i] != alone[i]).double().mean().item()
@@ -101,7 +101,8 @@ def test_padding_is_never_compared(side: str) -> None:
 def test_chunks_of_prompts_are_padded_among_themselves() -> None:
     model = tiny_llama()
     prompts = divtrace.Prompts(some_prompts(4, 6, 2, 5))
-    result = divtrace.compare(model, prompts, chunk=2, samples=[1, 2], progress=False)
+    result = divtrace.compare(model, prompts, a=divtrace.Run(chunk=2), samples=[1, 2],
+                              progress=False)
     out = result.output
     assert out is not None
     assert out["numel"] == (6 + 2) * 100
@@ -134,7 +135,7 @@ def test_prompts_are_validated() -> None:
     model = tiny_llama()
     prompts = divtrace.Prompts(some_prompts(3, 4))
     with pytest.raises(divtrace.DivtraceValueError, match="run b must take the whole"):
-        divtrace.compare(model, prompts, a=divtrace.Run(chunk=1), b=divtrace.Run(chunk=1),
+        divtrace.compare(model, divtrace.Prompts(some_prompts(3, 4, 5)), b=divtrace.Run(chunk=2),
                          progress=False)
     with pytest.raises(divtrace.DivtraceValueError, match="batch_dim"):
         divtrace.compare(model, prompts, batch_dim=1, progress=False)
@@ -187,7 +188,7 @@ def test_an_axis_as_long_as_the_padded_batch_by_chance_stays_whole() -> None:
 @pytest.mark.parametrize("ops", [False, True])
 def test_local_replays_on_each_prompts_real_tokens(ops: bool) -> None:
     result = divtrace.compare(tiny_llama(), divtrace.Prompts(some_prompts(5, 9, 2)),
-                              local=True, ops=ops, progress=False)
+                              explain=["local"], ops=ops, progress=False)
     table = result.table
     leaves = table[table["leaf"] & (table["status"] == "ok")]
     assert (leaves["local_status"] == "ok").all()
@@ -203,9 +204,10 @@ def test_local_replays_on_each_prompts_real_tokens(ops: bool) -> None:
 def test_kept_rows_and_repeats_with_prompts() -> None:
     model = tiny_llama()
     prompts = divtrace.Prompts(some_prompts(4, 7, 2))
-    result = divtrace.compare(model, prompts, keep=True, repeat=1, progress=False)
+    result = divtrace.compare(model, prompts, explain=[divtrace.Repeat(1)],
+                              resources=divtrace.Resources(keep=True), progress=False)
     batched, alone = expected_logits(model, prompts)
-    kept_b, kept_s = result.pair("(model)/logits")
+    kept_s, kept_b = result.pair("(model)/logits")
     torch.testing.assert_close(kept_b, torch.cat([t.flatten() for t in batched]), rtol=0,
                                atol=0)
     torch.testing.assert_close(kept_s, torch.cat([t.flatten() for t in alone]), rtol=0,
@@ -219,7 +221,7 @@ def test_kept_rows_and_repeats_with_prompts() -> None:
 def test_float64_truth_with_prompts() -> None:
     model = tiny_llama()
     prompts = divtrace.Prompts(some_prompts(6, 3, 8))
-    result = divtrace.compare(model, prompts, truth="fp64", samples=[0, 2], progress=False)
+    result = divtrace.compare(model, prompts, explain=["fp64"], samples=[0, 2], progress=False)
     out = result.output
     assert out is not None
     exact_model = copy.deepcopy(model).double()
@@ -230,7 +232,7 @@ def test_float64_truth_with_prompts() -> None:
     b = torch.cat([batched[0].flatten(), batched[2].flatten()]).double()
     a = torch.cat([alone[0].flatten(), alone[2].flatten()]).double()
     norm = truth.norm()
-    assert out["batched_err_fp64"] == pytest.approx(((b - truth).norm() / norm).item(),
+    assert out["b_err_fp64"] == pytest.approx(((b - truth).norm() / norm).item(),
                                                     rel=1e-9)
-    assert out["split_err_fp64"] == pytest.approx(((a - truth).norm() / norm).item(),
+    assert out["a_err_fp64"] == pytest.approx(((a - truth).norm() / norm).item(),
                                                   rel=1e-9)

@@ -34,9 +34,10 @@ def inplace_on_input() -> nn.Sequential:
 def test_inplace_ops_on_the_input_see_the_input_as_given(local: bool) -> None:
     model, x = inplace_on_input(), torch.randn(16, 8)
     given = x.clone()
-    result = run(model, x, local=local, keep=True)
+    result = run(model, x, explain=["local"] if local else [],
+                 resources=divtrace.Resources(keep=True))
     torch.testing.assert_close(x, given, rtol=0, atol=0)  # the user's x is untouched
-    batched, split = result.pair("(model)")
+    split, batched = result.pair("(model)")
     with torch.no_grad():
         truth = model(given.clone())
     torch.testing.assert_close(batched, truth, rtol=0, atol=0)
@@ -66,9 +67,9 @@ class PoisonRow(nn.Module):
 def test_error_figures_leave_out_non_finite_elements() -> None:
     model, x = PoisonRow().eval(), torch.randn(6, 16)
     x[0, 0] = 1000.0
-    result = run(model, x, keep=True)
+    result = run(model, x, resources=divtrace.Resources(keep=True))
     out = result.output
-    batched, split = result.pair("(model)")
+    split, batched = result.pair("(model)")
     finite = (batched - split).isfinite()
     expected = ((batched - split)[finite].norm() / split[finite].norm()).item()
     assert out["nonfinite"] == 2
@@ -89,9 +90,9 @@ class ComplexOut(nn.Module):
 
 
 def test_complex_outputs_count_elements() -> None:
-    result = run(ComplexOut().eval(), torch.randn(6, 16), keep=True)
+    result = run(ComplexOut().eval(), torch.randn(6, 16), resources=divtrace.Resources(keep=True))
     out = result.output
-    batched, split = result.pair("(model)")
+    split, batched = result.pair("(model)")
     assert out["mismatch"] == (batched != split).double().mean().item()
     assert 0 < out["mismatch"] <= 1
     assert out["numel"] == batched.numel()
@@ -124,7 +125,6 @@ def test_inference_mode_around_compare_and_inputs_made_under_it() -> None:
     ({"atol": -1.0}, ValueError, "atol must be a finite number >= 0"),
     ({"rtol": math.nan}, ValueError, "rtol must be a finite number >= 0"),
     ({"modules": 3}, TypeError, "modules must be glob patterns"),
-    ({"local": True, "replay_skip": 5}, TypeError, "replay_skip must be a glob pattern"),
     ({"batch_dim": 0.0}, TypeError, "batch_dim must be an int; got 0.0"),
     ({"batch_dim": None}, TypeError, "batch_dim must be an int or a structure"),
 ])
@@ -132,16 +132,19 @@ def test_bad_arguments_are_named(kwargs: dict, error: type, message: str) -> Non
     with pytest.raises(error, match=message) as info:
         run(models.variant_mlp(), torch.randn(4, 16), **kwargs)
     assert isinstance(info.value, divtrace.DivtraceError)
+    with pytest.raises(TypeError, match=r"Local\(skip=...\) must be a glob pattern"):
+        divtrace.Local(skip=5)  # type: ignore[arg-type]
 
 
 def test_numpy_integers_and_0d_tensors_work_where_ints_are_expected() -> None:
     x = torch.randn(8, 16)
-    result = run(models.variant_mlp(), x, chunk=np.int64(2), samples=np.array([1, 5]),
-                 batch_dim=np.int32(0), repeat=np.int8(1))
-    assert result.meta["chunk"] == 2
-    assert result.meta["samples"] == [1, 5]
-    assert run(models.variant_mlp(), x, samples=torch.tensor(3)).meta["samples"] == [3]
-    assert run(models.variant_mlp(), x, a=divtrace.Run(chunk=np.int64(4))).meta["chunk"] == 4
+    result = run(models.variant_mlp(), x, explain=[divtrace.Repeat(np.int8(1))],
+                 a=divtrace.Run(chunk=np.int64(2)), samples=np.array([1, 5]),
+                 batch_dim=np.int32(0))
+    assert result.meta.a_chunk == 2
+    assert result.meta.samples == (1, 5)
+    assert run(models.variant_mlp(), x, samples=torch.tensor(3)).meta.samples == (3,)
+    assert run(models.variant_mlp(), x, a=divtrace.Run(chunk=np.int64(4))).meta.a_chunk == 4
 
 
 # -- buffers, parameters and the random state -------------------------------------------------
@@ -217,13 +220,13 @@ def test_random_draws_allowed_are_said_and_the_random_state_comes_back() -> None
     state = torch.get_rng_state()
     result = run(model, x, allow_train=True)
     assert torch.equal(torch.get_rng_state(), state)  # compare() moved no generator
-    assert result.info.random_draws
+    assert result.meta.random_draws
     assert "drew random numbers during its passes" in result.summary()
 
 
 def test_a_deterministic_model_is_not_flagged() -> None:
     result = run(models.variant_mlp(), torch.randn(4, 16))
-    assert not result.info.random_draws
+    assert not result.meta.random_draws
     assert "random" not in result.summary()
 
 
@@ -242,13 +245,13 @@ class PackedLSTM(nn.Module):
 
 def test_packed_sequences_are_reported_apart_and_the_states_compared() -> None:
     model, x, lengths = PackedLSTM().eval(), torch.randn(6, 4, 4), torch.tensor([6, 3, 5, 2])
-    result = run(model, (x, lengths), batch_dim=(1, 0), keep=True)
+    result = run(model, (x, lengths), batch_dim=(1, 0), resources=divtrace.Resources(keep=True))
     table = result.table.set_index("site")
     packed = [f"lstm/0/{f}" for f in ("data", "batch_sizes", "sorted_indices",
                                       "unsorted_indices")]
     assert (table.loc[packed, "status"] == "not_per_sample").all()
     assert table.loc["lstm/1/0", "status"] == "ok"  # h_n: (layers, B, H), batch at dim 1
-    batched, split = result.pair("lstm/1/0")
+    split, batched = result.pair("lstm/1/0")
     with torch.no_grad():
         alone = torch.cat([model(x[:, i:i + 1], lengths[i:i + 1])[1][0] for i in range(4)],
                           dim=1)
@@ -282,8 +285,8 @@ class SparseOut(nn.Module):
 
 def test_sparse_outputs_are_compared_as_dense() -> None:
     model, x = SparseOut().eval(), torch.randn(6, 16)
-    result = run(model, x, keep=True)
-    batched, split = result.pair("(model)")
+    result = run(model, x, resources=divtrace.Resources(keep=True))
+    split, batched = result.pair("(model)")
     with torch.no_grad():
         expected = model(x).to_dense()
     torch.testing.assert_close(batched, expected, rtol=0, atol=0)
@@ -306,8 +309,9 @@ def test_a_seq_first_encoder_with_a_batch_first_mask() -> None:
     src, mask = torch.randn(5, 4, 16), torch.zeros(4, 5, dtype=torch.bool)
     mask[1, 3:] = True
     result = run(encoder, {"src": src, "src_key_padding_mask": mask},
-                 batch_dim={"src": 1, "src_key_padding_mask": 0}, keep=True)
-    batched, split = result.pair("(model)")
+                 batch_dim={"src": 1,
+                            "src_key_padding_mask": 0}, resources=divtrace.Resources(keep=True))
+    split, batched = result.pair("(model)")
     with torch.no_grad():
         alone = torch.cat([encoder(src[:, i:i + 1], src_key_padding_mask=mask[i:i + 1])
                            for i in range(4)], dim=1)
@@ -315,14 +319,15 @@ def test_a_seq_first_encoder_with_a_batch_first_mask() -> None:
     with torch.no_grad():
         whole = encoder(src, src_key_padding_mask=mask)
     torch.testing.assert_close(batched, whole.movedim(1, 0), rtol=0, atol=0)
-    assert result.meta["batch_dim"] == 1
+    assert result.meta.batch_dim == 1
 
 
 def test_an_lstm_with_an_initial_state() -> None:
     lstm = nn.LSTM(4, 5).eval()
     x, h0, c0 = torch.randn(6, 3, 4), torch.randn(1, 3, 5), torch.randn(1, 3, 5)
-    result = run(lstm, (x, (h0, c0)), batch_dim=(1, (1, 1)), keep=True)
-    batched, split = result.pair("(model)/0")
+    result = run(lstm, (x, (h0, c0)), batch_dim=(1, (1, 1)),
+                 resources=divtrace.Resources(keep=True))
+    split, batched = result.pair("(model)/0")
     with torch.no_grad():
         alone = torch.cat([lstm(x[:, i:i + 1], (h0[:, i:i + 1], c0[:, i:i + 1]))[0]
                            for i in range(3)], dim=1)
@@ -390,7 +395,7 @@ def test_outputs_without_tensors_are_said(model: nn.Module, said: str) -> None:
     result = run(model.eval(), torch.randn(4, 4))
     assert said in result.summary()
     assert "agree exactly" not in result.summary()
-    assert result.info.output_type == type(model.eval()(torch.randn(1, 4))).__name__
+    assert result.meta.output_type == type(model.eval()(torch.randn(1, 4))).__name__
 
 
 class HookShy(nn.Module):
@@ -401,21 +406,21 @@ class HookShy(nn.Module):
 
 
 def test_the_observer_check_finds_hooks_that_change_the_code_path() -> None:
-    result = run(HookShy().eval(), torch.randn(4, 8), observer=True)
-    note = result.info.notes["observer"]
+    result = run(HookShy().eval(), torch.randn(4, 8), explain=["observer"])
+    note = result.meta.notes["observer"]
     assert not note["identical"]
     assert note["differs"]["(model)"] > 1e-5
     assert "Observer effect" in result.summary()
-    plain = run(models.variant_mlp(), torch.randn(4, 16), observer=True)
-    assert plain.info.notes["observer"]["identical"]
-    assert "observer" not in run(models.variant_mlp(), torch.randn(4, 16)).info.notes
+    plain = run(models.variant_mlp(), torch.randn(4, 16), explain=["observer"])
+    assert plain.meta.notes["observer"]["identical"]
+    assert "observer" not in run(models.variant_mlp(), torch.randn(4, 16)).meta.notes
 
 
 def test_the_observer_check_runs_by_itself_for_transformer_layers() -> None:
     layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True).eval()
     result = run(layer, torch.randn(4, 6, 16))
-    assert "observer" in result.info.notes
-    assert result.info.notes["observer"]["identical"] in (True, False)
+    assert "observer" in result.meta.notes
+    assert result.meta.notes["observer"]["identical"] in (True, False)
 
 
 ODD_OUTPUTS = {
@@ -441,9 +446,9 @@ class Odd(nn.Module):
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("name", list(ODD_OUTPUTS))
 def test_odd_outputs_are_reported_never_a_crash(name: str) -> None:
-    truth = None if name == "quantized" else "fp64"  # quantize takes no float64 input
-    result = run(Odd(ODD_OUTPUTS[name]).eval(), torch.randn(4, 3), local=True, truth=truth,
-                 repeat=1, kernels=True, observer=True)
+    truth = [] if name == "quantized" else ["fp64"]  # quantize takes no float64 input
+    result = run(Odd(ODD_OUTPUTS[name]).eval(), torch.randn(4, 3),
+                 explain=["local", *truth, divtrace.Repeat(1), "kernels", "observer"])
     statuses = set(result.table["status"])
     assert statuses <= {"ok", "unbatched", "nested", "not_per_sample"}
     assert result.summary()
@@ -483,4 +488,4 @@ def test_only_the_first_pass_pays_for_a_copy_unless_the_input_changes() -> None:
 def test_a_model_that_changes_its_input_only_when_batched_is_named() -> None:
     x = torch.randn(4, 3)
     with pytest.warns(divtrace.DivtraceWarning, match="rows of x were changed"):
-        run(InPlaceWhenBatched(), x, chunk=2)
+        run(InPlaceWhenBatched(), x, a=divtrace.Run(chunk=2))

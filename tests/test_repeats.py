@@ -103,7 +103,8 @@ def test_containers_share_the_rows_of_the_child_they_hand_on() -> None:
 
 def test_sites_handing_on_a_tensor_get_exactly_their_own_figures() -> None:
     model, x = _nested(), torch.randn(6, 16)
-    result = divtrace.compare(model, x, samples=[0, 1, 4], progress=False, keep=True)
+    result = divtrace.compare(model, x, samples=[0, 1, 4], progress=False,
+                              resources=divtrace.Resources(keep=True))
     table = result.table.set_index("site")
     expected = _expected_max_abs(model, x, [0, 1, 4])
     assert table["max_abs"].to_dict() == pytest.approx(expected, rel=0, abs=0)
@@ -133,7 +134,8 @@ def test_a_site_that_stops_handing_on_gets_rows_of_its_own(chunk: int) -> None:
     assert store.rows["fc"].rows is not None
     assert torch.equal(store.rows["fc"].rows, layer)
     assert torch.equal(held, layer + torch.tensor([0, 0, 1, 1, 0, 0])[:, None])
-    table = divtrace.compare(model, x, chunk=chunk, progress=False).table.set_index("site")
+    table = divtrace.compare(model, x, a=divtrace.Run(chunk=chunk),
+                             progress=False).table.set_index("site")
     expected = _expected_max_abs(model, x, samples) if chunk == 1 else None
     if expected is not None:
         assert table["max_abs"].to_dict() == pytest.approx(expected, rel=0, abs=0)

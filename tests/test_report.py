@@ -63,7 +63,7 @@ def test_repr_is_short(diverging, identical) -> None:
 
 def test_html_shows_roles_and_the_options_columns() -> None:
     result = divtrace.compare(models.variant_mlp(), torch.randn(6, 16), progress=False,
-                              local=True, repeat=1)
+                              explain=["local", divtrace.Repeat(1)])
     page = result._repr_html_()
     assert ">role</th>" in page
     assert ">source</td>" in page
@@ -71,7 +71,7 @@ def test_html_shows_roles_and_the_options_columns() -> None:
     assert ">adds_error</th>" in page
     assert ">noise_mismatch</th>" in page
     compact = page.split("<details>")[0]
-    assert "batched_err_fp64" not in compact  # truth was not asked for
+    assert "b_err_fp64" not in compact  # truth was not asked for
 
 
 def row_kinds(html: str) -> list[str]:

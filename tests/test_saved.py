@@ -18,13 +18,13 @@ from tests import models
 
 def test_a_comparison_round_trips_exactly(tmp_path: Path) -> None:
     model, x = models.variant_mlp(), torch.randn(8, 16)
-    result = divtrace.compare(model, x, local=True, kernels=True, truth="fp64", repeat=1,
+    result = divtrace.compare(model, x, explain=["local", "fp64", divtrace.Repeat(1), "kernels"],
                               ops=True, progress=False)
     loaded = divtrace.load(result.save(tmp_path / "run.json"))
     assert isinstance(loaded, divtrace.Comparison)
     assert loaded.table.equals(result.table)
     assert list(loaded.table.dtypes) == list(result.table.dtypes)
-    assert loaded.samples.equals(result.samples)
+    assert loaded.per_sample.equals(result.per_sample)
     assert loaded.meta == result.meta
     assert loaded.summary() == result.summary()
     assert loaded.verdict == result.verdict
@@ -32,12 +32,12 @@ def test_a_comparison_round_trips_exactly(tmp_path: Path) -> None:
     raw = (tmp_path / "run.json").read_text()
     assert "NaN" not in raw.replace('"NaN"', "")  # strict JSON: specials are strings
     doc = json.loads(raw)
-    assert (doc["format"], doc["version"], doc["kind"]) == ("divtrace", 1, "comparison")
+    assert (doc["format"], doc["version"], doc["kind"]) == ("divtrace", 2, "comparison")
 
 
 def test_sweeps_and_generations_round_trip(tmp_path: Path) -> None:
     model, x = models.variant_mlp(), torch.randn(8, 16)
-    found = divtrace.sweep(model, x, {"dtype": [torch.float64]}, reference=divtrace.Run(),
+    found = divtrace.sweep(model, x, {"dtype": [torch.float64]}, a=divtrace.Run(),
                            progress=False)
     back = divtrace.load(found.save(tmp_path / "sweep.json"))
     assert isinstance(back, divtrace.Sweep)
@@ -195,11 +195,11 @@ def test_the_command_line(tmp_path: Path) -> None:
     eager = cli("compare", "target.py:build", "--graphs", "false", "--json", "c.json",
                 "--no-progress", cwd=tmp_path)
     assert eager.returncode == 0, eager.stderr
-    assert divtrace.load(tmp_path / "c.json").meta["graphs"] is False
-    untested = cli("compare", "target.py:build", "--no-independence", "--json", "d.json",
+    assert divtrace.load(tmp_path / "c.json").meta.resources["graphs"] is False
+    untested = cli("compare", "target.py:build", "--explain=-independence", "--json", "d.json",
                    "--no-progress", cwd=tmp_path)
     assert untested.returncode == 0, untested.stderr
-    assert divtrace.load(tmp_path / "d.json").meta["independence"] is False
+    assert divtrace.load(tmp_path / "d.json").meta.explain.get("independence") is None
     assert "rests on the size of the error alone" in untested.stdout.splitlines()[0]
     forced = cli("compare", "target.py:build", "--graphs", "true", cwd=tmp_path)
     assert forced.returncode == 2

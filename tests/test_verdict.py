@@ -36,7 +36,7 @@ def test_the_seed_models_on_the_cpu_are_rounding(name: str) -> None:
     torch.manual_seed(0)
     model = (vgg11() if name == "vgg11" else alexnet()).eval()
     x = torch.rand(4, 3, 64, 64)
-    result = run(model, x, samples=[0, 1], local=True)
+    result = run(model, x, samples=[0, 1], explain=["local"])
     assert result.first_divergence is not None  # the CPU's Linear layers part
     assert result.verdict == "rounding"
     assert result.summary().startswith("Verdict: rounding — ")
@@ -44,7 +44,7 @@ def test_the_seed_models_on_the_cpu_are_rounding(name: str) -> None:
 
 @pytest.mark.parametrize(("model", "x", "options", "said"), [
     (nn.Sequential(models.OrderedLinear(8, 8), Center(), nn.Linear(8, 4)).eval(),
-     torch.randn(6, 8), {"chunk": 2}, "batch mixing: at '1' (Center)"),
+     torch.randn(6, 8), {"a": divtrace.Run(chunk=2)}, "batch mixing: at '1' (Center)"),
     (nn.LSTM(4, 5).eval(), torch.randn(7, 3, 4), {}, "'(model)/0' (LSTM)"),
     (nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)).train(), torch.randn(6, 8),
      {"allow_train": True}, "the model ran in train mode"),
@@ -59,7 +59,7 @@ def test_not_rounding(model: nn.Module, x: torch.Tensor, options: dict, said: st
 
 def test_a_layer_that_mixes_after_the_source_is_found_by_its_jump() -> None:
     model = nn.Sequential(*models.variant_mlp(), Center()).eval()
-    result = run(model, torch.randn(8, 16), chunk=4)
+    result = run(model, torch.randn(8, 16), a=divtrace.Run(chunk=4))
     assert result.verdict == "not rounding"
     assert "at '6' (Center)" in result.summary().splitlines()[0]
 
@@ -69,7 +69,7 @@ def test_the_closeness_test_does_not_decide() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return 1e-6 * (x - x.mean(0))
 
-    result = run(Tiny(), torch.randn(6, 8), chunk=2)
+    result = run(Tiny(), torch.randn(6, 8), a=divtrace.Run(chunk=2))
     assert result.output["exceed"] == 0  # "passes the closeness test"...
     assert result.verdict == "not rounding"  # ...yet floating point does not explain it
 
@@ -79,7 +79,7 @@ def test_a_far_run_against_float64_is_not_rounding() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return (x * 8).round() / 8 if x.shape[0] > 2 else x
 
-    result = run(Lossy(), torch.randn(6, 8), truth="fp64")
+    result = run(Lossy(), torch.randn(6, 8), explain=["fp64"])
     assert result.verdict == "not rounding"
 
 

@@ -20,14 +20,11 @@ kept rows, for how far the rows moved (``others_rel_l2``).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import pandas as pd
-from torch import nn
 
 from divtrace.align.status import Status
-from divtrace.errors import DivtraceTypeError
 from divtrace.explain.probe import Context, Judged, Probe, TableView
 from divtrace.measure.figures import site_figures
 from divtrace.measure.host import Deferred, Host
@@ -74,7 +71,7 @@ def _held_store(store: RowStore, group: list[int]) -> RowStore:
 
 def _run(ctx: Context, sink: Sink, batch: BatchedInput, label: str = _LABEL) -> None:
     """One pass of the compared run over the whole ``batch``, told to ``sink``."""
-    ctx.compared.execute(sink, batch, [(0, batch.batch_size)], lambda _s, _e: label,
+    ctx.b.execute(sink, batch, [(0, batch.batch_size)], lambda _s, _e: label,
                          check=ctx.check, copies=ctx.copies)
     ctx.progress.advance()
 
@@ -134,10 +131,11 @@ def _moves(meter: Meter, batch: int) -> dict[str, tuple[float, float]]:
 
 
 class Independence(Probe):
-    """``independence=True`` (the default): the independence test behind the verdict."""
+    """``"independence"`` (on by default; ``"-independence"`` turns it off): the
+    independence test behind the verdict."""
 
-    option: ClassVar[str] = "independence"
-    on_by_default: ClassVar[bool] = True
+    name: ClassVar[str] = "independence"
+    default: ClassVar[bool] = True
     columns: ClassVar[tuple[str, ...]] = ("depends_on_others", "others_rel_l2")
     shown: ClassVar[tuple[str, ...]] = ("depends_on_others",)
     prints_batched: ClassVar[bool] = True
@@ -151,20 +149,11 @@ class Independence(Probe):
         self.tested: set[str] = set()
         self.found: dict[str, Any] = {"ran": False, "why": None}
 
-    @classmethod
-    def create(cls, options: Mapping[str, Any], model: nn.Module) -> Independence | None:
-        independence = options.get("independence", True)
-        if not isinstance(independence, bool):
-            raise DivtraceTypeError(
-                f"independence must be True (test whether each sample's rows depend on the "
-                f"other samples: one more batched pass, two when every sample is compared) "
-                f"or False; got {independence!r}")
-        return cls() if independence else None
 
     def after(self, ctx: Context) -> None:
         plan = ctx.plan
         ctx.progress.stage(_LABEL)
-        if plan.compared_chunks:
+        if plan.b_chunks:
             self._skip(ctx, "run b takes the batch in chunks, not in one pass")
             return
         size = plan.batch.batch_size
@@ -257,7 +246,7 @@ class Independence(Probe):
 
     @classmethod
     def sentences(cls, result: Judged) -> list[str]:
-        found = result.info.notes.get("independence")
+        found = result.meta.notes.get("independence")
         if found is None:
             return []
         if not found["ran"]:
@@ -265,8 +254,8 @@ class Independence(Probe):
                     f"on the size of the error alone."]
         table = result.table
         passes = found["passes"]
-        held = ("the compared samples held" if result.info.batch_size > len(
-            result.info.samples) else "each half of the samples held in turn")
+        held = ("the compared samples held" if result.meta.batch_size > len(
+            result.meta.samples) else "each half of the samples held in turn")
         row = first_dependent(table)
         if row is None:
             unsure = table[table["depends_on_others"].isna() & (table["status"] == "ok")]

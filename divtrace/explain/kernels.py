@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, ClassVar
-
-from torch import nn
 
 from divtrace.explain.probe import Context, Judged, Probe, TableView
 from divtrace.explain.profiling import kernel_family, kernels_by_site
@@ -17,8 +14,8 @@ class Kernels(Probe):
     """``kernels=True``: ``torch.profiler`` over one pass of each run, a range per module
     call; per site, the GPU kernels it launched (on the CPU, its innermost ops)."""
 
-    option: ClassVar[str] = "kernels"
-    columns: ClassVar[tuple[str, ...]] = ("kernels_batched", "kernels_split", "kernels_differ")
+    name: ClassVar[str] = "kernels"
+    columns: ClassVar[tuple[str, ...]] = ("kernels_a", "kernels_b", "kernels_differ")
     shown: ClassVar[tuple[str, ...]] = ("kernels_differ",)
     whole_batch: ClassVar[bool] = True
     passes = 2
@@ -27,17 +24,14 @@ class Kernels(Probe):
         self.batched: dict[str, list[str]] = {}
         self.split: dict[str, list[str]] = {}
 
-    @classmethod
-    def create(cls, options: Mapping[str, Any], model: nn.Module) -> Kernels | None:
-        return cls() if options.get("kernels") else None
 
     def after(self, ctx: Context) -> None:
         ctx.progress.stage("profiling")
         batch = ctx.plan.batch
-        start, stop = ctx.plan.reference_chunks[0]
+        start, stop = ctx.plan.a_chunks[0]
         for runner, rows, count, into in (
-                (ctx.reference, batch.rows(start, stop, copy=True), stop - start, self.split),
-                (ctx.compared, batch.whole(copy=True), batch.batch_size, self.batched)):
+                (ctx.a, batch.rows(start, stop, copy=True), stop - start, self.split),
+                (ctx.b, batch.whole(copy=True), batch.batch_size, self.batched)):
             with runner.run.flags():
                 into.update(kernels_by_site(runner.model, runner.recorder, count,
                                              *runner.feed(*rows)))
@@ -47,18 +41,18 @@ class Kernels(Probe):
         for row in rows:
             key = view.call_key(row)
             batched, split = self.batched.get(key, []), self.split.get(key, [])
-            row["kernels_batched"] = "; ".join(batched)
-            row["kernels_split"] = "; ".join(split)
+            row["kernels_b"] = "; ".join(batched)
+            row["kernels_a"] = "; ".join(split)
             row["kernels_differ"] = sorted(set(batched)) != sorted(set(split))
 
     @classmethod
     def sentences(cls, result: Judged) -> list[str]:
-        if "kernels_batched" not in result.table:
+        if "kernels_b" not in result.table:
             return []
         lines = []
         for r in result.sources.head(4).itertuples():
-            batched = [kernel_family(k) for k in str(r.kernels_batched).split("; ") if k]
-            split = [kernel_family(k) for k in str(r.kernels_split).split("; ") if k]
+            batched = [kernel_family(k) for k in str(r.kernels_b).split("; ") if k]
+            split = [kernel_family(k) for k in str(r.kernels_a).split("; ") if k]
             if not batched and not split:
                 continue
             only_b = [k for k in dict.fromkeys(batched) if k not in split]
@@ -68,7 +62,8 @@ class Kernels(Probe):
                              f"({', '.join(dict.fromkeys(batched))}): the difference comes "
                              f"from how they split the work.")
             else:
-                lines.append(f"'{r.site}' ({r.module_type}): the batched run launched "
-                             f"{', '.join(only_b) or 'nothing else'}, where the split run "
+                a_name, b_name = result.meta.names
+                lines.append(f"'{r.site}' ({r.module_type}): the {b_name} launched "
+                             f"{', '.join(only_b) or 'nothing else'}, where the {a_name} "
                              f"launched {', '.join(only_s) or 'nothing else'}.")
         return lines

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable
 from enum import StrEnum
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
 
 from divtrace.align.sites import CONSTANT, INPUT, flatten_output, site_key
 from divtrace.align.status import Status
@@ -26,7 +25,7 @@ from divtrace.record.lineage import Origin
 from divtrace.record.oplineage import op_outputs, per_sample
 from divtrace.record.stored import StoredRows
 
-__all__ = ["LocalReplay", "ReplayStatus"]
+__all__ = ["Local", "ReplayStatus"]
 
 
 class ReplayStatus(StrEnum):
@@ -60,25 +59,25 @@ def _with_reference_rows(ctx: Context, call: LeafCall, sources: list[StoredRows 
     return args, kwargs
 
 
-class LocalReplay(Probe):
+class Local(Probe):
     """``local=True``: replays every leaf module of the measured run on the reference
     run's inputs for the compared rows (same values, the measured run's kernels)."""
 
-    option: ClassVar[str] = "local"
+    name: ClassVar[str] = "local"
     columns: ClassVar[tuple[str, ...]] = ("local_rel_l2", "local_max_abs", "amplification",
                                           "local_status", "adds_error")
     shown: ClassVar[tuple[str, ...]] = ("local_rel_l2", "adds_error", "amplification")
     whole_batch: ClassVar[bool] = True
 
-    def __init__(self, skip: tuple[str, ...] = ()) -> None:
-        self.skip = skip
+    def __init__(self, skip: Iterable[str] | str = ()) -> None:
+        """``skip``: glob patterns of module names not to replay (stateful modules, or
+        ones with side effects)."""
+        self.skip = patterns(skip, "Local(skip=...)")
         self.local: dict[tuple[str, str], Deferred] = {}  # (call, output site) -> stats
         self.status: dict[str, ReplayStatus] = {}
 
-    @classmethod
-    def create(cls, options: Mapping[str, Any], model: nn.Module) -> LocalReplay | None:
-        skip = patterns(options.get("replay_skip", ()), "replay_skip")
-        return cls(skip) if options.get("local") else None
+    def settings(self) -> dict[str, Any]:
+        return {"skip": list(self.skip)}
 
     def start(self, ctx: Context) -> None:
         """A site's reference rows stay until every call that reads them has replayed."""

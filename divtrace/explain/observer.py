@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -15,34 +14,41 @@ from divtrace.explain.probe import Context, Judged, Probe
 from divtrace.measure.block import bit_equal
 from divtrace.measure.meter import Measured
 
-__all__ = ["HOOK_SENSITIVE", "ObserverCheck"]
+__all__ = ["HOOK_SENSITIVE", "Observer"]
 
 #: Modules whose code path changes when a module has hooks: PyTorch turns the fast path
 #: of ``nn.TransformerEncoderLayer`` off whenever any of its modules has a hook.
 HOOK_SENSITIVE: tuple[type[nn.Module], ...] = (nn.TransformerEncoderLayer,)
 
 
-class ObserverCheck(Probe):
+class Observer(Probe):
     """``observer=True`` (by default for models with :data:`HOOK_SENSITIVE` modules): one
     more pass of the measured run without any hook; its output must be bit-identical to
     the observed one, else the figures describe another code path than the plain one."""
 
-    option: ClassVar[str] = "observer"
+    name: ClassVar[str] = "observer"
+    default: ClassVar[bool] = True
     passes = 1
 
-    def __init__(self) -> None:
+    def __init__(self, always: bool = True) -> None:
+        """``always``: check every model (False, the default probe: only models with
+        :data:`HOOK_SENSITIVE` modules)."""
+        if not isinstance(always, bool):
+            raise DivtraceTypeError(f"Observer(always=...) must be True or False; got "
+                                    f"{always!r}")
+        self.always = always
         self.hooked: dict[str, torch.Tensor] = {}
         self.found: dict[str, Any] | None = None
 
     @classmethod
-    def create(cls, options: Mapping[str, Any], model: nn.Module) -> ObserverCheck | None:
-        observer = options.get("observer")
-        if observer is not None and not isinstance(observer, bool):
-            raise DivtraceTypeError(f"observer must be None (check models whose code path "
-                                    f"changes with hooks), True or False; got {observer!r}")
-        if observer is None:
-            observer = any(isinstance(m, HOOK_SENSITIVE) for m in model.modules())
-        return cls() if observer else None
+    def by_default(cls) -> Observer:
+        return cls(always=False)
+
+    def check(self, model: nn.Module) -> bool:
+        return self.always or any(isinstance(m, HOOK_SENSITIVE) for m in model.modules())
+
+    def settings(self) -> dict[str, Any]:
+        return {"always": self.always}
 
     def on_site(self, ctx: Context, measured: Measured, tensor: torch.Tensor,
                 rows: torch.Tensor) -> None:
@@ -52,7 +58,7 @@ class ObserverCheck(Probe):
     def after(self, ctx: Context) -> None:
         ctx.progress.stage("observer check (no hooks)")
         if self.hooked:  # the measured run took the whole batch: compare its output
-            runner = ctx.compared
+            runner = ctx.b
             args, kwargs = runner.feed(*ctx.plan.batch.whole(copy=True))
             with runner.run.flags():
                 output = runner.model(*args, **kwargs)
@@ -75,7 +81,7 @@ class ObserverCheck(Probe):
 
     @classmethod
     def sentences(cls, result: Judged) -> list[str]:
-        found = result.info.notes.get("observer")
+        found = result.meta.notes.get("observer")
         if found is None:
             return []
         if found["identical"]:

@@ -1,14 +1,16 @@
-"""The probe seam: one explain option, one class.
+"""The probe seam: one way of explaining a comparison, one class.
 
-A probe is made from ``compare()``'s options (:meth:`Probe.create`), may run passes of
-its own before the reference run (:meth:`Probe.before`) or after the measured run
-(:meth:`Probe.after`), may watch the measured run's sites and leaf calls
-(:meth:`Probe.on_site`, :meth:`Probe.on_call`), fills its columns of the table
-(:meth:`Probe.fill`) and says what they mean (:meth:`Probe.sentences`). Every method
-has a default that does nothing, so a probe overrides only what it needs.
+A probe is named in ``compare(..., explain=[...])`` — by its name, or as an instance
+that holds its settings (``Repeat(3)``, a user's own probe). It checks that it can work
+on the model (:meth:`Probe.check`), may run passes of its own before run a
+(:meth:`Probe.before`) or after the measured run b (:meth:`Probe.after`), may watch the
+measured run's sites and leaf calls (:meth:`Probe.on_site`, :meth:`Probe.on_call`),
+fills its columns of the table (:meth:`Probe.fill`) and says what they mean
+(:meth:`Probe.sentences`). Every method has a default that does nothing, so a probe
+overrides only what it needs.
 
-A probe instance holds its options and, once a comparison runs, what it found there;
-each comparison works on fresh copies of the plan's probes.
+A probe instance holds its settings and, once a comparison runs, what it found there;
+each comparison works on fresh copies of the probes it was given.
 """
 
 from __future__ import annotations
@@ -51,7 +53,10 @@ class Settings(Protocol):
     def samples(self) -> tuple[int, ...]: ...
 
     @property
-    def options(self) -> Mapping[str, Any]: ...
+    def explain(self) -> Mapping[str, Mapping[str, Any]]: ...
+
+    @property
+    def names(self) -> tuple[str, str]: ...
 
     @property
     def notes(self) -> Mapping[str, Any]: ...
@@ -65,7 +70,7 @@ class Judged(Protocol):
     def table(self) -> pd.DataFrame: ...
 
     @property
-    def info(self) -> Settings: ...
+    def meta(self) -> Settings: ...
 
     @property
     def output(self) -> pd.Series | None: ...
@@ -80,8 +85,8 @@ class Context:
 
     plan: Plan
     model: nn.Module  # the user's model, as given
-    reference: Runner  # the run whose rows are stored (the split run by default)
-    compared: Runner  # the run measured against them (the batched run by default)
+    a: Runner  # run a, whose rows are stored (the split run by default)
+    b: Runner  # run b, measured against them (the batched run by default)
     host: Host  # takes device tensors for the one transfer to the host
     progress: Progress
     #: called after every run with the run's name (refuses random draws)
@@ -99,7 +104,8 @@ class Context:
 
     @property
     def store(self) -> RowStore:
-        """The reference run's rows (from :meth:`Probe.start` on)."""
+        """Run a's rows (from :meth:`Probe.start` on); ``store.pick(tensor)``: the compared
+        samples' rows of a tensor of the measured run."""
         if self._store is None:
             raise RuntimeError("the reference run has not been recorded yet")
         return self._store
@@ -121,13 +127,20 @@ class Context:
 
 
 class Probe:
-    """One explain option. Subclasses set the class attributes and override the hooks
-    they need; :data:`divtrace.explain.registry.PROBES` lists them in column order."""
+    """One way of explaining a comparison: extra columns of the table and sentences of the
+    summary. Subclasses set the class attributes and override the hooks they need.
 
-    #: The ``compare()`` keyword that switches the probe on ("" for always on).
-    option: ClassVar[str] = ""
-    #: Its option is on unless the user turns it off.
-    on_by_default: ClassVar[bool] = False
+    The built-in probes are :class:`~divtrace.Independence`, :class:`~divtrace.Local`,
+    :class:`~divtrace.Fp64`, :class:`~divtrace.Repeat`, :class:`~divtrace.Kernels` and
+    :class:`~divtrace.Observer` (:data:`divtrace.explain.registry.PROBES`, in column
+    order); a probe of one's own is a subclass given to ``compare(explain=[...])``.
+    """
+
+    #: Its name in ``explain=`` and in ``Comparison.meta.explain`` ("" for the roles,
+    #: which are always there).
+    name: ClassVar[str] = ""
+    #: It runs unless ``explain=`` turns it off (``"-name"``).
+    default: ClassVar[bool] = False
     #: The table columns it adds, in order.
     columns: ClassVar[tuple[str, ...]] = ()
     #: Of those, the ones the HTML table shows.
@@ -146,10 +159,19 @@ class Probe:
     passes: int = 0
 
     @classmethod
-    def create(cls, options: Mapping[str, Any], model: nn.Module) -> Probe | None:
-        """The probe for these ``compare()`` options on ``model``, or None when it is off.
-        Validates the options it takes."""
-        return cls() if not cls.option else None
+    def by_default(cls) -> Probe:
+        """The instance that runs when ``explain=`` does not name a default probe."""
+        return cls()
+
+    def check(self, model: nn.Module) -> bool:
+        """Whether the probe has work to do on ``model`` (False: it is left out); raises
+        a :class:`~divtrace.DivtraceValueError` for settings that cannot be used there.
+        Called before anything runs."""
+        return True
+
+    def settings(self) -> dict[str, Any]:
+        """Its settings, JSON-ready, as ``Comparison.meta.explain[name]`` records them."""
+        return {}
 
     @property
     def watches_sites(self) -> bool:
@@ -181,7 +203,7 @@ class Probe:
 
     def note(self) -> Any:
         """What the probe found that is not a column (JSON-ready), for the comparison's
-        meta under the probe's option (or class name); None for nothing."""
+        ``meta.notes`` under the probe's name (or class name); None for nothing."""
         return None
 
     @classmethod

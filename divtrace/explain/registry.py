@@ -1,35 +1,85 @@
-"""The probes ``compare()`` knows, in the order of their columns in the table."""
+"""The built-in probes, in the order of their columns, and ``explain=`` made into probes."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable
 from typing import Any
 
 from torch import nn
 
+from divtrace.errors import DivtraceTypeError, DivtraceValueError
 from divtrace.explain.independence import Independence
 from divtrace.explain.kernels import Kernels
-from divtrace.explain.local import LocalReplay
-from divtrace.explain.observer import ObserverCheck
+from divtrace.explain.local import Local
+from divtrace.explain.observer import Observer
 from divtrace.explain.probe import Probe
-from divtrace.explain.repeat import RepeatNoise
+from divtrace.explain.repeat import Repeat
 from divtrace.explain.roles import Roles
-from divtrace.explain.truth import Fp64Truth
+from divtrace.explain.truth import Fp64
 
-__all__ = ["EXPLAIN_COLUMNS", "PROBES", "probes_for"]
+__all__ = ["EXPLAIN_COLUMNS", "NAMES", "PROBES", "Explain", "probes_for"]
 
-#: Every probe; a new explain option is one more entry here (and its own file).
-PROBES: tuple[type[Probe], ...] = (Roles, Independence, LocalReplay, Fp64Truth, RepeatNoise,
-                                   Kernels, ObserverCheck)
+#: Every built-in probe; a new one is one more entry here (and its own file).
+PROBES: tuple[type[Probe], ...] = (Roles, Independence, Local, Fp64, Repeat, Kernels,
+                                   Observer)
 
-#: The columns each explain option of ``compare()`` adds: ``local=True``,
-#: ``truth="fp64"``, ``repeat=n`` and ``kernels=True``.
+#: The names ``explain=`` takes, each with its probe.
+NAMES: dict[str, type[Probe]] = {probe.name: probe for probe in PROBES if probe.name}
+
+#: The columns each named probe adds.
 EXPLAIN_COLUMNS: dict[str, tuple[str, ...]] = {
-    probe.option: probe.columns for probe in PROBES if probe.option and probe.columns}
+    name: probe.columns for name, probe in NAMES.items() if probe.columns}
+
+#: What ``explain=`` takes: names, ``"-name"`` (a default probe off), probes.
+Explain = Iterable["str | Probe | type[Probe]"] | str | None
 
 
-def probes_for(options: Mapping[str, Any], model: nn.Module) -> tuple[Probe, ...]:
-    """The probes that ``options`` (``compare()``'s explain keywords) switch on for
-    ``model``."""
-    made = (probe.create(options, model) for probe in PROBES)
-    return tuple(probe for probe in made if probe is not None)
+def _named(item: Any) -> tuple[str, Probe | None]:
+    """An ``explain=`` entry as (name, probe); ``"-name"`` gives (``-name``, None)."""
+    if isinstance(item, type) and issubclass(item, Probe):
+        item = item()
+    if isinstance(item, Probe):
+        return (item.name or type(item).__name__), item
+    if not isinstance(item, str):
+        raise DivtraceTypeError(
+            f"explain= takes probe names ({', '.join(NAMES)}), '-name' to turn a default "
+            f"one off, or divtrace.Probe instances; got {type(item).__name__}")
+    name = item.removeprefix("-")
+    if name not in NAMES:
+        raise DivtraceValueError(
+            f"explain= has no probe {name!r}; the probes are {', '.join(NAMES)} (or a "
+            f"divtrace.Probe of your own)")
+    if item.startswith("-"):
+        if not NAMES[name].default:
+            raise DivtraceValueError(
+                f"explain={item!r} turns off a default probe, but {name!r} runs only when "
+                f"named; leave it out")
+        return item, None
+    return name, NAMES[name]()
+
+
+def probes_for(explain: Explain, model: nn.Module) -> tuple[Probe, ...]:
+    """The probes ``explain=`` asks for on ``model``, in column order (the built-in ones
+    first, then the others as given): the default probes unless turned off, each probe
+    checked against the model (left out where it has nothing to do)."""
+    items = [] if explain is None else [explain] if isinstance(explain, str) else list(explain)
+    chosen: dict[str, Probe] = {}
+    off: set[str] = set()
+    for item in items:
+        name, probe = _named(item)
+        bare = name.removeprefix("-")
+        if bare in chosen or bare in off:
+            raise DivtraceValueError(f"explain= names {bare!r} twice")
+        if probe is None:
+            off.add(bare)
+        else:
+            chosen[bare] = probe
+    for name, kind in NAMES.items():
+        if kind.default and name not in chosen and name not in off:
+            chosen[name] = kind.by_default()
+    order = {kind: i for i, kind in enumerate(PROBES)}
+    built_in = sorted((p for p in chosen.values() if type(p) in order),
+                      key=lambda p: order[type(p)])
+    others = [p for p in chosen.values() if type(p) not in order]
+    probes = (Roles(), *built_in, *others)
+    return tuple(probe for probe in probes if probe.check(model))

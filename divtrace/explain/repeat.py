@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any, ClassVar
-
-from torch import nn
 
 from divtrace.errors import DivtraceValueError
 from divtrace.explain.probe import Context, Judged, Probe, TableView
@@ -16,30 +13,30 @@ from divtrace.plan.checks import whole_number
 from divtrace.record.rows import RowStore
 from divtrace.record.stored import StoredRows
 
-__all__ = ["RepeatNoise"]
+__all__ = ["Repeat"]
 
 _LABEL = "repeated batched run"
 
 
-class RepeatNoise(Probe):
-    """``repeat=n``: n more passes of the measured run, each compared with the first."""
+class Repeat(Probe):
+    """``Repeat(n)`` (``"repeat"``: two): n more passes of the measured run, each compared
+    with the first."""
 
-    option: ClassVar[str] = "repeat"
+    name: ClassVar[str] = "repeat"
     columns: ClassVar[tuple[str, ...]] = ("noise_mismatch", "noise_rel_l2")
     shown: ClassVar[tuple[str, ...]] = ("noise_mismatch",)
     whole_batch: ClassVar[bool] = True
     keeps_batched: ClassVar[bool] = True
 
-    def __init__(self, times: int) -> None:
-        self.passes = times
+    def __init__(self, times: int = 2) -> None:
+        """``times``: how many more passes (at least 1)."""
+        if isinstance(times, bool) or not hasattr(times, "__index__") or times < 1:
+            raise DivtraceValueError(f"Repeat(times) takes a whole number >= 1; got {times!r}")
+        self.passes = whole_number(times, "Repeat(times)")
         self.noise: list[dict[str, Deferred]] = []  # per repeat: site key -> stats
 
-    @classmethod
-    def create(cls, options: Mapping[str, Any], model: nn.Module) -> RepeatNoise | None:
-        repeat = options.get("repeat", 0)
-        if isinstance(repeat, bool) or not hasattr(repeat, "__index__") or repeat < 0:
-            raise DivtraceValueError(f"repeat must be a whole number >= 0; got {repeat!r}")
-        return cls(whole_number(repeat, "repeat")) if repeat else None
+    def settings(self) -> dict[str, Any]:
+        return {"times": self.passes}
 
     def after(self, ctx: Context) -> None:
         first = RowStore(ctx.store.samples, ctx.store.batch_dim, False, pinned=True)
@@ -54,7 +51,7 @@ class RepeatNoise(Probe):
         for _ in range(self.passes):
             ctx.progress.stage(_LABEL)
             again = ctx.meter.over(first)
-            ctx.compared.execute(again, batch, [(0, batch.batch_size)], lambda _s, _e: _LABEL,
+            ctx.b.execute(again, batch, [(0, batch.batch_size)], lambda _s, _e: _LABEL,
                                  check=ctx.check, copies=ctx.copies)
             self.noise.append({m.site.key: m.stats for m in again.sites if m.stats is not None})
             ctx.progress.advance()
@@ -78,7 +75,7 @@ class RepeatNoise(Probe):
             return []
         ok = table[table["status"] == "ok"]
         noisy = ok[ok["noise_mismatch"] > 0]
-        times = f"{result.info.options['repeat']} more time(s)"
+        times = f"{result.meta.explain['repeat']['times']} more time(s)"
         if noisy.empty:
             return [f"Repeating the batched run {times} gave bit-identical results: the "
                     f"divergence comes from the batch size, not from run-to-run "

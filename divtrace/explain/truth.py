@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
 
 from divtrace.align.ragged import joined
-from divtrace.errors import DivtraceValueError
 from divtrace.explain.probe import Context, Judged, Probe, TableView
 from divtrace.measure.host import Deferred
 from divtrace.measure.meter import Measured
@@ -21,7 +18,7 @@ from divtrace.record.rows import RowStore
 from divtrace.record.runner import Runner
 from divtrace.words import sci
 
-__all__ = ["Fp64Truth"]
+__all__ = ["Fp64"]
 
 
 def _joined_parts(ctx: Context, key: str, tensor: torch.Tensor,
@@ -40,12 +37,12 @@ def _joined_parts(ctx: Context, key: str, tensor: torch.Tensor,
             joined(split, device).double())
 
 
-class Fp64Truth(Probe):
+class Fp64(Probe):
     """``truth="fp64"``: a float64 copy of the model (the user's stays untouched) runs
     the compared samples first; each run's rel_l2 against it, per site."""
 
-    option: ClassVar[str] = "truth"
-    columns: ClassVar[tuple[str, ...]] = ("batched_err_fp64", "split_err_fp64")
+    name: ClassVar[str] = "fp64"
+    columns: ClassVar[tuple[str, ...]] = ("a_err_fp64", "b_err_fp64")
     shown: ClassVar[tuple[str, ...]] = columns
     passes = 1
 
@@ -53,12 +50,6 @@ class Fp64Truth(Probe):
         self.found: dict[str, Deferred] = {}
         self._truth: RowStore | None = None
 
-    @classmethod
-    def create(cls, options: Mapping[str, Any], model: nn.Module) -> Fp64Truth | None:
-        truth = options.get("truth")
-        if truth not in (None, "fp64"):
-            raise DivtraceValueError(f"truth must be None or 'fp64'; got {truth!r}")
-        return cls() if truth else None
 
     def before(self, ctx: Context) -> None:
         """Runs the float64 copy on the compared samples and stores every site's rows."""
@@ -111,15 +102,16 @@ class Fp64Truth(Probe):
             found = self.found.get(row["site"])
             if found is not None:
                 errors = found.get()
-                row["batched_err_fp64"], row["split_err_fp64"] = float(errors[0]), float(
+                row["b_err_fp64"], row["a_err_fp64"] = float(errors[0]), float(
                     errors[1])
 
     @classmethod
     def sentences(cls, result: Judged) -> list[str]:
         out = result.output
-        if out is None or math.isnan(out.get("batched_err_fp64", math.nan)):
+        if out is None or math.isnan(out.get("b_err_fp64", math.nan)):
             return []
-        b, s_ = out["batched_err_fp64"], out["split_err_fp64"]
+        b, s_ = out["b_err_fp64"], out["a_err_fp64"]
+        a_name, b_name = result.meta.names
         low, high = min(b, s_), max(b, s_)
         if high == 0:
             verdict = "both equal it"
@@ -127,8 +119,8 @@ class Fp64Truth(Probe):
             verdict = ("neither run is clearly closer to the exact answer (their errors are "
                        "within 1.25× of each other)")
         else:
-            worse, better = ("batched", "split") if b > s_ else ("split", "batched")
+            worse, better = (b_name, a_name) if b > s_ else (a_name, b_name)
             factor = "infinitely" if low == 0 else f"{high / low:.3g}×"
-            verdict = f"the {worse} run is {factor} further from it than the {better} run"
-        return [f"Against a float64 run of the same samples, the output of the batched run "
-                f"is off by rel_l2 {sci(b)} and that of the split run by {sci(s_)}: {verdict}."]
+            verdict = f"the {worse} is {factor} further from it than the {better}"
+        return [f"Against a float64 run of the same samples, the output of the {b_name} "
+                f"is off by rel_l2 {sci(b)} and that of the {a_name} by {sci(s_)}: {verdict}."]

@@ -40,7 +40,7 @@ def plot_generation(found: Generation, ax: Axes | None = None) -> Axes:
     ax.imshow(np.where(taken, np.nan, 1.0), aspect="auto", cmap=ListedColormap(["white"]),
               vmin=0, vmax=1, interpolation="nearest")
     flips = found.grid("same_token") == 0
-    first = found.first_divergence
+    first = found.per_prompt
     rows, steps = np.nonzero(flips)
     if len(rows):
         ax.scatter(steps, rows, marker="x", color="crimson", s=22, linewidths=1.2,

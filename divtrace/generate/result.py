@@ -77,7 +77,17 @@ class Generation:
                    int(doc["chunk"]), tuple(doc["samples"]), int(doc["new_tokens"]), None)
 
     @property
-    def first_divergence(self) -> pd.DataFrame:
+    def first_divergence(self) -> pd.Series | None:
+        """The first row of :attr:`table`, in generation order (step, then prompt), whose
+        logits are not bit-identical (None if none); :attr:`per_prompt` says it for each
+        prompt."""
+        moved = self.table[self.table["logits_mismatch"] > 0]
+        if moved.empty:
+            return None
+        return moved.sort_values(["step", "prompt"], kind="stable").iloc[0]
+
+    @property
+    def per_prompt(self) -> pd.DataFrame:
         """Per compared prompt: its length, the steps compared, the first step whose tokens
         differ (``<NA>``: none) with the margin there, and the first whose logits differ."""
         rows = []
@@ -105,6 +115,7 @@ class Generation:
         (the others see different inputs: a warning names them)."""
         from divtrace.pipeline import execute
         from divtrace.plan.make import make_plan
+        from divtrace.plan.runs import Run
 
         if self._model is None:
             raise DivtraceValueError(
@@ -127,7 +138,7 @@ class Generation:
             raise DivtraceValueError(
                 f"at step {step} no compared prompt has the same input in both runs (their "
                 f"tokens parted earlier, or they had ended); pick an earlier step: "
-                f"first_divergence says where each prompt parts")
+                f"per_prompt says where each prompt parts")
         if other:
             warnings.warn(
                 f"at step {step}, prompts {other} are left out: their runs generated "
@@ -135,10 +146,10 @@ class Generation:
                 DivtraceWarning, stacklevel=2)
         driver = GenerationStep(step, self.settings)
         driven = ragged_input(self.prompts, driver, step)
-        plan = make_plan(self._model, driven, chunk=self.chunk, samples=same, observer=False,
-                         **self._options)
+        plan = make_plan(self._model, driven, a=Run(chunk=self.chunk), samples=same,
+                         explain=["-observer"], **self._options)
         result = execute(plan, self._model)
-        self._check_repeated(driver, plan.reference_chunks, same, step)
+        self._check_repeated(driver, plan.a_chunks, same, step)
         return result
 
     def _check_repeated(self, driver: GenerationStep, chunks: Any, prompts: list[int],
@@ -169,7 +180,7 @@ class Generation:
     def summary(self) -> str:
         """A few plain sentences: which prompts generate other tokens in the batch than
         alone, from which step, and how close those calls were."""
-        first = self.first_divergence
+        first = self.per_prompt
         count = len(first)
         split = first.dropna(subset=["first_token_split"])
         moved = first.dropna(subset=["first_logits_split"])
@@ -216,7 +227,7 @@ class Generation:
         return plot_generation(self, ax=ax)
 
     def __repr__(self) -> str:
-        first = self.first_divergence
+        first = self.per_prompt
         flips = int(first["first_token_split"].notna().sum())
         return (f"<divtrace.Generation: {len(first)} prompts, {self.new_tokens} new tokens, "
                 f"{flips} with a token flip>")
@@ -245,4 +256,4 @@ class Generation:
     def _repr_html_(self) -> str:
         words = "".join(f"<p>{html.escape(line)}</p>" for line in self.summary().splitlines())
         return (f"<div><h4>divtrace generation</h4>{words}"
-                f"{self.first_divergence.to_html(index=False, na_rep='')}</div>")
+                f"{self.per_prompt.to_html(index=False, na_rep='')}</div>")

@@ -8,7 +8,7 @@ import torch
 __all__ = ["ALLCLOSE", "ELEMENTWISE", "NEAR_ZERO", "argmax", "elementwise"]
 
 #: What :func:`elementwise` returns, in order.
-ELEMENTWISE = ("max_rel", "split_value", "batched_value", "largest", "beyond", "beyond_near_zero",
+ELEMENTWISE = ("max_rel", "a_value", "b_value", "largest", "beyond", "beyond_near_zero",
                "finite", "beyond_at_zero", "beyond_allclose", "beyond_allclose_near_zero")
 #: ``torch.allclose``'s own defaults (``torch.testing.assert_close`` has others).
 ALLCLOSE = (1e-5, 1e-8)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -19,8 +19,8 @@ from divtrace.errors import (
 from divtrace.plan.checks import GraphMode, check_graphs, tolerance
 from divtrace.plan.inputs import BatchDim, BatchedInput, prepare_input
 from divtrace.plan.prompts import Prompts, RaggedInput, ragged_input
-from divtrace.plan.runs import Run
-from divtrace.plan.samples import check_chunk, chunks_for, prepare_samples
+from divtrace.plan.runs import Resources, Run
+from divtrace.plan.samples import chunks_for, prepare_samples
 from divtrace.plan.selection import ModuleSpec, check_modules, mixing_modules, unobservable
 from divtrace.plan.walk import Walk
 
@@ -36,17 +36,17 @@ class Plan:
     Attributes:
         batch: The input, with the tensors that carry the batch marked.
         samples: The compared rows, sorted.
-        reference: The run whose compared rows are stored (the split run by default).
-        compared: The run measured against them (the batched run by default).
-        reference_chunks: The reference run's passes, as ``(start, stop)`` rows.
-        compared_chunks: The compared run's passes when it is chunked too (then both are
+        a: Run a, whose compared rows are stored (default: the split run, per sample).
+        b: Run b, measured against them (default: the batched run, the whole batch).
+        a_chunks: Run a's passes, as ``(start, stop)`` rows.
+        b_chunks: Run b's passes when it is chunked too (then both are
             recorded and compared row by row); empty when it takes the whole batch.
         modules: The validated ``modules=`` selection (None: every module).
         output_only: Only the model's output is observed (a compiled run).
         train_mode: The modules that mix samples in train mode (allowed by the user).
         allow_train: Compare although the runs mix samples or draw random numbers.
-        options: ``compare()``'s explain options as given (the probes they switch on are
-            made by the pipeline: :mod:`divtrace.assembly`).
+        explain: ``compare()``'s ``explain=`` as given (its probes are made by the
+            pipeline: :mod:`divtrace.assembly`).
         ops: Op sites too (True), op sites and the model's output only (``"only"``: no
             hook inside the model), or none (False).
         graphs: Chunked runs replayed from a CUDA graph: ``"auto"``, True or False.
@@ -56,10 +56,10 @@ class Plan:
 
     batch: BatchedInput
     samples: tuple[int, ...]
-    reference: Run
-    compared: Run
-    reference_chunks: Chunks
-    compared_chunks: Chunks
+    a: Run
+    b: Run
+    a_chunks: Chunks
+    b_chunks: Chunks
     modules: tuple[str | type, ...] | None
     output_only: bool
     rtol: float | None
@@ -69,7 +69,7 @@ class Plan:
     progress: bool
     train_mode: tuple[str, ...]
     allow_train: bool = False
-    options: Mapping[str, Any] = field(default_factory=dict)
+    explain: Any = None
     default_pair: bool = True
     ops: bool | str = False
     graphs: GraphMode = False
@@ -77,28 +77,47 @@ class Plan:
     walk: Walk | None = field(default=None, repr=False, compare=False)
 
     def name(self, which: str) -> str:
-        """How errors and the progress bar name run ``"a"`` (reference) or ``"b"``."""
-        run = self.reference if which == "a" else self.compared
+        """How sentences, errors and the progress bar name run ``"a"`` or ``"b"``."""
+        run = self.a if which == "a" else self.b
         if run == Run(chunk=run.chunk) and run.name is None:
             return "batched run" if run.chunk is None else "split run"
         return f"run {which} ({run.label()})"
 
 
-def _runs(a: Run | None, b: Run | None, chunk: int, size: int) -> tuple[Run, Run]:
-    """The reference run and the compared run: split vs batched unless a or b is given."""
-    if a is None and b is None:
-        return Run(chunk=check_chunk(chunk, size)), Run()
+#: Runs a and b when they are not given: the split run (per sample) and the batched run.
+DEFAULT_A, DEFAULT_B = Run(chunk=1), Run()
+
+
+def _runs(a: Run | None, b: Run | None, size: int) -> tuple[Run, Run]:
+    """Runs a and b (by default the split run and the batched run), a chunk that takes
+    the whole batch made ``None``; two runs that are the same are refused."""
     for name, run in (("a", a), ("b", b)):
         if run is not None and not isinstance(run, Run):
-            raise DivtraceTypeError(f"{name} must be a divtrace.Run; got {type(run).__name__}")
-    if chunk != 1:
-        raise DivtraceValueError(
-            "chunk= is for the default batched vs split comparison; with a= or b=, give "
-            "the batch size of each run as Run(chunk=...)")
-    ref, test = a or Run(), b or Run()
+            raise DivtraceTypeError(
+                f"{name} must be a divtrace.Run (e.g. divtrace.Run(chunk=4)); got "
+                f"{type(run).__name__}")
+    first, second = (a or DEFAULT_A, b or DEFAULT_B)
     whole = [r if r.chunk is None or r.chunk < size else replace(r, chunk=None)
-             for r in (ref, test)]
+             for r in (first, second)]
+    if whole[0] == whole[1]:
+        passes = "one pass" if whole[0].chunk is None else f"passes of {whole[0].chunk}"
+        chunk = first.chunk if first.chunk is not None else second.chunk
+        taken = f"; chunk={chunk} takes it whole" if chunk is not None and chunk >= size else ""
+        raise DivtraceValueError(
+            f"runs a and b are the same: {whole[0].label()}, the B={size} rows in {passes}"
+            f"{taken}. Give run a a chunk below {size} (a=divtrace.Run(chunk=1): per "
+            f"sample) or another setting")
     return whole[0], whole[1]
+
+
+def _resources(resources: Any) -> Resources:
+    if resources is None:
+        return Resources()
+    if not isinstance(resources, Resources):
+        raise DivtraceTypeError(
+            f"resources must be a divtrace.Resources (e.g. divtrace.Resources(keep=True)); "
+            f"got {type(resources).__name__}")
+    return resources
 
 
 def _check_train_mode(named: Iterable[tuple[str, nn.Module]], allow_train: bool
@@ -215,14 +234,14 @@ def _check_input(modules: list[nn.Module], x: Any, batch: BatchedInput,
                 f"move it first: {name}.to('{device}')")
 
 
-def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
-              samples: Iterable[int] | int | None = None, batch_dim: BatchDim = 0,
-              modules: ModuleSpec = None, progress: bool = True, keep: bool = False,
-              offload: bool = False, rtol: float | None = None, atol: float | None = None,
+def make_plan(model: nn.Module, x: Any, *, samples: Iterable[int] | int | None = None,
+              batch_dim: BatchDim = 0, modules: ModuleSpec = None, ops: bool | str = False,
+              explain: Any = None, rtol: float | None = None, atol: float | None = None,
               allow_train: bool = False, a: Run | None = None, b: Run | None = None,
-              ops: bool | str = False, graphs: GraphMode = "auto", **options: Any) -> Plan:
+              resources: Resources | None = None, progress: bool = True) -> Plan:
     """Validates ``compare()``'s arguments and decides what will run (see
-    :func:`divtrace.compare`); ``options`` are the explain options, given to each probe."""
+    :func:`divtrace.compare`); ``explain`` is kept as given (the pipeline makes its
+    probes: :mod:`divtrace.assembly`)."""
     if not isinstance(model, nn.Module):
         raise DivtraceTypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
     if isinstance(model, torch.jit.ScriptModule):
@@ -251,7 +270,9 @@ def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
     _check_materialised([*walk.parameters, *walk.buffers], batch, dispatched)
     rows = prepare_samples(samples, batch.batch_size)
     size = batch.batch_size
-    ref, test = _runs(a, b, chunk, size)
+    ref, test = _runs(a, b, size)
+    resources = _resources(resources)
+    keep, offload = resources.keep, resources.offload
     devices = {p.device for _, p in walk.parameters}
     _check_input(walk.modules, x, batch, (ref, test), dispatched, devices)
     if isinstance(batch, RaggedInput) and test.chunk is not None:
@@ -261,15 +282,16 @@ def make_plan(model: nn.Module, x: Any, *, chunk: int = 1,
     train_mode = _check_train_mode(walk.named, allow_train)
     output_only = bool(ref.compile or test.compile)
     ops = _check_ops(ops, (ref, test))
-    graphs = check_graphs(graphs)
+    graphs = check_graphs(resources.graphs)
     return Plan(
-        batch=batch, samples=tuple(rows), reference=ref, compared=test,
-        reference_chunks=tuple(chunks_for(rows, ref.chunk or size, size)),
-        compared_chunks=tuple(chunks_for(rows, test.chunk, size)) if test.chunk else (),
+        batch=batch, samples=tuple(rows), a=ref, b=test,
+        a_chunks=tuple(chunks_for(rows, ref.chunk or size, size)),
+        b_chunks=tuple(chunks_for(rows, test.chunk, size)) if test.chunk else (),
         modules=check_modules(model, modules, walk.named),
         output_only=output_only, rtol=rtol, atol=atol, keep=keep, offload=offload,
         progress=progress, train_mode=train_mode, allow_train=allow_train,
-        options=options, default_pair=a is None and b is None, ops=ops, graphs=graphs,
+        explain=explain, default_pair=(ref, test) == (DEFAULT_A, DEFAULT_B), ops=ops,
+        graphs=graphs,
         graph_obstacle=_graph_obstacle(graphs, devices, batch, (ref, test), ops, offload,
                                       dispatched),
         walk=walk)

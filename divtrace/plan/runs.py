@@ -27,7 +27,7 @@ from divtrace.plan.precision import (
     set_tf32,
 )
 
-__all__ = ["Run", "backend_flags"]
+__all__ = ["Resources", "Run", "backend_flags"]
 
 _PRECISIONS = ("highest", "high", "medium")
 
@@ -85,8 +85,10 @@ class Run:
 
     def __post_init__(self) -> None:
         if self.chunk is not None:
-            if (isinstance(self.chunk, bool) or not hasattr(self.chunk, "__index__")
-                    or self.chunk < 1):
+            if isinstance(self.chunk, bool) or not hasattr(self.chunk, "__index__"):
+                raise DivtraceTypeError(f"Run(chunk=...) must be None or an int >= 1; "
+                                        f"got {self.chunk!r}")
+            if self.chunk < 1:
                 raise DivtraceValueError(f"Run(chunk=...) must be None or an int >= 1; "
                                          f"got {self.chunk!r}")
             object.__setattr__(self, "chunk", operator.index(self.chunk))  # NumPy ints too
@@ -175,3 +177,36 @@ class Run:
                 yield
         finally:
             cudnn.enabled, cudnn.deterministic, cudnn.benchmark = saved
+
+
+@dataclass(frozen=True)
+class Resources:
+    """How a comparison spends memory and time; none of it changes a figure.
+
+    Args:
+        keep: Also keep run b's compared rows, for :meth:`Comparison.pair`.
+        offload: Keep run a's rows in pinned CPU memory instead of on the device.
+        graphs: On CUDA, capture up to 4 of run a's passes side by side as one CUDA graph
+            (each on a stream of its own, the recording copies inside; one pass when
+            more do not fit in memory), check every one bit for bit against the eager
+            first pass, and replay the graph for the other chunks, 4 at a time.
+            ``"auto"``: where it can be used and there are at least 8 passes to replay
+            (else eager; a failed capture or check is a warning); ``True``: always, or
+            an error; ``False``: eager. ``Comparison.meta.graphed`` says how each chunked
+            run went.
+
+    Example:
+        >>> from divtrace import Resources
+        >>> Resources(keep=True)
+        Resources(keep=True, offload=False, graphs='auto')
+    """
+
+    keep: bool = False
+    offload: bool = False
+    graphs: bool | str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("keep", "offload"):
+            if not isinstance(getattr(self, name), bool):
+                raise DivtraceTypeError(
+                    f"Resources({name}=...) must be True or False; got {getattr(self, name)!r}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pandas as pd
 import torch
@@ -48,14 +48,14 @@ def _row(frame: pd.DataFrame, position: int = 0) -> SiteRow:
 class Comparison:
     """How a batched run and a split run of one model compare, site by site.
 
-    Immutable: :attr:`table` and :attr:`samples` return copies, and :meth:`select`
+    Immutable: :attr:`table` and :attr:`per_sample` return copies, and :meth:`select`
     returns a new object.
 
     Attributes:
         table: One row per site, in execution order (see :data:`COLUMNS`).
-        samples: Per-(site, sample) figures: ``mismatch``, ``rel_l2``, ``max_abs``.
-        meta: The run's settings (batch size, chunk, samples, ...), as a plain dict.
-        info: The same settings as a typed :class:`~divtrace.report.meta.Meta`.
+        per_sample: Per-(site, sample) figures: ``mismatch``, ``rel_l2``, ``max_abs``.
+        meta: The settings it ran with (:class:`~divtrace.report.meta.Meta`: batch size,
+            samples, runs, probes, environment; ``meta.to_dict()`` for plain JSON).
     """
 
     __slots__ = ("_meta", "_pairs", "_probes", "_samples", "_table")
@@ -75,7 +75,7 @@ class Comparison:
         return self._table.copy()
 
     @property
-    def samples(self) -> pd.DataFrame:
+    def per_sample(self) -> pd.DataFrame:
         return self._sample_table().copy()
 
     def _sample_table(self) -> pd.DataFrame:
@@ -84,11 +84,7 @@ class Comparison:
         return self._samples
 
     @property
-    def meta(self) -> dict[str, Any]:
-        return self._meta.to_dict()
-
-    @property
-    def info(self) -> Meta:
+    def meta(self) -> Meta:
         return self._meta
 
     @property
@@ -172,18 +168,20 @@ class Comparison:
         return None
 
     def pair(self, site: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(batched, split)``: the compared samples' rows at ``site`` (needs keep=True)."""
+        """``(a, b)``: run a's and run b's rows of the compared samples at ``site`` (needs
+        ``resources=Resources(keep=True)``)."""
         if not self._pairs:
             raise DivtraceValueError(
-                "the tensors were not kept; run compare(..., keep=True) to use pair()")
+                "run b's rows were not kept; run compare(..., resources=divtrace.Resources("
+                "keep=True)) to use pair()")
         if site not in self._pairs:
             known = list(self._pairs)
             shown = ", ".join(known[:12]) + (", ..." if len(known) > 12 else "")
             raise DivtraceValueError(f"no compared site {site!r}; the sites are: {shown}")
-        batched, split = self._pairs[site]
-        assert batched is not None
-        assert split is not None
-        return batched, split
+        b, a = self._pairs[site]
+        assert a is not None
+        assert b is not None
+        return a, b
 
     # -- words ---------------------------------------------------------------------
 

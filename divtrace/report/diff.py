@@ -86,7 +86,7 @@ class Diff:
 
     def summary(self) -> str:
         """Plain sentences: the settings of both, how many sites changed, the first one."""
-        first_a, first_b = self.a.info, self.b.info
+        first_a, first_b = self.a.meta, self.b.meta
 
         def where(meta: Any) -> str:
             env = meta.environment
@@ -135,7 +135,7 @@ def diff(a: Comparison, b: Comparison, factor: float = FACTOR) -> Diff:
         >>> divtrace.diff(first, first).changed.empty
         True
     """
-    if not all(hasattr(c, "table") and hasattr(c, "info") and hasattr(c, "verdict")
+    if not all(hasattr(c, "table") and hasattr(c, "meta") and hasattr(c, "verdict")
                for c in (a, b)):  # duck-typed: this module sits below the Comparison
         raise DivtraceTypeError(
             f"diff takes two divtrace.Comparison objects (or divtrace.load of saved ones); "

@@ -144,7 +144,7 @@ def _figures(result: Comparison) -> str:
     width = min(16.0, max(8.0, 0.3 * n_leaf))
     drawings: list[tuple[Callable[..., Any], float, str]] = [
         (result.plot, 4.5, "rel_l2 by depth: where the runs part and how it grows"),
-        (result.plot_samples, 1.4 + 0.22 * min(len(result.info.samples), 40),
+        (result.plot_samples, 1.4 + 0.22 * min(len(result.meta.samples), 40),
          "rel_l2 per sample and site")]
     table = result.table
     if not result.sources.empty:
@@ -168,7 +168,7 @@ def _pairs(title: str, values: dict[str, Any]) -> str:
 
 
 def _graph_words(outcome: dict[str, Any]) -> str:
-    """How a chunked run's passes ran, in words (``meta["graphed"]``)."""
+    """How a chunked run's passes ran, in words (``meta.graphed``)."""
     if outcome.get("replayed"):
         lanes = outcome.get("lanes") or 1
         words = (f"{outcome['replayed']} of {outcome['passes']} passes replayed from a CUDA "
@@ -183,10 +183,10 @@ def _graph_words(outcome: dict[str, Any]) -> str:
 def page(result: Comparison, title: str, probes: Sequence[type[Probe]] = ()) -> str:
     """A self-contained HTML page: verdict and summary, the plots, the sites (bit-identical
     runs folded, every column below), the settings of each run and the environment."""
-    meta = result.meta
+    meta = result.meta.to_dict()
     settings = {k: v for k, v in meta.items()
                 if k not in ("flips", "environment", "settings", "notes", "graphed")}
-    runs, graphed = meta.get("settings", {}), meta.get("graphed", {})
+    runs, graphed = meta["settings"], meta["graphed"]
     run_rows = {f"{name} ({s.get('label')})": ", ".join(
         [f"{k}={v}" for k, v in s.items() if k != "label"]
         + ([_graph_words(graphed[name])] if name in graphed else []))
@@ -197,5 +197,5 @@ def page(result: Comparison, title: str, probes: Sequence[type[Probe]] = ()) -> 
         f"<title>{escape(title)}</title><style>{CSS}</style></head><body>"
         f"<main class='divtrace'><h1>{escape(title)}</h1>{_words(result)}"
         f"{_figures(result)}<h2>Sites</h2>{_tables(result, probes)}"
-        f"{_pairs('Runs', run_rows)}{_pairs('Environment', meta.get('environment', {}))}"
+        f"{_pairs('Runs', run_rows)}{_pairs('Environment', meta['environment'])}"
         f"{_pairs('Settings', settings)}</main></body></html>")

@@ -11,54 +11,56 @@ from typing import Any
 
 __all__ = ["Meta"]
 
-#: Fields written as they are; ``options`` is flattened in after ``torch``.
-_BEFORE = ("batch_size", "chunk", "samples", "batch_dim", "split_passes", "stored_bytes",
-           "rtol", "atol", "train_mode", "torch")
-_AFTER = ("runs", "flips", "random_draws", "output_type", "graphed", "notes", "environment",
-          "settings")
-
 
 @dataclass(frozen=True)
 class Meta:
     """What a comparison was run with.
 
     Attributes:
-        batch_size: B, the rows of the batched run.
-        chunk: The split run's batch size (B when the reference run is not chunked).
+        batch_size: B, the rows of the batch.
+        a_chunk: Run a's batch size (B when it takes the whole batch).
         samples: The compared rows.
         batch_dim: The batch dimension.
-        split_passes: The reference run's passes.
-        stored_bytes: Bytes of the reference run's rows that were kept.
+        a_passes: Run a's passes.
+        stored_bytes: Bytes of run a's rows that were kept.
         rtol: The given relative tolerance (None: the dtype's default).
         atol: The given absolute tolerance (None: the dtype's default).
         train_mode: The model ran with sample-mixing modules in train mode.
         torch: The torch version.
-        options: The explain options (``local``, ``truth``, ``repeat``, ``kernels``).
+        explain: The probes that ran, by name, each with its settings (``{"repeat":
+            {"times": 2}, ...}``).
+        ops: Op sites: False, True or ``"only"``.
+        resources: ``keep``, ``offload`` and ``graphs``, as given (:class:`Resources`).
+        names: How sentences name runs a and b (``"split run"``, ``"batched run"`` for
+            the default pair).
         runs: The labels of runs a and b, when they were given (else None).
         flips: Per output site of 2-D logits: whether each sample's argmax differs.
         random_draws: A pass drew random numbers (allowed by ``allow_train=True``).
         output_type: The type of the model's output when it held no tensor (else None).
-        graphed: Per chunked run (``a``, ``b``): ``requested`` (the ``graphs=`` option),
+        graphed: Per chunked run (``a``, ``b``): ``requested`` (the ``graphs`` resource),
             ``passes``, ``replayed`` (passes replayed from a CUDA graph), ``lanes``
             (passes each replay ran side by side), ``pool_bytes`` (the graph's own
             memory), ``capture_s`` and ``reason`` (why passes ran eagerly, or None).
         notes: What probes found that is not a column, by probe.
         environment: divtrace, torch, CUDA, cuDNN, GPUs and driver versions.
-        settings: Per run (``a``: the reference, the split run by default; ``b``: the
-            compared one): its label, device, dtype and the backend flags in force.
+        settings: Per run (``a``, ``b``): its label, device, dtype and the backend flags
+            in force.
     """
 
     batch_size: int
-    chunk: int
+    a_chunk: int
     samples: tuple[int, ...]
     batch_dim: int
-    split_passes: int
+    a_passes: int
     stored_bytes: int
     rtol: float | None
     atol: float | None
     train_mode: bool
     torch: str
-    options: Mapping[str, Any] = field(default_factory=dict)
+    explain: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    ops: bool | str = False
+    resources: Mapping[str, Any] = field(default_factory=dict)
+    names: tuple[str, str] = ("split run", "batched run")
     runs: tuple[str, str] | None = None
     flips: Mapping[str, tuple[bool, ...]] = field(default_factory=dict)
     random_draws: bool = False
@@ -69,25 +71,17 @@ class Meta:
     settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        """A plain, JSON-ready dict (a fresh copy): the fields, options flattened in."""
-        raw = {name: getattr(self, name) for name in _BEFORE}
-        raw |= dict(self.options)
-        raw |= {name: getattr(self, name) for name in _AFTER}
+        """A plain, JSON-ready dict (a fresh copy) of the fields."""
+        raw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return json.loads(json.dumps(raw))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Meta:
         """The record that :meth:`to_dict` wrote."""
         known = {f.name for f in dataclasses.fields(cls)}
-        options = {k: v for k, v in data.items() if k not in known}
-        runs = data.get("runs")
-        return cls(
-            **{name: data[name] for name in _BEFORE if name != "samples"},
-            samples=tuple(data["samples"]), options=options,
-            runs=None if runs is None else (runs[0], runs[1]),
-            flips={k: tuple(v) for k, v in data.get("flips", {}).items()},
-            random_draws=bool(data.get("random_draws", False)),
-            output_type=data.get("output_type"), graphed=dict(data.get("graphed", {})),
-            notes=dict(data.get("notes", {})),
-            environment=dict(data.get("environment", {})),
-            settings=dict(data.get("settings", {})))
+        raw = {k: v for k, v in data.items() if k in known}
+        runs = raw.get("runs")
+        return cls(**raw | {
+            "samples": tuple(raw["samples"]), "names": tuple(raw.get("names", cls.names)),
+            "runs": None if runs is None else (runs[0], runs[1]),
+            "flips": {k: tuple(v) for k, v in raw.get("flips", {}).items()}})

@@ -122,8 +122,8 @@ def plot_snowball(result: Comparison, ax: Axes | None = None, metric: str = "rel
     if positive.any():
         ax.plot(depth[positive], values[positive], color="0.75", linewidth=1, zorder=1)
         _extras(ax, rows, depth, metric)
-        extra = [rows[c].to_numpy(dtype=float) for c in ("local_rel_l2", "batched_err_fp64",
-                                                         "split_err_fp64")
+        extra = [rows[c].to_numpy(dtype=float) for c in ("local_rel_l2", "b_err_fp64",
+                                                         "a_err_fp64")
                  if c in rows and metric == "rel_l2"]
         _log_axis(ax, np.concatenate([values, *extra]))
     else:
@@ -154,9 +154,9 @@ def _extras(ax: Axes, rows: pd.DataFrame, depth: np.ndarray, metric: str) -> Non
         own = local > 0
         ax.scatter(depth[own], local[own], s=10, color="black", zorder=5,
                    label="local (replayed on identical input)")
-    if "batched_err_fp64" in rows and metric == "rel_l2":
-        for column, style, label in (("batched_err_fp64", "--", "batched vs float64"),
-                                     ("split_err_fp64", ":", "split vs float64")):
+    if "b_err_fp64" in rows and metric == "rel_l2":
+        for column, style, label in (("b_err_fp64", "--", "batched vs float64"),
+                                     ("a_err_fp64", ":", "split vs float64")):
             error = rows[column].to_numpy(dtype=float)
             ax.plot(depth, np.where(error > 0, error, np.nan), linestyle=style, color="0.3",
                     linewidth=1, zorder=1, label=label)
@@ -183,12 +183,12 @@ def plot_sources(result: Comparison, ax: Axes | None = None) -> Axes:
     labels = []
     for row in rows.itertuples():
         label = f"{row.site} ({row.module_type})"
-        if "kernels_batched" in rows:
+        if "kernels_b" in rows:
             def families(names: str) -> str:
                 found = dict.fromkeys(kernel_family(k) for k in str(names).split("; ") if k)
                 return ", ".join(found) or "-"
-            label += (f"\nbatched: {families(row.kernels_batched)}"
-                      f"\nsplit: {families(row.kernels_split)}")
+            label += (f"\nbatched: {families(row.kernels_b)}"
+                      f"\nsplit: {families(row.kernels_a)}")
         labels.append(label)
     position = np.arange(len(rows))
     ax.scatter(own, position, color="crimson", s=36, zorder=3,
@@ -246,7 +246,7 @@ def plot_samples(result: Comparison, ax: Axes | None = None, metric: str = "rel_
     _check_metric(metric, ("rel_l2", "max_abs", "mismatch"))
     ax = _axes(ax)
     rows = _leaf_rows(result)
-    grid = result.samples.pivot(index="sample", columns="site", values=metric)
+    grid = result.per_sample.pivot(index="sample", columns="site", values=metric)
     grid = grid.reindex(columns=list(rows["site"]))
     log_heatmap(ax, grid.to_numpy(dtype=float), metric)
     _site_ticks(ax, list(rows["site"]))

@@ -27,7 +27,8 @@ __all__ = ["FORMAT", "VERSION", "comparison_fields", "frame_from_json", "frame_t
 
 FORMAT = "divtrace"
 #: Raised when the layout changes; files of older versions are read as long as possible.
-VERSION = 1
+#: Version 2: the meta of ``explain=`` and ``Resources``, columns named after runs a and b.
+VERSION = 2
 _SPECIAL = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
@@ -105,6 +106,12 @@ def read(path: str | Path) -> dict[str, Any]:
         raise DivtraceValueError(
             f"{path} is not a file divtrace saved (no \"format\": \"{FORMAT}\"); files "
             f"come from Comparison.save, Sweep.save, BatchSweep.save or Generation.save")
+    if doc.get("version", 0) < VERSION:
+        raise DivtraceValueError(
+            f"{path} was written in format version {doc.get('version')}, before the "
+            f"comparison's settings became explain= and Resources and the columns were "
+            f"named after runs a and b; this divtrace reads version {VERSION}: run the "
+            f"comparison again and save it")
     if doc.get("version", 0) > VERSION:
         raise DivtraceValueError(
             f"{path} was written by a newer divtrace (format version {doc['version']}; this "
@@ -114,6 +121,6 @@ def read(path: str | Path) -> dict[str, Any]:
 
 def comparison_fields(result: Comparison) -> dict[str, Any]:
     """What a saved comparison holds."""
-    return {"meta": result.meta, "summary": result.summary(),
-            "table": frame_to_json(result.table), "samples": frame_to_json(result.samples),
+    return {"meta": result.meta.to_dict(), "summary": result.summary(),
+            "table": frame_to_json(result.table), "samples": frame_to_json(result.per_sample),
             "probes": [probe.__name__ for probe in result.probes]}

@@ -46,7 +46,7 @@ def columns(figures: tuple[Figure, ...], probes: tuple[type[Probe], ...]) -> tup
 
 #: The columns of :attr:`Comparison.table` of a plain ``compare()`` (the options that are
 #: on by default), in order. They are an API: stable names.
-COLUMNS = columns(FIGURES, tuple(p for p in PROBES if not p.option or p.on_by_default))
+COLUMNS = columns(FIGURES, tuple(p for p in PROBES if not p.name or p.default))
 
 
 def _site_row(site: Measured, blank: dict[str, Any]) -> dict[str, Any]:

@@ -25,7 +25,7 @@ def _output_sentences(result: Comparison) -> list[str]:
     out = result.output
     if out is None or out["status"] != "ok":
         return []
-    meta = result.info
+    meta = result.meta
     lines = []
     first = result.first_divergence
     if first is not None and out["mismatch"] > 0:
@@ -49,7 +49,7 @@ def _output_sentences(result: Comparison) -> list[str]:
                      f"(rtol={rtol:.3g}, atol={atol:.3g}){beyond}.")
         view = meta.notes.get("output_elements", {}).get(out["site"])
         if view is not None and out["mismatch"] > 0:
-            lines.append(_elementwise(view, out, rtol, atol))
+            lines.append(_elementwise(view, out, rtol, atol, meta.names))
             own = (ALLCLOSE[0] if meta.rtol is None else meta.rtol,
                    ALLCLOSE[1] if meta.atol is None else meta.atol)
             if own != (rtol, atol) and "beyond_allclose" in view:
@@ -73,7 +73,8 @@ def _beyond(view: dict[str, float], own: tuple[float, float]) -> str:
             f"{where}.")
 
 
-def _elementwise(view: dict[str, float], out: pd.Series, rtol: float, atol: float) -> str:
+def _elementwise(view: dict[str, float], out: pd.Series, rtol: float, atol: float,
+                 names: tuple[str, str]) -> str:
     """The output element by element, as ``torch.allclose`` judges it, against what the
     norm-based figure says."""
     beyond, finite = int(view["beyond"]), int(view["finite"])
@@ -89,9 +90,9 @@ def _elementwise(view: dict[str, float], out: pd.Series, rtol: float, atol: floa
                  f"output's largest, {sci(largest)}), where relative error has no meaning")
     rel = view["max_rel"]
     worst = (f"The largest element-wise relative difference is {rel:.3g} ({percent(rel)}), "
-             f"where the split run has {view['split_value']:.8g} and the batched run "
-             f"{view['batched_value']:.8g}"
-             + (" (near zero)" if abs(view["split_value"]) <= NEAR_ZERO * largest else "")
+             f"where the {names[0]} has {view['a_value']:.8g} and the "
+             f"{names[1]} {view['b_value']:.8g}"
+             + (" (near zero)" if abs(view["a_value"]) <= NEAR_ZERO * largest else "")
              if rel > 0 else
              "No element differs relative to a non-zero value")
     return (f"{head}. {worst}; measured over the whole output instead, the difference is "
@@ -100,7 +101,7 @@ def _elementwise(view: dict[str, float], out: pd.Series, rtol: float, atol: floa
 
 def _caveats(result: Comparison, ok: pd.DataFrame) -> list[str]:
     """What makes the runs differ by design, and what could not be compared at all."""
-    meta, lines = result.info, []
+    meta, lines = result.meta, []
     if meta.train_mode:
         lines.append(
             "The model ran in train mode (allow_train=True): BatchNorm or Dropout make "
@@ -129,13 +130,13 @@ def _caveats(result: Comparison, ok: pd.DataFrame) -> list[str]:
 def summary(result: Comparison, probes: Sequence[type[Probe]] = ()) -> str:
     """Plain sentences on where the runs part, how far it grows, and what it means; the
     ``probes`` that explain the comparison add theirs."""
-    meta = result.info
+    meta = result.meta
     table = result.table
     ok = table[table["status"] == "ok"]
     samples = list(meta.samples)
     shown = (", ".join(map(str, samples)) if len(samples) <= 8 else
              f"{', '.join(map(str, samples[:4]))}, ..., {samples[-1]}")
-    chunking = "per sample" if meta.chunk == 1 else f"in chunks of {meta.chunk}"
+    chunking = "per sample" if meta.a_chunk == 1 else f"in chunks of {meta.a_chunk}"
     if meta.runs:
         run_a, run_b = meta.runs
         head = f"Run b ({run_b}) vs run a ({run_a}), B={meta.batch_size}"

@@ -188,15 +188,16 @@ def _tested(meta: Meta) -> str:
 
 def _truth(outputs: pd.DataFrame, meta: Meta) -> str | None:
     for _, out in outputs.iterrows():
-        if "batched_err_fp64" not in out or math.isnan(out["batched_err_fp64"]):
+        if "b_err_fp64" not in out or math.isnan(out["b_err_fp64"]):
             continue
-        b, s = out["batched_err_fp64"], out["split_err_fp64"]
+        b, s = out["b_err_fp64"], out["a_err_fp64"]
         high, low = max(b, s), min(b, s)
         limit, _, _ = budget(out["dtype"], meta)
         if high > limit and (low == 0 or high / low > 100):
-            worse, better = ("batched", "split") if b > s else ("split", "batched")
-            return (f"against a float64 run of the same samples the {worse} run is off by "
-                    f"rel_l2 {sci(high)} and the {better} run by {sci(low)}: floating "
+            a_name, b_name = meta.names
+            worse, better = (b_name, a_name) if b > s else (a_name, b_name)
+            return (f"against a float64 run of the same samples the {worse} is off by "
+                    f"rel_l2 {sci(high)} and the {better} by {sci(low)}: floating "
                     f"point does not explain that. {_CHECK}")
     return None
 

@@ -58,7 +58,8 @@ def main() -> int:
     torch.manual_seed(0)
     model = torchvision.models.mobilenet_v3_small().eval().to(device)
     x = torch.rand(16, 3, 64, 64, device=device)
-    result = divtrace.compare(model, x, samples=[0, 1], chunk=2, progress=False, keep=True)
+    result = divtrace.compare(model, x, samples=[0, 1], a=divtrace.Run(chunk=2),
+                              resources=divtrace.Resources(keep=True), progress=False)
     table = result.table
     ratios, zero, sites = [], 0, 0
     for _, row in table[table["mismatch"] > 0].iterrows():

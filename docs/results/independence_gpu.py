@@ -82,13 +82,15 @@ def main() -> int:
             layers = list(features)
             model = nn.Sequential(*layers[:6], *([Mix(eps)] if eps else []), *layers[6:])
             record(found, lines, f"vgg11().features + mean-mixing eps={eps} (64 vs chunks of 2)",
-                   divtrace.compare(model.eval(), x64, chunk=2, progress=False))
+                   divtrace.compare(model.eval(), x64, a=divtrace.Run(chunk=2), progress=False))
         x128 = torch.rand(128, 3, 128, 128, device=cuda)
         record(found, lines, "seed: vgg11().features, 128 vs first 2",
-               divtrace.compare(features, x128, chunk=2, samples=[0, 1], progress=False))
+               divtrace.compare(features, x128, a=divtrace.Run(chunk=2), samples=[0, 1],
+                                progress=False))
         conv = nn.Conv2d(3, 64, 3, padding=1).to(cuda).eval()
         record(found, lines, "seed: Conv2d(3, 64), 128 vs first 2",
-               divtrace.compare(conv, x128, chunk=2, samples=[0, 1], progress=False))
+               divtrace.compare(conv, x128, a=divtrace.Run(chunk=2), samples=[0, 1],
+                                progress=False))
         for label, run in (("cuDNN off", divtrace.Run(cudnn=False)),
                            ("TF32 on", divtrace.Run(tf32_matmul=True, tf32_cudnn=True))):
             record(found, lines, f"seed setting: vgg11().features, {label}",
@@ -102,14 +104,16 @@ def main() -> int:
         torch.manual_seed(0)
         eff = efficientnet_v2_s().eval().to(cuda)
         record(found, lines, "seed: efficientnet_v2_s, 64 vs first 2",
-               divtrace.compare(eff, torch.rand(64, 3, 224, 224, device=cuda), chunk=2,
+               divtrace.compare(eff, torch.rand(64, 3, 224, 224, device=cuda),
+                                a=divtrace.Run(chunk=2),
                                 samples=[0, 1], progress=False))
     before = precision_state()
     torch.backends.cudnn.conv.fp32_precision = "tf32"
     torch.backends.cuda.matmul.fp32_precision = "ieee"
     record(found, lines, "new API: cudnn.conv.fp32_precision='tf32', vgg11().features, 128 "
                          "vs first 2",
-           divtrace.compare(features, x128, chunk=2, samples=[0, 1], progress=False))
+           divtrace.compare(features, x128, a=divtrace.Run(chunk=2), samples=[0, 1],
+                            progress=False))
     lines.append(f"flags before the new-API case: {before}; after it: {precision_state()}")
     # the first seed report's script: its flags, AlexNet, batch 100 vs 1, rtol=0.1
     torch.backends.cudnn.conv.fp32_precision = "ieee"

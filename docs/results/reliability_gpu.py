@@ -73,7 +73,8 @@ def observer(lines: list[str]) -> None:
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(256, 8, 1024, batch_first=True).eval().cuda()
     x = torch.randn(32, 64, 256, device="cuda")
-    result = divtrace.compare(layer, x, chunk=4, samples=[0, 1, 2, 3], progress=False)
+    result = divtrace.compare(layer, x, a=divtrace.Run(chunk=4), samples=[0, 1, 2, 3],
+                              progress=False)
     note = result.info.notes["observer"]
     lines += ["## nn.TransformerEncoderLayer(256, 8, 1024), batch 32 vs chunks of 4, on cuda:0",
               f"observer check: {note}", result.summary(), ""]

@@ -52,10 +52,10 @@ def run(args: argparse.Namespace) -> int:
         lambda m, a, o: captured.append(o.clone()) if o.shape[0] == args.batch else None)
     try:
         results["vgg11().features"] = divtrace.compare(
-            features, x, chunk=2, samples=[0, 1], progress=False)
+            features, x, a=divtrace.Run(chunk=2), samples=[0, 1], progress=False)
     finally:
         handle.remove()
-    results["Conv2d(3, 64)"] = divtrace.compare(conv, x, chunk=2, samples=[0, 1],
+    results["Conv2d(3, 64)"] = divtrace.compare(conv, x, a=divtrace.Run(chunk=2), samples=[0, 1],
                                                 progress=False)
     observer_ok = torch.equal(captured[0], plain)
     env = {
