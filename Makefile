@@ -28,7 +28,7 @@ quick: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not slow"
 
 bench: $(VENV)/.installed
-	$(PY) benchmarks/overhead.py
+	$(PY) -m benchmarks overhead
 
 clean:
 	rm -rf $(VENV) $(OUT)

@@ -206,11 +206,27 @@ def test_plots_show_local_error_fp64_and_sources(chain: nn.Sequential) -> None:
         labels = [t.get_text() for t in top.get_legend().get_texts()]
         assert "local (replayed on identical input)" in labels
         assert "adds error of its own" in labels
-        assert {"batched vs float64", "split vs float64"} <= set(labels)
+        assert {"batched run vs float64", "split run vs float64"} <= set(labels)
         assert result.plot_sources(ax=bottom) is bottom
         ticks = [t.get_text() for t in bottom.get_yticklabels()]
         assert len(ticks) == 1
-        assert ticks[0].startswith("3 (OrderedLinear)\nbatched:")
+        assert ticks[0].startswith("3 (OrderedLinear)\nbatched run:")
+    finally:
+        plt.close(fig)
+
+
+def test_the_snowball_takes_layers_not_replayed(chain: nn.Sequential) -> None:
+    import matplotlib.pyplot as plt
+
+    result = run(chain, torch.randn(8, 16), explain=[divtrace.Local(skip=["4"])])
+    adds = result.table["adds_error"]
+    assert adds.isna().any() and (adds == True).any()  # noqa: E712
+    fig, ax = plt.subplots()
+    try:
+        result.plot(ax=ax)
+        circles = [c for c in ax.collections if c.get_label() == "adds error of its own"]
+        assert len(circles[0].get_offsets()) == int(
+            ((adds == True) & (result.table["rel_l2"] > 0) & result.table["leaf"]).sum())  # noqa: E712
     finally:
         plt.close(fig)
 
@@ -263,7 +279,7 @@ def test_kernels_on_the_cpu_print_no_profiler_noise() -> None:
     from pathlib import Path
 
     code = ("import torch, divtrace\n"
-            "divtrace.compare(torch.nn.Linear(3, 3), torch.randn(4, 3), kernels=True,\n"
+            "divtrace.compare(torch.nn.Linear(3, 3), torch.randn(4, 3), explain=['kernels'],\n"
             "                 progress=False)\n"
             "print('done')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

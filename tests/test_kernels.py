@@ -105,7 +105,7 @@ for elements, budget in ((queue.FUSED_ELEMENTS, None), (queue.FUSED_ELEMENTS, 1)
         meter.budget_for = lambda *args, **kwargs: budget
     launches.clear()
     found.append(divtrace.compare(model, x, samples=[0, 1, 5], progress=False,
-                                  independence=False))
+                                  explain=["-independence"]))
     counted.append(list(launches))
 for other in found[1:]:
     assert found[0].table.equals(other.table) and found[0].per_sample.equals(other.per_sample)

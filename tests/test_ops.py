@@ -215,3 +215,16 @@ def test_a_write_through_an_alias_does_not_change_what_was_recorded() -> None:
     split, batched = result.pair("(model):aten.mul")
     torch.testing.assert_close(split, x * 2.0, rtol=0, atol=0)
     torch.testing.assert_close(batched, x * 2.0, rtol=0, atol=0)
+
+
+def test_an_op_with_empty_outputs_is_measured() -> None:
+    # in eval mode native_batch_norm returns empty saved statistics beside its output
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).eval()
+    result = divtrace.compare(model, torch.rand(4, 3, 8, 8), ops=True, progress=False)
+    table = result.table.set_index("site")
+    empty = table[table["numel"] == 0]
+    assert not empty.empty
+    assert (empty["status"] == "ok").all()
+    assert (empty["mismatch"] == 0).all()
+    assert table.loc["1:aten.native_batch_norm/0", "numel"] == 4 * 4 * 6 * 6

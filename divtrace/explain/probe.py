@@ -173,6 +173,10 @@ class Probe:
         """Its settings, JSON-ready, as ``Comparison.meta.explain[name]`` records them."""
         return {}
 
+    def __repr__(self) -> str:
+        given = ", ".join(f"{key}={value!r}" for key, value in self.settings().items())
+        return f"{type(self).__name__}({given})"
+
     @property
     def watches_sites(self) -> bool:
         return type(self).on_site is not Probe.on_site

@@ -7,6 +7,7 @@ from functools import partial
 
 import torch
 
+from divtrace.devices import upload
 from divtrace.measure import fused
 from divtrace.measure.scale import WIDE, rescaled
 from divtrace.measure.stats import block_stats, blocks, combine, mixed_stats
@@ -16,6 +17,11 @@ __all__ = ["pair_fields"]
 
 def _fields(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float, width: int
             ) -> torch.Tensor:
+    if b.shape[1] == 0:  # rows without elements (e.g. an op's empty saved statistics):
+        # bit-identical, their fields those of an empty pair on the host
+        empty = block_stats(torch.empty(b.shape, dtype=b.dtype),
+                            torch.empty(r.shape, dtype=r.dtype), rtol, atol)
+        return upload(empty, b.device)
     if fused.supports(b) and b.dtype == r.dtype:  # one pass, no temporaries beyond a row
         return fused.fused_stats(b, r, rtol, atol)
     stats = mixed_stats if b.dtype != r.dtype else block_stats  # two configurations

@@ -121,7 +121,7 @@ def plot_snowball(result: Comparison, ax: Axes | None = None, metric: str = "rel
                      color=dot.get_facecolor()[0] if len(shown) else f"C{i % 10}")
     if positive.any():
         ax.plot(depth[positive], values[positive], color="0.75", linewidth=1, zorder=1)
-        _extras(ax, rows, depth, metric)
+        _extras(ax, rows, depth, metric, result.meta.names)
         extra = [rows[c].to_numpy(dtype=float) for c in ("local_rel_l2", "b_err_fp64",
                                                          "a_err_fp64")
                  if c in rows and metric == "rel_l2"]
@@ -142,11 +142,13 @@ def plot_snowball(result: Comparison, ax: Axes | None = None, metric: str = "rel
     return ax
 
 
-def _extras(ax: Axes, rows: pd.DataFrame, depth: np.ndarray, metric: str) -> None:
+def _extras(ax: Axes, rows: pd.DataFrame, depth: np.ndarray, metric: str,
+            names: tuple[str, str]) -> None:
     """The layers that add error, their own error, and the float64 lines."""
     values = rows[metric].to_numpy(dtype=float)
     if "adds_error" in rows:
-        adds = (rows["adds_error"] == True).to_numpy() & (values > 0)  # noqa: E712
+        adds = ((rows["adds_error"] == True).fillna(False).to_numpy(dtype=bool)  # noqa: E712
+                & (values > 0))  # (<NA>: not replayed)
         ax.scatter(depth[adds], values[adds], s=110, facecolors="none", edgecolors="black",
                    linewidths=1.2, zorder=4, label="adds error of its own")
     if "local_rel_l2" in rows and metric == "rel_l2":
@@ -155,8 +157,8 @@ def _extras(ax: Axes, rows: pd.DataFrame, depth: np.ndarray, metric: str) -> Non
         ax.scatter(depth[own], local[own], s=10, color="black", zorder=5,
                    label="local (replayed on identical input)")
     if "b_err_fp64" in rows and metric == "rel_l2":
-        for column, style, label in (("b_err_fp64", "--", "batched vs float64"),
-                                     ("a_err_fp64", ":", "split vs float64")):
+        for column, style, label in (("b_err_fp64", "--", f"{names[1]} vs float64"),
+                                     ("a_err_fp64", ":", f"{names[0]} vs float64")):
             error = rows[column].to_numpy(dtype=float)
             ax.plot(depth, np.where(error > 0, error, np.nan), linestyle=style, color="0.3",
                     linewidth=1, zorder=1, label=label)
@@ -187,8 +189,8 @@ def plot_sources(result: Comparison, ax: Axes | None = None) -> Axes:
             def families(names: str) -> str:
                 found = dict.fromkeys(kernel_family(k) for k in str(names).split("; ") if k)
                 return ", ".join(found) or "-"
-            label += (f"\nbatched: {families(row.kernels_b)}"
-                      f"\nsplit: {families(row.kernels_a)}")
+            label += (f"\n{result.meta.names[1]}: {families(row.kernels_b)}"
+                      f"\n{result.meta.names[0]}: {families(row.kernels_a)}")
         labels.append(label)
     position = np.arange(len(rows))
     ax.scatter(own, position, color="crimson", s=36, zorder=3,

@@ -65,7 +65,7 @@ def main() -> int:
                   found.table.to_string(), ""]
         found.plot(ax=axes[i])
         axes[i].set_title(f"{name}: batched vs split, per setting ({gpu})")
-        pairs = divtrace.sweep(model, x, SETTINGS[1:], reference=SETTINGS[0],
+        pairs = divtrace.sweep(model, x, SETTINGS[1:], a=SETTINGS[0],
                                samples=how["samples"], progress=False)
         pairs.table.to_csv(args.out / f"configs_pairs_{name}.csv", index=False)
         lines += [f"== {name}: each setting against GPU fp32, whole batch ==",

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import divtrace
 
-OPTIONS = {"local": True, "truth": "fp64", "repeat": 2, "kernels": True}
+EXPLAIN = ["local", "fp64", divtrace.Repeat(2), "kernels"]
 
 
 def cases() -> dict[str, tuple[torch.nn.Module, torch.Tensor, dict]]:
@@ -31,10 +31,10 @@ def cases() -> dict[str, tuple[torch.nn.Module, torch.Tensor, dict]]:
     torch.manual_seed(0)
     return {
         "vgg11_features": (vgg11().features, torch.rand(128, 3, 128, 128),
-                           {"chunk": 2, "samples": [0, 1]}),
-        "alexnet": (alexnet(), torch.rand(100, 3, 224, 224), {"chunk": 1}),
+                           {"a": divtrace.Run(chunk=2), "samples": [0, 1]}),
+        "alexnet": (alexnet(), torch.rand(100, 3, 224, 224), {}),
         "efficientnet_v2_s": (efficientnet_v2_s(), torch.rand(64, 3, 224, 224),
-                              {"chunk": 2, "samples": [0, 1]}),
+                              {"a": divtrace.Run(chunk=2), "samples": [0, 1]}),
     }
 
 
@@ -55,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "cudnn": torch.backends.cudnn.version(), "options": OPTIONS}
+           "cudnn": torch.backends.cudnn.version(),
+           "explain": [p if isinstance(p, str) else repr(p) for p in EXPLAIN]}
     lines = [json.dumps(env), ""]
     snowballs = Figure(figsize=(13, 15))
     sources = Figure(figsize=(12, 12))
@@ -64,14 +65,16 @@ def run(args: argparse.Namespace) -> int:
     for i, (name, (model, x, how)) in enumerate(cases().items()):
         model = model.eval().cuda()
         start = time.perf_counter()
-        result = divtrace.compare(model, x.cuda(), progress=False, **how, **OPTIONS)
+        result = divtrace.compare(model, x.cuda(), progress=False, **how, explain=EXPLAIN)
         seconds = time.perf_counter() - start
         result.to_csv(args.out / f"explain_{name}.csv")
-        lines += [f"== {name}: batch {x.shape[0]}, {how} ({seconds:.1f} s) ==",
+        said = ", ".join(f"{k}={v.label() if isinstance(v, divtrace.Run) else v}"
+                         for k, v in how.items()) or "per sample"
+        lines += [f"== {name}: batch {x.shape[0]}, {said} ({seconds:.1f} s) ==",
                   result.summary(), ""]
         table = result.sources
         shown = ["site", "module_type", "mismatch", "rel_l2", "local_rel_l2",
-                 "kernels_differ", "kernels_batched", "kernels_split"]
+                 "kernels_differ", "kernels_a", "kernels_b"]
         lines += ["sources:", table[shown].to_string(max_colwidth=90), ""]
         result.plot(ax=axes[i])
         axes[i].set_title(f"{name}: rel_l2 by depth ({env['gpu']})")

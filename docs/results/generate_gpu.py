@@ -60,7 +60,7 @@ def first_layer(found: divtrace.Generation, prompt: int, step: int) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", divtrace.DivtraceWarning)
         result = found.at(step, samples=[prompt])
-    samples = result.samples
+    samples = result.per_sample
     hits = samples[(samples["sample"] == prompt) & (samples["mismatch"] > 0)]
     if hits.empty:
         return {"site": None}
@@ -99,7 +99,7 @@ def main() -> int:
                 torch.cuda.synchronize()
                 seconds = time.perf_counter() - start
                 same = again.table.equals(found.table)
-                first = found.first_divergence
+                first = found.per_prompt
                 found.table.to_csv(args.out / f"generate_{name}.csv", index=False)
                 parted = first.dropna(subset=["first_token_split"]).sort_values(
                     "first_token_split")

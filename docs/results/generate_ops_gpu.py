@@ -43,7 +43,7 @@ def main() -> int:
             model = build(torch.bfloat16, attention)
             found = divtrace.compare_generate(model, prompts, max_new_tokens=args.tokens,
                                               eos_token_id=None, progress=False, ops=True)
-            parted = found.first_divergence.dropna(subset=["first_token_split"])
+            parted = found.per_prompt.dropna(subset=["first_token_split"])
             parted = parted.sort_values("first_token_split").head(args.prompts_at)
             cases = []
             for row in parted.itertuples():
@@ -51,7 +51,7 @@ def main() -> int:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", divtrace.DivtraceWarning)
                     result = found.at(step, samples=[prompt])
-                samples = result.samples
+                samples = result.per_sample
                 hits = samples[samples["mismatch"] > 0]
                 table = result.table
                 sources = table[(table["role"] == "source") & (table["op"] != "")]

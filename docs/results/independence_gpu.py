@@ -58,7 +58,7 @@ def record(found: list[dict[str, Any]], lines: list[str], name: str,
     found.append({"case": name, "verdict": result.verdict,
                   "first_dependent": None if moved.empty else moved.iloc[0]["site"],
                   "output_rel_l2": None if out is None else float(out["rel_l2"]),
-                  "independence": result.info.notes.get("independence")})
+                  "independence": result.meta.notes.get("independence")})
     lines += [f"== {name}", result.summary(), ""]
     print(name, result.verdict, found[-1]["first_dependent"], flush=True)
 

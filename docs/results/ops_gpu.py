@@ -86,7 +86,7 @@ def encoder_case(out: Path, lines: list[str], found: dict) -> None:
         table[COLUMNS].to_csv(out / f"ops_{name}.csv", index=False)
         found[name] = describe(result) | {
             "fused_op_sites": len(fused), "seconds": seconds,
-            "observer": result.meta["notes"].get("observer")}
+            "observer": result.meta.notes.get("observer")}
         lines += [f"## {name} ({seconds:.1f} s)", result.summary(), ""]
 
 
@@ -102,8 +102,8 @@ def main() -> int:
             model = model.eval().cuda()
             torch.manual_seed(1)
             ids = torch.randint(0, info["vocab"], (16, 128), device="cuda")
-            for split, options in (("per sample", {}),
-                                   ("chunks of 8", {"chunk": 8, "samples": range(8)})):
+            eight = {"a": divtrace.Run(chunk=8), "samples": range(8)}
+            for split, options in (("per sample", {}), ("chunks of 8", eight)):
                 start = time.perf_counter()
                 result = divtrace.compare(model, {"input_ids": ids}, ops=True,
                                           progress=False, **options)

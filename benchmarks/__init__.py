@@ -1,0 +1,14 @@
+"""divtrace's benchmarks: one harness, ``python -m benchmarks SUITE [options]``.
+
+Every figure is a ratio against the bare forward passes a user would otherwise run,
+measured in one process, interleaved, as medians:
+
+- ``overhead``: time and peak memory of ``compare()`` per case and per option
+  (probes, resources), optionally beside an older checkout (``--old``);
+- ``sites``: models with hundreds of small sites, with the floor of module hooks;
+- ``parts``: where the time of one ``compare()`` goes, stage by stage;
+- ``lm``: language models — op sites, prompts of different lengths, generation;
+- ``tables``: no figure changes — every table equal to an older checkout's.
+
+Run ``python -m benchmarks SUITE --help`` for a suite's options.
+"""

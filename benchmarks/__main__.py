@@ -1,0 +1,22 @@
+"""``python -m benchmarks SUITE [options]``: runs one suite (see :mod:`benchmarks`)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUITES = ("overhead", "sites", "parts", "lm", "tables")
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in SUITES:
+        print(f"usage: python -m benchmarks {{{','.join(SUITES)}}} [options]\n"
+              f"{importlib.import_module('benchmarks').__doc__}", file=sys.stderr)
+        return 2
+    suite = importlib.import_module(f"benchmarks.{argv[0]}")
+    code: int = suite.main(argv[1:])
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

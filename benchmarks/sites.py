@@ -1,0 +1,160 @@
+"""Models with hundreds of small sites: ``compare()`` against the bare forward passes.
+
+mobilenet_v3_small, efficientnet_b0 and resnet18 (random weights), batch 16 of 3×64×64,
+samples [0, 1], run a per sample (two split passes, then the batched pass; with
+``--chunk 2`` one split pass of both), in one process, interleaved, medians. "µs per
+site" is ``compare()``'s time beyond the bare passes over its sites. ``--old`` times an
+older checkout beside this one. ``--floor`` also times the same passes with a forward
+hook on every module that does nothing ("hooks"), or copies the compared rows ("hooks +
+copies"): no recorder made of module hooks can cost less. ``--selections`` also times
+``compare()`` observing only Conv2d and Linear modules, and only the output
+(``modules=[]``: the call without sites); with ``--floor``, "least with every module
+hooked" is the output-only ratio plus the hooks' share. On CUDA it also prints the
+extra peak memory over the bare passes' peak, per byte of the stored rows.
+
+    python -m benchmarks sites [--device cuda] [--chunk 2] [--repeats 7] [--old CHECKOUT]
+        [--floor] [--selections] [--size 64] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import divtrace
+from benchmarks.common import (
+    arguments,
+    environment,
+    load_old,
+    peak,
+    stored_bytes,
+    timed,
+    use_seed_settings,
+)
+
+MODELS = ("mobilenet_v3_small", "efficientnet_b0", "resnet18")
+#: The modules ``--selections`` observes.
+SELECTED = (torch.nn.Conv2d, torch.nn.Linear)
+_KEPT: list[torch.Tensor] = []  # the rows the copying hooks keep, until the passes end
+
+
+def passes(model: torch.nn.Module, x: torch.Tensor, chunk: int) -> Callable[[], None]:
+    """The bare passes ``compare()`` makes with samples [0, 1]."""
+
+    def bare() -> None:
+        with torch.no_grad():
+            for start in range(0, 2, chunk):
+                model(x[start:start + chunk])
+            model(x)
+
+    return bare
+
+
+def hooked(model: torch.nn.Module, bare: Callable[[], None], copy: bool
+           ) -> Callable[[], None]:
+    """``bare`` with a forward hook on every module that does nothing with the output, or
+    keeps a copy of its compared rows."""
+
+    def keep(_module: torch.nn.Module, _args: object, output: object) -> None:
+        if copy and isinstance(output, torch.Tensor) and output.dim():
+            _KEPT.append(output[:2].clone())
+
+    def run() -> None:
+        handles = [module.register_forward_hook(keep) for module in model.modules()]
+        try:
+            bare()
+        finally:
+            for handle in handles:
+                handle.remove()
+            _KEPT.clear()
+
+    return run
+
+
+def ways_for(model: torch.nn.Module, x: torch.Tensor, args: argparse.Namespace, old: Any
+             ) -> dict[str, Callable[[], object]]:
+    bare = passes(model, x, args.chunk)
+
+    def run(package: Any, **more: Any) -> Callable[[], object]:
+        kwargs = arguments(package, args.chunk, [0, 1]) | more
+        return lambda: package.compare(model, x, **kwargs)
+
+    ways: dict[str, Callable[[], object]] = {"bare": bare, "new": run(divtrace)}
+    if old is not None:
+        ways["old"] = run(old)
+    if args.floor:
+        ways["hooks"] = hooked(model, bare, copy=False)
+        ways["hooks + copies"] = hooked(model, bare, copy=True)
+    if args.selections:
+        ways["conv + linear"] = run(divtrace, modules=list(SELECTED))
+        ways["output only"] = run(divtrace, modules=[])
+    return ways
+
+
+def measure(name: str, device: torch.device, args: argparse.Namespace, old: Any
+            ) -> dict[str, Any]:
+    import torchvision.models
+
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, name)().eval().to(device)
+    x = torch.rand(16, 3, args.size, args.size, device=device)
+    ways = ways_for(model, x, args, old)
+    for fn in ways.values():
+        fn()
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    for _ in range(args.repeats):
+        for way, fn in ways.items():
+            times[way].append(timed(fn, device))
+    median = {way: statistics.median(t) for way, t in times.items()}
+    sites = len(divtrace.compare(model, x, samples=[0, 1], progress=False).table)
+    ratios = {way: value / median["bare"] for way, value in median.items() if way != "bare"}
+    if args.floor and args.selections:  # a call that observes every module costs both
+        ratios["least with every module hooked"] = ratios["output only"] + ratios["hooks"] - 1
+    row: dict[str, Any] = {"model": name, "sites": sites, "bare_s": median["bare"],
+                           "ratio": ratios.pop("new"), "ratios": ratios,
+                           "per_site_us": (median["new"] - median["bare"]) / sites * 1e6}
+    if device.type == "cuda":  # the extra peak over the bare passes, per stored byte
+        bare_peak, _ = peak(ways["bare"], device)
+        for way in ("new", "old") if old is not None else ("new",):
+            used, result = peak(ways[way], device)
+            row[f"extra_over_stored_{way}"] = (used - bare_peak) / stored_bytes(result)
+    return row
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks sites", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--chunk", type=int, default=1, choices=[1, 2])
+    parser.add_argument("--old", type=Path, help="an older checkout to time beside")
+    parser.add_argument("--floor", action="store_true",
+                        help="also time bare passes with hooks that do nothing or copy rows")
+    parser.add_argument("--selections", action="store_true",
+                        help="also time compare() observing fewer modules")
+    parser.add_argument("--size", type=int, default=64, help="the input's height and width")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    torch.set_num_threads(args.threads)
+    use_seed_settings(device)
+    old = load_old(args.old) if args.old else None
+    rows = [measure(name, device, args, old) for name in MODELS]
+    for row in rows:
+        others = ", ".join(f"{way} {value:.2f}×" for way, value in row["ratios"].items())
+        memory = (f"; extra peak / stored {row['extra_over_stored_new']:.2f}"
+                  if "extra_over_stored_new" in row else "")
+        print(f"{row['model']}: {row['sites']} sites, bare {row['bare_s'] * 1e3:.1f} ms, "
+              f"compare {row['ratio']:.2f}× ({row['per_site_us']:.0f} µs per site)"
+              f"{'; ' + others if others else ''}{memory}")
+    if args.json:
+        args.json.write_text(json.dumps({"environment": environment(device),
+                                         "chunk": args.chunk, "results": rows}, indent=1))
+    return 0

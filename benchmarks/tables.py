@@ -1,0 +1,125 @@
+"""No figure changes: every table of this version equals an older checkout's, figure for
+figure (the per-site table and the per-sample table, compared with ``DataFrame.equals``).
+
+Four image models (many small sites and a few large ones) per sample, with partial
+samples, chunk 2 and each probe; op sites; prompts of different lengths through a tiny
+Llama-like model; and generation (its token table and one step's comparison). Columns
+renamed since the older version are matched by their new names. ``--except`` leaves
+columns out (a change meant to change them) and says in how many rows each differs.
+
+    python -m benchmarks tables --old CHECKOUT [--device cuda] [--except cosine]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+import divtrace
+from benchmarks.common import arguments, load_old
+
+#: Old column name -> new one (the runs' columns are named after runs a and b).
+RENAMED = {"batched_err_fp64": "b_err_fp64", "split_err_fp64": "a_err_fp64",
+           "kernels_batched": "kernels_b", "kernels_split": "kernels_a"}
+#: (samples, run a's chunk, option) for each image model.
+IMAGE_CASES: tuple[tuple[list[int] | None, int, str], ...] = (
+    ([0, 1], 1, "default"), (None, 1, "default"), ([0, 1, 5], 2, "default"),
+    ([0, 1], 1, "local"), ([3], 1, "fp64"), ([0, 1], 1, "keep"), ([0, 1], 1, "repeat=1"),
+    ([0], 1, "independence=off"))
+_Case = tuple[str, Callable[[Any], Any]]
+
+
+def image_cases(device: torch.device) -> Iterator[_Case]:
+    import torchvision.models
+
+    for name in ("mobilenet_v3_small", "efficientnet_b0", "resnet18", "alexnet"):
+        torch.manual_seed(0)
+        model = getattr(torchvision.models, name)().eval().to(device)
+        side = 96 if name == "alexnet" else 64
+        x = torch.rand(20, 3, side, side, device=device)
+        for samples, chunk, option in IMAGE_CASES:
+            yield (f"{name} samples={samples} chunk={chunk} {option}",
+                   lambda package, m=model, x=x, s=samples, c=chunk, o=option:
+                   package.compare(m, x, **arguments(package, c, s, o)))
+        if name == "alexnet":  # no BatchNorm: older versions raised on its ops' empty outputs
+            yield (f"{name} ops=True",
+                   lambda package, m=model, x=x: package.compare(
+                       m, x, ops=True, **arguments(package, 1, [0, 1])))
+        if device.type == "cuda":
+            half, xh = model.half(), x.half()
+            yield (f"{name} fp16", lambda package, m=half, x=xh: package.compare(
+                m, x, **arguments(package, 1, [0, 1])))
+
+
+def language_cases(device: torch.device) -> Iterator[_Case]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=200)
+    model = LlamaForCausalLM(config).eval().to(device)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 200, (n,), generator=generator).to(device)
+               for n in (3, 9, 5, 12)]
+    yield ("llama Prompts", lambda package: package.compare(
+        model, package.Prompts(prompts, pad_token_id=0), progress=False))
+    yield ("llama Prompts ops=True", lambda package: package.compare(
+        model, package.Prompts(prompts, pad_token_id=0), ops=True, progress=False))
+    yield ("llama generation", lambda package: package.compare_generate(
+        model, prompts, max_new_tokens=6, pad_token_id=0, eos_token_id=None,
+        progress=False))
+    yield ("llama generation at(2)", lambda package: package.compare_generate(
+        model, prompts, max_new_tokens=6, pad_token_id=0, eos_token_id=None,
+        progress=False).at(2))
+
+
+def tables(result: Any) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+    """A result's table (old columns renamed) and its per-sample table (if it has one)."""
+    per_sample = getattr(result, "per_sample", None)
+    if per_sample is None and isinstance(getattr(result, "samples", None), pd.DataFrame):
+        per_sample = result.samples
+    return result.table.rename(columns=RENAMED), per_sample
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks tables", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--old", type=Path, required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--except", dest="left_out", nargs="*", default=[],
+                        help="columns left out of the comparison")
+    args = parser.parse_args(argv)
+    old = load_old(args.old)
+    device = torch.device(args.device)
+    checked = 0
+    for label, run in itertools.chain(image_cases(device), language_cases(device)):
+        (new_table, new_rows), (old_table, old_rows) = tables(run(divtrace)), tables(run(old))
+        same_columns = set(new_table.columns) == set(old_table.columns)
+        old_table = old_table[list(new_table.columns)] if same_columns else old_table
+        same = same_columns and new_table.drop(columns=args.left_out).equals(
+            old_table.drop(columns=args.left_out)) and (
+            new_rows is None or new_rows.equals(old_rows))
+        differ = "".join(
+            f"; {column} differs in {_differing(new_table[column], old_table[column])}"
+            f" of {len(new_table)} rows" for column in args.left_out if column in new_table)
+        print(f"{label}: {'equal' if same else 'DIFFERENT'}{differ}", flush=True)
+        if not same:
+            if not same_columns:
+                print(f"  columns: only new {sorted(set(new_table) - set(old_table))}, "
+                      f"only old {sorted(set(old_table) - set(new_table))}")
+            return 1
+        checked += 1
+    left_out = f" ({', '.join(args.left_out)} left out)" if args.left_out else ""
+    print(f"equal tables in {checked} comparisons{left_out}")
+    return 0
+
+
+def _differing(new: Any, old: Any) -> int:
+    """Rows where two columns differ (missing in both counts as the same)."""
+    return int((~((new == old) | (new.isna() & old.isna()))).sum())
