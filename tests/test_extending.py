@@ -197,3 +197,17 @@ def test_meta_round_trips_through_json(options: dict[str, Any]) -> None:
     assert back == result.meta
     assert back.to_dict() == result.meta.to_dict()
     assert isinstance(back.flips["(model)"], tuple)
+
+
+def test_the_probe_of_the_architecture_notes_runs_as_written() -> None:
+    notes = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    recipe = notes[notes.index("### A probe"):notes.index("### A recorder")]
+    code = recipe[recipe.index("```python\n") + 10:recipe.index("```\n", recipe.index(
+        "```python"))]
+    assert 15 <= len(code.strip().splitlines()) <= 25  # about 20 lines
+    namespace: dict[str, Any] = {"divtrace": divtrace, "torch": torch,
+                                 "model": models.variant_mlp(), "x": torch.randn(8, 16)}
+    exec(code, namespace)  # the notes' own example
+    result = namespace["result"]
+    assert list(result.table.columns)[-1] == "b_norm"
+    assert "The largest norm in run b is" in result.summary()

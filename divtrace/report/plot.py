@@ -136,7 +136,8 @@ def plot_snowball(result: Comparison, ax: Axes | None = None, metric: str = "rel
                          label=f"first divergence: {rows['site'][at]}" if axis is ax else None)
     _site_ticks(lane, list(rows["site"]))
     lane.set_xlabel("depth (leaf sites in execution order)")
-    ax.set_ylabel(f"{metric} (batched vs split)")
+    a_name, b_name = result.meta.names
+    ax.set_ylabel(f"{metric} ({b_name.removesuffix(' run')} vs {a_name.removesuffix(' run')})")
     ax.set_title(f"divtrace: {metric} by depth")
     ax.legend(**_LEGEND)
     return ax
@@ -305,7 +306,7 @@ def overlay(comparisons: Sequence[Comparison], labels: Sequence[str] | None = No
         _empty(ax, f"every site of every comparison is {IDENTICAL}")
     lane.xaxis.set_major_locator(MaxNLocator(integer=True))
     lane.set_xlabel("depth (leaf sites in execution order)")
-    ax.set_ylabel(f"{metric} (batched vs split)")
+    ax.set_ylabel(f"{metric} (run b vs run a)")
     ax.set_title(f"divtrace: {metric} by depth")
     ax.legend(**_LEGEND)
     return ax
