@@ -211,3 +211,19 @@ def test_the_probe_of_the_architecture_notes_runs_as_written() -> None:
     result = namespace["result"]
     assert list(result.table.columns)[-1] == "b_norm"
     assert "The largest norm in run b is" in result.summary()
+
+
+def test_a_probe_of_ones_own_can_overrule_rounding() -> None:
+    class Budgeted(divtrace.Probe):
+        """The output's rel_l2 must stay under 1e-9, whatever floating point allows."""
+
+        @classmethod
+        def beyond(cls, outputs: Any, meta: Any) -> str | None:
+            worst = float(outputs["rel_l2"].max())
+            return f"the output parts by {worst:.3g}, over 1e-9" if worst > 1e-9 else None
+
+    model, x = models.variant_mlp(), torch.randn(8, 16)
+    assert divtrace.compare(model, x, progress=False).verdict == "rounding"
+    judged = divtrace.compare(model, x, explain=[Budgeted()], progress=False)
+    assert judged.verdict == "not rounding"
+    assert "over 1e-9" in judged.summary().splitlines()[0]

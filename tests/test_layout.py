@@ -56,6 +56,14 @@ def test_compare_is_a_thin_face() -> None:
     tree = ast.parse((PACKAGE / "compare.py").read_text())
     face = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "compare")
     assert body_lines(face) <= 60
+    assert len(face.args.kwonlyargs) <= 12  # a small face: everything else in explain=, Run,
+    # Resources
+
+
+def test_benchmarks_and_results_stay_few() -> None:
+    root = PACKAGE.parent
+    assert len(list((root / "benchmarks").glob("*.py"))) <= 8
+    assert len([p for p in (root / "docs" / "results").rglob("*") if p.is_file()]) <= 80
 
 
 @pytest.mark.parametrize("path", MODULES, ids=name_of)

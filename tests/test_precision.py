@@ -120,8 +120,8 @@ def test_a_runs_flags_are_set_in_the_api_in_use() -> None:
 def test_the_budget_sees_tf32_set_through_the_new_api() -> None:
     from dataclasses import replace
 
+    from divtrace.explain.rounding import budget, reduced
     from divtrace.report.environment import run_settings
-    from divtrace.report.verdict import budget, reduced
 
     result = divtrace.compare(models.variant_mlp(), torch.randn(4, 16), progress=False)
     torch.backends.cudnn.conv.fp32_precision = "tf32"

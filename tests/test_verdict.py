@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import divtrace
+from divtrace.explain.rounding import budget
 from divtrace.report.meta import Meta
-from divtrace.report.verdict import budget
 from tests import models
 
 

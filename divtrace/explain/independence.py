@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import pandas as pd
 
 from divtrace.align.status import Status
-from divtrace.explain.probe import Context, Judged, Probe, TableView
+from divtrace.explain.probe import Context, Judged, Probe, Settings, TableView
 from divtrace.measure.figures import site_figures
 from divtrace.measure.host import Deferred, Host
 from divtrace.measure.meter import Meter
@@ -243,6 +243,30 @@ class Independence(Probe):
 
     def note(self) -> Any:
         return self.found
+
+    @classmethod
+    def mixing(cls, table: pd.DataFrame, meta: Settings) -> tuple[str, str] | None:
+        row = first_dependent(table)
+        if row is None:
+            return None
+        through = (meta.notes.get("independence") or {}).get("through") or []
+        via = f", through {', '.join(repr(t) for t in through)}," if through else ""
+        where = f"'{row['site']}' ({row['module_type']})"
+        return where, (
+            f"batch mixing: at {where}{via} the compared samples' rows change when only "
+            f"the other samples change, the shapes kept (rel_l2 {sci(row['others_rel_l2'])}),"
+            f" so each sample's result depends on the other samples' values — a bug "
+            f"whatever its size. Check for a statistic over the batch in eval mode, a wrong "
+            f"batch_dim, padding that is not masked, activations quantized with a scale "
+            f"over the batch (dynamic quantization), or routing or shapes that depend on "
+            f"the whole batch (capacity-limited experts).")
+
+    @classmethod
+    def independent(cls, meta: Settings) -> str | None:
+        found = meta.notes.get("independence")
+        if not found or not found.get("ran"):
+            return "untested"
+        return "inconclusive" if found.get("noisy") else "independent"
 
     @classmethod
     def sentences(cls, result: Judged) -> list[str]:

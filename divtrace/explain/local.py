@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from enum import StrEnum
 from typing import Any, ClassVar
 
+import pandas as pd
 import torch
 
 from divtrace.align.sites import CONSTANT, INPUT, flatten_output, site_key
@@ -165,6 +166,13 @@ class Local(Probe):
                 row["amplification"] = (
                     ratio(out.diff, out.scale, inputs.diff, inputs.scale) if inputs.diff > 0
                     else (math.inf if out.diff > 0 else math.nan))
+
+    @classmethod
+    def entries(cls, table: pd.DataFrame) -> list[tuple[pd.Series, float, str]]:
+        if "local_rel_l2" not in table:
+            return []
+        return [(row, row["local_rel_l2"], "own")
+                for _, row in table[table["local_rel_l2"] > 0].iterrows()]
 
     @classmethod
     def sentences(cls, result: Judged) -> list[str]:

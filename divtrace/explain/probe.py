@@ -61,6 +61,9 @@ class Settings(Protocol):
     @property
     def notes(self) -> Mapping[str, Any]: ...
 
+    @property
+    def settings(self) -> Mapping[str, Mapping[str, Any]]: ...
+
 
 class Judged(Protocol):
     """What a probe's sentences read of a result (a :class:`~divtrace.Comparison`): its
@@ -214,6 +217,33 @@ class Probe:
     def sentences(cls, result: Judged) -> list[str]:
         """What the probe's columns say about ``result``, in plain sentences."""
         return []
+
+    # -- what the verdict (divtrace.report.verdict) reads of the probe's findings -------
+
+    @classmethod
+    def mixing(cls, table: pd.DataFrame, meta: Settings) -> tuple[str, str] | None:
+        """``(where, why)``: the compared samples were seen to depend on the other
+        samples — a bug whatever its size; None: not seen."""
+        return None
+
+    @classmethod
+    def independent(cls, meta: Settings) -> str | None:
+        """How far the samples were shown independent: ``"independent"``,
+        ``"inconclusive"`` or ``"untested"`` (None: not this probe's to say)."""
+        return None
+
+    @classmethod
+    def entries(cls, table: pd.DataFrame) -> list[tuple[pd.Series, float, str]]:
+        """Where error enters besides the sources and the first divergent site: ``(row,
+        its error, how it was seen)`` (``"own"``: a layer's own error on identical
+        inputs)."""
+        return []
+
+    @classmethod
+    def beyond(cls, outputs: pd.DataFrame, meta: Settings) -> str | None:
+        """Once every error is within the rounding budget: why floating point still does
+        not explain the output rows ``outputs`` (None: nothing)."""
+        return None
 
 
 @dataclass(frozen=True)

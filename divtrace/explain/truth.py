@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar
 
+import pandas as pd
 import torch
 
 from divtrace.align.ragged import joined
-from divtrace.explain.probe import Context, Judged, Probe, TableView
+from divtrace.explain.probe import Context, Judged, Probe, Settings, TableView
+from divtrace.explain.rounding import CHECK, budget
 from divtrace.measure.host import Deferred
 from divtrace.measure.meter import Measured
 from divtrace.plan.prompts import RaggedInput
@@ -104,6 +106,22 @@ class Fp64(Probe):
                 errors = found.get()
                 row["b_err_fp64"], row["a_err_fp64"] = float(errors[0]), float(
                     errors[1])
+
+    @classmethod
+    def beyond(cls, outputs: pd.DataFrame, meta: Settings) -> str | None:
+        for _, out in outputs.iterrows():
+            if "b_err_fp64" not in out or math.isnan(out["b_err_fp64"]):
+                continue
+            b, a = out["b_err_fp64"], out["a_err_fp64"]
+            high, low = max(b, a), min(b, a)
+            limit, _, _ = budget(out["dtype"], meta)
+            if high > limit and (low == 0 or high / low > 100):
+                a_name, b_name = meta.names
+                worse, better = (b_name, a_name) if b > a else (a_name, b_name)
+                return (f"against a float64 run of the same samples the {worse} is off by "
+                        f"rel_l2 {sci(high)} and the {better} by {sci(low)}: floating "
+                        f"point does not explain that. {CHECK}")
+        return None
 
     @classmethod
     def sentences(cls, result: Judged) -> list[str]:

@@ -123,7 +123,7 @@ class Comparison:
         """``"identical"``, ``"rounding"`` or ``"not rounding"``: is the divergence the size
         floating-point reordering produces here? (The rule: :mod:`divtrace.report.verdict`;
         :meth:`summary` opens with the reason.)"""
-        return judge(self._table, self._meta).kind
+        return judge(self._table, self._meta, self._probes).kind
 
     @property
     def sources(self) -> pd.DataFrame:

@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING
 import pandas as pd
 import torch
 
+from divtrace.explain.rounding import reduced
 from divtrace.measure.elements import ALLCLOSE, NEAR_ZERO
 from divtrace.measure.stats import tolerances
-from divtrace.report.verdict import judge, reduced
+from divtrace.report.verdict import judge
 from divtrace.words import percent, sci
 
 if TYPE_CHECKING:
@@ -142,7 +143,7 @@ def summary(result: Comparison, probes: Sequence[type[Probe]] = ()) -> str:
         head = f"Run b ({run_b}) vs run a ({run_a}), B={meta.batch_size}"
     else:
         head = f"Batched run (B={meta.batch_size}) vs split run ({chunking})"
-    lines = [judge(table, meta).sentence,
+    lines = [judge(table, meta, probes).sentence,
              f"{head}, {len(samples)} compared sample(s) [{shown}], {len(ok)} compared sites."]
     lines.extend(_caveats(result, ok))
     identical = int((ok["mismatch"] == 0).sum())
