@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-__all__ = ["ERRORS", "FRACTIONS", "listed", "percent", "readable", "sci", "shown"]
+__all__ = ["ERRORS", "FRACTIONS", "listed", "percent", "readable", "sci", "shown", "versus"]
 
 
 def listed(rows: pd.DataFrame, limit: int = 6) -> str:
@@ -68,3 +68,8 @@ def readable(frame: pd.DataFrame) -> pd.DataFrame:
         if column in FRACTIONS or column in ERRORS:
             out[column] = [shown(column, v) for v in out[column].tolist()]
     return out
+
+
+def versus(names: tuple[str, str]) -> str:
+    """``"batched vs split"``: runs b and a, as an axis names them."""
+    return f"{names[1].removesuffix(' run')} vs {names[0].removesuffix(' run')}"

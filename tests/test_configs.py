@@ -216,3 +216,17 @@ def test_default_comparison_is_unchanged() -> None:
     assert result.summary().splitlines()[1].startswith(
         "Batched run (B=4) vs split run (per sample)")
     assert math.isnan(result.table.set_index("site").loc["0", "growth"])
+
+
+def test_run_a_in_chunks_is_still_batched_against_split() -> None:
+    # a=Run(chunk=k) differs from run b in the batch size alone: said as batched vs split
+    result = run(models.variant_mlp(variant_from=4), torch.randn(8, 16), a=Run(chunk=2))
+    assert result.meta.runs is None
+    assert result.meta.names == ("split run", "batched run")
+    lines = result.summary().splitlines()
+    assert lines[1].startswith("Batched run (B=8) vs split run (in chunks of 2)")
+    assert "the batch size changes the order of operations" in lines[0]
+    other = run(models.variant_mlp(variant_from=2), torch.randn(8, 16),
+                a=Run(chunk=2, name="mine"))
+    assert other.meta.runs == ("mine", "as is")
+    assert other.meta.names == ("run a (mine)", "batched run")

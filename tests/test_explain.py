@@ -225,6 +225,7 @@ def test_the_snowball_takes_layers_not_replayed(chain: nn.Sequential) -> None:
     fig, ax = plt.subplots()
     try:
         result.plot(ax=ax)
+        assert ax.get_ylabel() == "rel_l2 (batched vs split)"
         circles = [c for c in ax.collections if c.get_label() == "adds error of its own"]
         assert len(circles[0].get_offsets()) == int(
             ((adds == True) & (result.table["rel_l2"] > 0) & result.table["leaf"]).sum())  # noqa: E712

@@ -110,6 +110,11 @@ def _runs(a: Run | None, b: Run | None, size: int) -> tuple[Run, Run]:
     return whole[0], whole[1]
 
 
+def _batched_vs_split(a: Run, b: Run) -> bool:
+    """Whether the runs differ in their batch size alone: run a in chunks, run b whole."""
+    return a.chunk is not None and a == Run(chunk=a.chunk) and b == DEFAULT_B
+
+
 def _resources(resources: Any) -> Resources:
     if resources is None:
         return Resources()
@@ -290,7 +295,7 @@ def make_plan(model: nn.Module, x: Any, *, samples: Iterable[int] | int | None =
         modules=check_modules(model, modules, walk.named),
         output_only=output_only, rtol=rtol, atol=atol, keep=keep, offload=offload,
         progress=progress, train_mode=train_mode, allow_train=allow_train,
-        explain=explain, default_pair=(ref, test) == (DEFAULT_A, DEFAULT_B), ops=ops,
+        explain=explain, default_pair=_batched_vs_split(ref, test), ops=ops,
         graphs=graphs,
         graph_obstacle=_graph_obstacle(graphs, devices, batch, (ref, test), ops, offload,
                                       dispatched),

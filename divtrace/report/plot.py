@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from divtrace.errors import DivtraceValueError
+from divtrace.words import versus
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -136,8 +137,7 @@ def plot_snowball(result: Comparison, ax: Axes | None = None, metric: str = "rel
                          label=f"first divergence: {rows['site'][at]}" if axis is ax else None)
     _site_ticks(lane, list(rows["site"]))
     lane.set_xlabel("depth (leaf sites in execution order)")
-    a_name, b_name = result.meta.names
-    ax.set_ylabel(f"{metric} ({b_name.removesuffix(' run')} vs {a_name.removesuffix(' run')})")
+    ax.set_ylabel(f"{metric} ({versus(result.meta.names)})")
     ax.set_title(f"divtrace: {metric} by depth")
     ax.legend(**_LEGEND)
     return ax
@@ -279,8 +279,7 @@ def overlay(comparisons: Sequence[Comparison], labels: Sequence[str] | None = No
     _check_metric(metric)
     if not comparisons:
         raise DivtraceValueError("overlay() needs at least one comparison")
-    if labels is None:
-        labels = [f"comparison {i}" for i in range(len(comparisons))]
+    labels = [f"comparison {i}" for i in range(len(comparisons))] if labels is None else labels
     if len(labels) != len(comparisons):
         raise DivtraceValueError(
             f"overlay() got {len(comparisons)} comparisons but {len(labels)} labels; "
@@ -306,7 +305,8 @@ def overlay(comparisons: Sequence[Comparison], labels: Sequence[str] | None = No
         _empty(ax, f"every site of every comparison is {IDENTICAL}")
     lane.xaxis.set_major_locator(MaxNLocator(integer=True))
     lane.set_xlabel("depth (leaf sites in execution order)")
-    ax.set_ylabel(f"{metric} (run b vs run a)")
+    names = {result.meta.names for result in comparisons}  # the same two runs in all?
+    ax.set_ylabel(f"{metric} ({versus(names.pop() if len(names) == 1 else ('run a', 'run b'))})")
     ax.set_title(f"divtrace: {metric} by depth")
     ax.legend(**_LEGEND)
     return ax
