@@ -7,6 +7,7 @@ when it was made (an alias may write to the memory under a version counter of it
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from enum import Enum
@@ -97,8 +98,11 @@ class OpTracker(Tracker):
     op_calls: defaultdict[tuple[str, int, Any], int] = field(
         default_factory=lambda: defaultdict(int))
     running: dict[str, int] = field(default_factory=dict)
-    #: per tensor (by its C++ object): what made it, and its version then
-    made_by_op: dict[int, tuple[str | None, int, int]] = field(default_factory=dict)
+    #: per tensor (by its C++ object): what made it, its version and its memory's writes
+    #: then, and a weak reference to it (a tensor made unseen — ``torch.tensor(...)`` —
+    #: may take the address of a freed one: the reference tells them apart)
+    made_by_op: dict[int, tuple[str | None, int, int, weakref.ref[torch.Tensor]]] = field(
+        default_factory=dict)
     #: per storage: how many in-place ops wrote to it (an alias may carry another version
     #: counter than the tensor it shares memory with)
     writes: defaultdict[int, int] = field(default_factory=lambda: defaultdict(int))
@@ -122,16 +126,15 @@ class OpTracker(Tracker):
 
     def note(self, key: str | None, tensor: torch.Tensor) -> None:
         """The op site ``key`` (or INPUT, CONSTANT; None: an op that is no site) made
-        ``tensor``. Every tensor an op of the pass makes is noted, so an entry left by a
-        freed tensor is overwritten before its address can mean another one."""
+        ``tensor``."""
         writes = self.writes
         count = writes.get(storage(tensor), 0) if writes else 0  # no write yet: no lookup
-        self.made_by_op[impl(tensor)] = (key, version(tensor), count)
+        self.made_by_op[impl(tensor)] = (key, version(tensor), count, weakref.ref(tensor))
 
     def maker(self, tensor: torch.Tensor) -> str | None:
         """What made this very tensor, unchanged since (None: nothing seen in this pass)."""
         entry = self.made_by_op.get(impl(tensor))
-        if entry is None or version(tensor) != entry[1]:
+        if entry is None or version(tensor) != entry[1] or entry[3]() is not tensor:
             return None
         writes = self.writes
         if writes and entry[2] != writes.get(storage(tensor), 0):
