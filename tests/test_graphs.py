@@ -164,7 +164,7 @@ def test_a_graph_that_differs_from_the_eager_pass_falls_back_with_a_warning() ->
     rows = stored.rows["(model)"].rows
     assert rows is not None
     assert torch.equal(rows, expected)
-    with pytest.raises(DivtraceValueError, match=r"graphs=True, but .* differed"):
+    with pytest.raises(DivtraceValueError, match=r"Resources\(graphs=True\), but .* differed"):
         _record(model, x, list(range(10)), 1, GraphedRun(True, make_graph=Rerun))
 
 
@@ -180,7 +180,7 @@ def test_a_failed_capture_falls_back_with_a_warning() -> None:
     with pytest.warns(DivtraceWarning, match=r"could not be captured \(RuntimeError: "
                                              r"operation not permitted when stream is "
                                              r"capturing\); the split run ran eagerly, with the "
-                                             r"same figures \(graphs=False skips"):
+                                             r"same figures \(Resources\(graphs=False\) skips"):
         stored = _record(model, x, list(range(10)), 1, graphed)
     _same_rows(stored, _record(model, x, list(range(10)), 1, None))
 
@@ -272,7 +272,8 @@ def test_graphs_on_the_cpu_are_eager_and_say_why() -> None:
     eager = divtrace.compare(model, x, resources=divtrace.Resources(graphs=False),
                              progress=False)
     assert result.table.equals(eager.table)
-    with pytest.raises(DivtraceValueError, match=r"graphs=True, but .* not on a CUDA device"):
+    with pytest.raises(DivtraceValueError,
+                       match=r"Resources\(graphs=True\), but .* not on a CUDA device"):
         divtrace.compare(model, x, resources=divtrace.Resources(graphs=True), progress=False)
     with pytest.raises(DivtraceValueError, match="graphs must be 'auto'"):
         divtrace.compare(model, x, resources=divtrace.Resources(graphs="yes"), progress=False)
@@ -335,7 +336,8 @@ def test_a_model_that_synchronises_falls_back_on_cuda() -> None:
     assert caught[0].filename == __file__  # points at the call of compare()
     _tables_equal(graphed, divtrace.compare(model, x, resources=divtrace.Resources(graphs=False),
                                             progress=False))
-    with pytest.raises(DivtraceValueError, match=r"graphs=True, but .* could not be captured"):
+    with pytest.raises(DivtraceValueError,
+                       match=r"Resources\(graphs=True\), but .* could not be captured"):
         divtrace.compare(model, x, resources=divtrace.Resources(graphs=True), progress=False)
     # CUDA, and random draws on it, still work after the failed capture
     assert torch.equal(model(x), model(x))

@@ -203,7 +203,7 @@ def test_the_command_line(tmp_path: Path) -> None:
     assert "rests on the size of the error alone" in untested.stdout.splitlines()[0]
     forced = cli("compare", "target.py:build", "--graphs", "true", cwd=tmp_path)
     assert forced.returncode == 2
-    assert "graphs=True, but the split run cannot be replayed" in forced.stderr
+    assert "Resources(graphs=True), but the split run cannot be replayed" in forced.stderr
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ __all__ = ["Kernels"]
 
 
 class Kernels(Probe):
-    """``kernels=True``: ``torch.profiler`` over one pass of each run, a range per module
+    """``"kernels"``: ``torch.profiler`` over one pass of each run, a range per module
     call; per site, the GPU kernels it launched (on the CPU, its innermost ops)."""
 
     name: ClassVar[str] = "kernels"

@@ -34,7 +34,7 @@ class ReplayStatus(StrEnum):
 
     OK = "ok"
     TRAIN_MODE = "train_mode"  # modules in train mode are never replayed
-    SKIPPED = "skipped"  # named by replay_skip=
+    SKIPPED = "skipped"  # named by Local(skip=...)
     NO_INPUT = "no_input"  # an input's reference rows are not there (or were overwritten)
 
 
@@ -61,7 +61,7 @@ def _with_reference_rows(ctx: Context, call: LeafCall, sources: list[StoredRows 
 
 
 class Local(Probe):
-    """``local=True``: replays every leaf module of the measured run on the reference
+    """``"local"``: replays every leaf module of the measured run on the reference
     run's inputs for the compared rows (same values, the measured run's kernels)."""
 
     name: ClassVar[str] = "local"

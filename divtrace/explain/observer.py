@@ -22,7 +22,7 @@ HOOK_SENSITIVE: tuple[type[nn.Module], ...] = (nn.TransformerEncoderLayer,)
 
 
 class Observer(Probe):
-    """``observer=True`` (by default for models with :data:`HOOK_SENSITIVE` modules): one
+    """``"observer"`` (by default for models with :data:`HOOK_SENSITIVE` modules): one
     more pass of the measured run without any hook; its output must be bit-identical to
     the observed one, else the figures describe another code path than the plain one."""
 

@@ -60,7 +60,7 @@ class Roles(Probe):
                  f"{'them' if len(sources) > 1 else 'it'} {are}: "
                  f"{'their' if many else 'its'} input already differed"
                  + ("." if "local_rel_l2" in table else
-                    " (local=True tells which of them add error of their own)."))
+                    " (explain=['local'] tells which of them add error of their own)."))
         noun = "Sources" if len(sources) > 1 else "Source"
         lines = [f"{noun} of divergence (input bit-identical in both runs, output not): "
                  f"{listed(sources)}. {after}"]

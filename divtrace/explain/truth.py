@@ -40,7 +40,7 @@ def _joined_parts(ctx: Context, key: str, tensor: torch.Tensor,
 
 
 class Fp64(Probe):
-    """``truth="fp64"``: a float64 copy of the model (the user's stays untouched) runs
+    """``"fp64"``: a float64 copy of the model (the user's stays untouched) runs
     the compared samples first; each run's rel_l2 against it, per site."""
 
     name: ClassVar[str] = "fp64"

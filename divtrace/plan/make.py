@@ -165,12 +165,12 @@ def _graph_obstacle(graphs: GraphMode, devices: set[torch.device], batch: Batche
                     runs: tuple[Run, Run], ops: bool | str, offload: bool, dispatched: bool
                     ) -> str | None:
     """Why the chunked runs cannot be replayed from a CUDA graph (None: they may be);
-    under ``graphs=True`` an error."""
+    under ``Resources(graphs=True)`` an error."""
     obstacle = next((why for why, where in (
         ("prompts of different lengths take passes of different shapes",
          isinstance(batch, RaggedInput)),
         ("op sites (ops=) are recorded eagerly", bool(ops)),
-        ("offload=True keeps the rows in CPU memory", offload),
+        ("Resources(offload=True) keeps the rows in CPU memory", offload),
         ("a compiled run (Run(compile=...)) is left to torch.compile",
          any(run.compile for run in runs)),
         ("the model lies on several devices",
@@ -182,8 +182,8 @@ def _graph_obstacle(graphs: GraphMode, devices: set[torch.device], batch: Batche
         obstacle = "the input is not on a CUDA device"
     if graphs is True and obstacle is not None:
         raise DivtraceValueError(
-            f"graphs=True, but the split run cannot be replayed from a CUDA graph: "
-            f"{obstacle}. Pass graphs='auto' or False")
+            f"Resources(graphs=True), but the split run cannot be replayed from a CUDA graph: "
+            f"{obstacle}. Pass Resources(graphs='auto') or False")
     return obstacle
 
 

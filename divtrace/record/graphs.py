@@ -14,8 +14,8 @@ Truthfulness first: the graph replays the captured kernels, which should be the 
 pass's. Before any chunk is replayed, every lane runs the first chunk again and every site
 of every lane is compared bit for bit with the eager pass; on any difference, or when the
 capture fails (a host synchronisation, a tensor not on the GPU, ...), the rest of the run
-is eager and the outcome says why (``graphs=True`` raises instead; a capture of several
-lanes that runs out of memory is tried again with one).
+is eager and the outcome says why (``Resources(graphs=True)`` raises instead; a capture of
+several lanes that runs out of memory is tried again with one).
 """
 
 from __future__ import annotations
@@ -196,15 +196,16 @@ class GraphedRun:
         return None
 
     def _eager(self, passes: int, reason: str | None, tried: bool) -> None:
-        """The run stays eager: an error under ``graphs=True``, else a note (and a
+        """The run stays eager: an error under ``Resources(graphs=True)``, else a note (and a
         warning when a graph was ``tried`` and failed)."""
         if self.mode is True:
             raise DivtraceValueError(
-                f"graphs=True, but the split run cannot be replayed from a CUDA graph: "
-                f"{reason}. Pass graphs='auto' or False to run it eagerly")
+                f"Resources(graphs=True), but the split run cannot be replayed from a CUDA "
+                f"graph: {reason}. Pass Resources(graphs='auto') or False to run it eagerly")
         if tried:
             warnings.warn(f"{reason}; the split run ran eagerly, with the same figures "
-                          f"(graphs=False skips the attempt)", DivtraceWarning, stacklevel=7)
+                          f"(Resources(graphs=False) skips the attempt)", DivtraceWarning,
+                          stacklevel=7)
         self.outcome = GraphOutcome(self.mode, passes, reason=reason)
 
     def _narrowing(self, model: nn.Module, recorder: Recorder, store: RowStore,

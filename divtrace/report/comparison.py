@@ -145,7 +145,7 @@ class Comparison:
         Elements are judged as ``torch.isclose`` does. Without arguments, the tolerances
         given to ``compare()`` apply (default: ``torch.testing.assert_close``'s per-dtype
         values), using the ``exceed`` column measured during the run. Other tolerances
-        need the tensors: run ``compare(..., keep=True)``.
+        need the tensors: run ``compare(..., resources=Resources(keep=True))``.
         """
         same = (rtol is None or rtol == self._meta.rtol) and (
             atol is None or atol == self._meta.atol)
@@ -158,7 +158,8 @@ class Comparison:
                 f"first_exceeding(rtol={rtol}, atol={atol}) differs from the tolerances "
                 f"measured during the run (rtol={self._meta.rtol}, "
                 f"atol={self._meta.atol}); pass these tolerances to compare(), or run "
-                f"compare(..., keep=True) so that the tensors are there to judge"
+                f"compare(..., resources=divtrace.Resources(keep=True)) so that the tensors "
+                f"are there to judge"
             )
         for index, row in compared.iterrows():
             batched, split = self.pair(row["site"])
@@ -234,7 +235,7 @@ class Comparison:
         """Writes the comparison losslessly as versioned JSON — the settings (meta, with the
         environment), the summary, the table with its dtypes and the per-sample figures,
         each table column-wise (``columns``, ``dtypes``, ``data``); :func:`divtrace.load`
-        and ``divtrace show`` read it back. The kept tensors of ``keep=True`` are not
+        and ``divtrace show`` read it back. The kept tensors of ``Resources(keep=True)`` are not
         saved."""
         from divtrace.report import saved
 

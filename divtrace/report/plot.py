@@ -102,7 +102,7 @@ def plot_snowball(result: Comparison, ax: Axes | None = None, metric: str = "rel
 
     Bit-identical sites sit in the lane below; each module type has its own marker, and
     op sites (``ops=True``) one of their own; a dashed line marks the first divergence;
-    rings mark the layers that add error of their own (with ``local=True``, whose own
+    rings mark the layers that add error of their own (with the ``"local"`` probe, whose own
     error is drawn as small dots).
     """
     _check_metric(metric)
@@ -167,9 +167,9 @@ def _extras(ax: Axes, rows: pd.DataFrame, depth: np.ndarray, metric: str,
 
 def plot_sources(result: Comparison, ax: Axes | None = None) -> Axes:
     """Where error enters: every layer that adds error of its own (the sources, and with
-    ``local=True`` every layer whose replay on identical inputs differs), its own error
+    ``"local"`` every layer whose replay on identical inputs differs), its own error
     beside the divergence at its output, labelled with the kernel families each run
-    launched (with ``kernels=True``)."""
+    launched (with ``"kernels"``)."""
     from divtrace.explain.profiling import kernel_family
 
     ax = _axes(ax)

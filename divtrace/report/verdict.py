@@ -8,8 +8,8 @@ network (documented in the README):
   BatchNorm or Dropout, random draws), when they ran different modules, when nothing
   could be compared, or when error *enters* beyond the rounding budget: at a source (its
   inputs identical in both runs), at the first divergent site, at a layer whose own error
-  on identical inputs (``local=True``) exceeds it, or at a jump of more than
-  :data:`JUMP` over the error the layer received. With ``truth="fp64"`` also when one run
+  on identical inputs (the ``"local"`` probe) exceeds it, or at a jump of more than
+  :data:`JUMP` over the error the layer received. With the ``"fp64"`` probe also when one run
   is far from float64 and the other is not.
 * **rounding** otherwise: error enters within the budget and is then carried (and may grow).
 
