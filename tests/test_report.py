@@ -191,3 +191,16 @@ def test_overlay(diverging, identical) -> None:
         plt.close(fig)
     with pytest.raises(divtrace.DivtraceValueError, match="one label per comparison"):
         divtrace.overlay([diverging], ["a", "b"])
+
+
+@pytest.mark.slow
+def test_the_demo_runs_and_writes_its_files(tmp_path: Path) -> None:
+    from divtrace import demo
+
+    assert demo.main(["--out", str(tmp_path), "--batch", "8", "--size", "32",
+                      "--device", "cpu"]) == 0
+    written = {p.name for p in tmp_path.iterdir()}
+    assert {"summary.txt", "snowball.png", "vgg11.json", "vgg11_features.html"} <= written
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "Verdict:" in summary
+    assert "local=True" not in summary  # sentences name explain=, not removed keywords
