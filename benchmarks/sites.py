@@ -30,6 +30,7 @@ import torch
 import divtrace
 from benchmarks.common import (
     arguments,
+    bare_passes,
     environment,
     load_old,
     peak,
@@ -42,18 +43,6 @@ MODELS = ("mobilenet_v3_small", "efficientnet_b0", "resnet18")
 #: The modules ``--selections`` observes.
 SELECTED = (torch.nn.Conv2d, torch.nn.Linear)
 _KEPT: list[torch.Tensor] = []  # the rows the copying hooks keep, until the passes end
-
-
-def passes(model: torch.nn.Module, x: torch.Tensor, chunk: int) -> Callable[[], None]:
-    """The bare passes ``compare()`` makes with samples [0, 1]."""
-
-    def bare() -> None:
-        with torch.no_grad():
-            for start in range(0, 2, chunk):
-                model(x[start:start + chunk])
-            model(x)
-
-    return bare
 
 
 def hooked(model: torch.nn.Module, bare: Callable[[], None], copy: bool
@@ -79,7 +68,10 @@ def hooked(model: torch.nn.Module, bare: Callable[[], None], copy: bool
 
 def ways_for(model: torch.nn.Module, x: torch.Tensor, args: argparse.Namespace, old: Any
              ) -> dict[str, Callable[[], object]]:
-    bare = passes(model, x, args.chunk)
+    case = {"samples": [0, 1], "chunk": args.chunk, "batch": len(x)}
+
+    def bare() -> None:
+        bare_passes(model, x, case)
 
     def run(package: Any, **more: Any) -> Callable[[], object]:
         kwargs = arguments(package, args.chunk, [0, 1]) | more

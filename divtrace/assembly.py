@@ -63,7 +63,7 @@ class Parts:
 def parts_for(plan: Plan, model: nn.Module) -> Parts:
     """The parts that ``plan`` asks for: each probe is checked against the model here."""
     probes = probes_for(plan.explain, model)
-    needing = [probe.name or type(probe).__name__ for probe in probes if probe.whole_batch]
+    needing = [probe.label for probe in probes if probe.whole_batch]
     if plan.b.chunk is not None and needing:
         raise DivtraceValueError(
             f"explain={needing} need(s) run b to take the whole batch in one pass; got "

@@ -122,8 +122,7 @@ def _meta(plan: Plan, ctx: Context, stored_bytes: int, draws: RandomDraws,
         samples=plan.samples, batch_dim=plan.batch.batch_dim,
         a_passes=len(plan.a_chunks), stored_bytes=stored_bytes, rtol=plan.rtol,
         atol=plan.atol, train_mode=bool(plan.train_mode), torch=torch.__version__,
-        explain={p.name or type(p).__name__: p.settings() for p in probes if not
-                 isinstance(p, Roles)},
+        explain={p.label: p.settings() for p in probes if not isinstance(p, Roles)},
         ops=plan.ops,
         resources={"keep": plan.keep, "offload": plan.offload, "graphs": plan.graphs},
         names=(plan.name("a"), plan.name("b")),
@@ -132,7 +131,7 @@ def _meta(plan: Plan, ctx: Context, stored_bytes: int, draws: RandomDraws,
         environment=environment(),
         settings={"a": run_settings(run_a, ctx.a.model),
                   "b": run_settings(plan.b, ctx.b.model)},
-        notes={p.name or type(p).__name__: note for p in probes
+        notes={p.label: note for p in probes
                if (note := p.note()) is not None})
 
 

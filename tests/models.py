@@ -237,3 +237,14 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
         y = nn.functional.scaled_dot_product_attention(q, k, v)
         return self.out(y.transpose(1, 2).reshape(b, s, w))
+
+
+def tiny_llama() -> nn.Module:
+    """A random-init two-layer Llama built from a config (needs ``transformers``)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100, attn_implementation="eager")
+    return transformers.LlamaForCausalLM(config).eval()

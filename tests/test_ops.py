@@ -245,13 +245,9 @@ def test_a_tensor_at_a_freed_tensors_address_is_not_taken_for_it(
 
 
 def test_op_lineage_is_the_same_run_after_run() -> None:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=200)
-    model = transformers.LlamaForCausalLM(config).eval()
-    ids = torch.randint(3, 200, (4, 12), generator=torch.Generator().manual_seed(0))
+    pytest.importorskip("transformers")
+    model = models.tiny_llama()
+    ids = torch.randint(3, 100, (4, 12), generator=torch.Generator().manual_seed(0))
     tables = [divtrace.compare(model, {"input_ids": ids}, ops=True, progress=False).table
               for _ in range(4)]
     for table in tables[1:]:

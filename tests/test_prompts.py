@@ -12,16 +12,9 @@ from torch import nn
 
 import divtrace
 from divtrace.plan.prompts import pad
+from tests.models import tiny_llama
 
 transformers = pytest.importorskip("transformers")
-
-
-def tiny_llama() -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=100, attn_implementation="eager")
-    return transformers.LlamaForCausalLM(config).eval()
 
 
 def tiny_gpt2() -> nn.Module:

@@ -176,6 +176,12 @@ class Probe:
         """Its settings, JSON-ready, as ``Comparison.meta.explain[name]`` records them."""
         return {}
 
+    @property
+    def label(self) -> str:
+        """Its name, or its class's for a probe of one's own (the key of its settings and
+        notes in the meta)."""
+        return self.name or type(self).__name__
+
     def __repr__(self) -> str:
         given = ", ".join(f"{key}={value!r}" for key, value in self.settings().items())
         return f"{type(self).__name__}({given})"

@@ -35,11 +35,11 @@ Explain = Iterable["str | Probe | type[Probe]"] | str | None
 
 
 def _named(item: Any) -> tuple[str, Probe | None]:
-    """An ``explain=`` entry as (name, probe); ``"-name"`` gives (``-name``, None)."""
+    """An ``explain=`` entry as (name, probe); ``"-name"`` gives (name, None)."""
     if isinstance(item, type) and issubclass(item, Probe):
         item = item()
     if isinstance(item, Probe):
-        return (item.name or type(item).__name__), item
+        return item.label, item
     if not isinstance(item, str):
         raise DivtraceTypeError(
             f"explain= takes probe names ({', '.join(NAMES)}), '-name' to turn a default "
@@ -54,7 +54,7 @@ def _named(item: Any) -> tuple[str, Probe | None]:
             raise DivtraceValueError(
                 f"explain={item!r} turns off a default probe, but {name!r} runs only when "
                 f"named; leave it out")
-        return item, None
+        return name, None
     return name, NAMES[name]()
 
 
@@ -67,13 +67,12 @@ def probes_for(explain: Explain, model: nn.Module) -> tuple[Probe, ...]:
     off: set[str] = set()
     for item in items:
         name, probe = _named(item)
-        bare = name.removeprefix("-")
-        if bare in chosen or bare in off:
-            raise DivtraceValueError(f"explain= names {bare!r} twice")
+        if name in chosen or name in off:
+            raise DivtraceValueError(f"explain= names {name!r} twice")
         if probe is None:
-            off.add(bare)
+            off.add(name)
         else:
-            chosen[bare] = probe
+            chosen[name] = probe
     for name, kind in NAMES.items():
         if kind.default and name not in chosen and name not in off:
             chosen[name] = kind.by_default()

@@ -70,7 +70,6 @@ class Plan:
     train_mode: tuple[str, ...]
     allow_train: bool = False
     explain: Any = None
-    default_pair: bool = True
     ops: bool | str = False
     graphs: GraphMode = False
     graph_obstacle: str | None = None
@@ -79,9 +78,15 @@ class Plan:
     def name(self, which: str) -> str:
         """How sentences, errors and the progress bar name run ``"a"`` or ``"b"``."""
         run = self.a if which == "a" else self.b
-        if run == Run(chunk=run.chunk) and run.name is None:
+        if run == Run(chunk=run.chunk):  # no setting but the batch size
             return "batched run" if run.chunk is None else "split run"
         return f"run {which} ({run.label()})"
+
+    @property
+    def default_pair(self) -> bool:
+        """Whether the runs differ in their batch size alone: run a in chunks, run b whole
+        (the batched run against the split run)."""
+        return (self.name("a"), self.name("b")) == ("split run", "batched run")
 
 
 #: Runs a and b when they are not given: the split run (per sample) and the batched run.
@@ -108,11 +113,6 @@ def _runs(a: Run | None, b: Run | None, size: int) -> tuple[Run, Run]:
             f"{taken}. Give run a a chunk below {size} (a=divtrace.Run(chunk=1): per "
             f"sample) or another setting")
     return whole[0], whole[1]
-
-
-def _batched_vs_split(a: Run, b: Run) -> bool:
-    """Whether the runs differ in their batch size alone: run a in chunks, run b whole."""
-    return a.chunk is not None and a == Run(chunk=a.chunk) and b == DEFAULT_B
 
 
 def _resources(resources: Any) -> Resources:
@@ -295,8 +295,7 @@ def make_plan(model: nn.Module, x: Any, *, samples: Iterable[int] | int | None =
         modules=check_modules(model, modules, walk.named),
         output_only=output_only, rtol=rtol, atol=atol, keep=keep, offload=offload,
         progress=progress, train_mode=train_mode, allow_train=allow_train,
-        explain=explain, default_pair=_batched_vs_split(ref, test), ops=ops,
-        graphs=graphs,
+        explain=explain, ops=ops, graphs=graphs,
         graph_obstacle=_graph_obstacle(graphs, devices, batch, (ref, test), ops, offload,
                                       dispatched),
         walk=walk)

@@ -255,8 +255,7 @@ class _OpMode(TorchDispatchMode):
     def _view(self, maker: str | None, source: torch.Tensor, out: Any) -> None:
         """A view or copy of ``source``: made by the same site when it holds all of it,
         or when ``source`` holds no per-sample data; else a part."""
-        if maker is None:  # from a tensor of unknown origin: noted as such, so that an
-            self._note(None, out)  # entry a freed tensor left at this address is not read
+        if maker is None:
             return
         whole = maker in (INPUT, CONSTANT) or (
             self.recorder.through_views and isinstance(out, torch.Tensor)

@@ -24,8 +24,9 @@ TF32: 4.0e-3; bfloat16: 3.1e-2; float64: 1.1e-13.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pandas as pd
 
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
     Probes = Sequence[type[Probe]]
 
 __all__ = ["JUMP", "Verdict", "judge"]
+
+T = TypeVar("T")
 
 #: A carrier whose error grows by more than this over what it received adds error of its
 #: own beyond rounding (amplification by a layer is rarely more than a few times).
@@ -133,6 +136,11 @@ def _sized(ok: pd.DataFrame, diverged: pd.DataFrame, tested: str) -> pd.DataFram
     return ok
 
 
+def _first(found: Iterable[T | None]) -> T | None:
+    """The first thing a probe found (None: none found anything)."""
+    return next((item for item in found if item is not None), None)
+
+
 def _units(error: float, u_op: float, name: str) -> str:
     """``, 7.5 units of float32 rounding`` (nothing for an infinite error)."""
     return "" if math.isinf(error) else f", {error / u_op:.3g} units of {name} rounding"
@@ -156,7 +164,7 @@ def judge(table: pd.DataFrame, meta: Meta, probes: Probes = ()) -> Verdict:
     (those that explain the comparison) add what they found: batch mixing, how far the
     samples were shown independent, where error enters, what floating point does not
     explain."""
-    mixing = next((mixed for p in probes if (mixed := p.mixing(table, meta))), None)
+    mixing = _first(p.mixing(table, meta) for p in probes)
     reason = _by_design(table, meta, mixing)
     if reason is not None:
         return Verdict("not rounding", f"Verdict: not rounding — {reason}")
@@ -171,7 +179,7 @@ def judge(table: pd.DataFrame, meta: Meta, probes: Probes = ()) -> Verdict:
         noun = "site is" if len(ok) == 1 else f"{len(ok)} compared sites are"
         return Verdict("identical", f"Verdict: identical — {'the one' if len(ok) == 1 else 'all'}"
                                     f" {noun} bit-identical in both runs.")
-    tested = next((said for p in probes if (said := p.independent(meta))), "untested")
+    tested = _first(p.independent(meta) for p in probes) or "untested"
     sized = _sized(ok, diverged, tested)
     worst: tuple[float, Any] | None = None
     entries = _entries(sized, sized[sized["mismatch"] > 0].iloc[0], probes)
@@ -193,7 +201,7 @@ def judge(table: pd.DataFrame, meta: Meta, probes: Probes = ()) -> Verdict:
             f"{_units(error, u_op, name)}, far beyond the "
             f"{sci(limit)} a reordered sum can give. {hint}"))
     outputs = _outputs(table)
-    reason = next((why for p in probes if (why := p.beyond(outputs, meta))), None)
+    reason = _first(p.beyond(outputs, meta) for p in probes)
     if reason is not None:
         return Verdict("not rounding", f"Verdict: not rounding — {reason}")
     row, error, seen = entries[0]  # where the error enters first: a source, or the first
