@@ -7,9 +7,13 @@ allocator's peak above the memory in use before the call, on the CPU the residen
 (Linux). "extra / stored" is the extra peak over the bare passes' peak, divided by the
 bytes of run a's rows that ``compare()`` keeps. Options are measured each on its own:
 ``independence=off``, ``local``, ``fp64``, ``repeat=1``, ``kernels``, ``graphs=False``.
+``--remedies``: also what ``Comparison.remedies()`` costs (each candidate verified by a
+comparison of its own, then timed ``--remedy-repeats`` times), over the bare passes and
+over ``compare()``.
 
     python -m benchmarks overhead [--device cuda] [--repeats 5] [--cases ...]
         [--options default independence=off ...] [--old CHECKOUT] [--json out.json]
+        [--remedies] [--remedy-repeats 5]
 """
 
 from __future__ import annotations
@@ -81,6 +85,21 @@ def measure(name: str, device: torch.device, repeats: int, option: str,
     return row
 
 
+def remedies(name: str, device: torch.device, repeats: int, compare_s: float,
+             bare_s: float) -> dict[str, Any]:
+    """The time of one ``remedies()`` call, over the bare passes and over compare()."""
+    case = CASES[name]
+    model, x = build(case, device)
+    result = divtrace.compare(model, x, **arguments(divtrace, case["chunk"], case["samples"]))
+    seconds = timed(lambda: result.remedies(repeats=repeats, progress=False), device)
+    found = result.remedies(repeats=repeats, progress=False)
+    tried = int(found.table["identical"].notna().sum())
+    best = found.best
+    return {"case": name, "remedies_s": seconds, "remedy_repeats": repeats,
+            "tried": tried, "over_bare": seconds / bare_s, "over_compare": seconds / compare_s,
+            "best": None if best is None else best.name}
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks overhead", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -91,6 +110,9 @@ def main(argv: list[str]) -> int:
                         help="compare() options to measure, each on its own")
     parser.add_argument("--old", type=Path, help="an older checkout, timed beside this one")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--remedies", action="store_true",
+                        help="also time Comparison.remedies() on each case")
+    parser.add_argument("--remedy-repeats", type=int, default=5)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     mapped_frees(device)
@@ -109,6 +131,16 @@ def main(argv: list[str]) -> int:
         print(f"| {r['case']} | {r['options']} | {r['bare_s']:.4f} | {r['compare_s']:.4f} "
               f"| {r['time_ratio']:.3f} | {older} | {r['stored_bytes'] / 2**20:.1f} "
               f"| {extra:.1f} | {r['extra_over_stored']:.3f} |")
+    found = [remedies(r["case"], device, args.remedy_repeats, r["compare_s"], r["bare_s"])
+             for r in rows if args.remedies and r["options"] == "default"]
+    if found:
+        print("\n| case | remedies() (s) | candidates tried | over the bare passes "
+              "| over compare() | best |")
+        print("|---|---|---|---|---|---|")
+    for r in found:
+        print(f"| {r['case']} | {r['remedies_s']:.2f} | {r['tried']} | {r['over_bare']:.1f} "
+              f"| {r['over_compare']:.1f} | {r['best']} |")
     if args.json:
-        args.json.write_text(json.dumps({"environment": env, "results": rows}, indent=1))
+        args.json.write_text(json.dumps({"environment": env, "results": rows,
+                                         "remedies": found}, indent=1))
     return 0

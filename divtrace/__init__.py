@@ -8,6 +8,7 @@ Example:
     'site'
 """
 
+from divtrace import remedies
 from divtrace.compare import compare
 from divtrace.errors import (
     BatchMixingError,
@@ -65,6 +66,7 @@ __all__ = [
     "diff",
     "load",
     "overlay",
+    "remedies",
     "sweep",
     "sweep_batch",
 ]

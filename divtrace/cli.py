@@ -150,9 +150,26 @@ def _compare(args: argparse.Namespace) -> int:
     print(result.summary())
     print()
     print(_compact(result.table))
+    if args.remedies:
+        _remedies(result, not args.no_progress)
     failed = (args.fail_on == "divergence" and result.verdict != "identical") or (
         args.fail_on == "not-rounding" and result.verdict == "not rounding")
     return 1 if failed else 0
+
+
+def _remedies(result: Any, progress: bool) -> None:
+    """Prints the remedies of ``result``: what they say, their table, the best."""
+    found = result.remedies(progress=progress)
+    print()
+    print(found.summary())
+    if not found.table.empty:
+        columns = ["remedy", "identical", "identical_sites", "sites", "output_rel_l2",
+                   "cost", "a_cost", "output_change"]
+        print()
+        print(readable(found.table[columns]).to_string(index=False))
+    best = found.best
+    print()
+    print(f"best: {best.name if best is not None else 'none'}")
 
 
 def _load(path: str) -> Any:
@@ -237,6 +254,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--fail-on", choices=["divergence", "not-rounding"],
                      help="exit 1 when the runs are not bit-identical (divergence) or when "
                           "the verdict is not rounding")
+    run.add_argument("--remedies", action="store_true",
+                     help="also try remedies (each verified by comparing again under it) "
+                          "and print their table, their costs and the best")
     run.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     run.set_defaults(handle=_compare)
 

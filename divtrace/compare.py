@@ -12,6 +12,7 @@ from divtrace.pipeline import execute
 from divtrace.plan.make import make_plan
 from divtrace.plan.runs import Resources, Run
 from divtrace.plan.selection import ModuleSpec
+from divtrace.remedies.search import Again
 from divtrace.report.comparison import Comparison
 
 __all__ = ["compare"]
@@ -105,4 +106,4 @@ def compare(
         model, x, samples=samples, batch_dim=batch_dim, modules=modules, ops=ops,
         explain=explain, rtol=rtol, atol=atol, allow_train=allow_train, a=a, b=b,
         resources=resources, progress=progress)
-    return execute(plan, model)
+    return execute(plan, model, origin=Again(plan, model))

@@ -15,6 +15,7 @@ from divtrace.report.meta import Meta
 
 if TYPE_CHECKING:
     from divtrace.generate.result import Generation
+    from divtrace.remedies.result import Remedies
     from divtrace.sweep import BatchSweep, Sweep
 
 __all__ = ["load"]
@@ -39,7 +40,17 @@ def _comparison(doc: dict[str, Any]) -> Comparison:
                       {}, _probes(doc["probes"]))
 
 
-def load(path: str | Path) -> Comparison | Sweep | BatchSweep | Generation:
+def _remedies(doc: dict[str, Any]) -> Remedies:
+    from divtrace.remedies.result import Remedies, Saved
+
+    return Remedies(saved.frame_from_json(doc["table"]),
+                    tuple(Saved(spec) for spec in doc["candidates"]),
+                    {name: _comparison(value) for name, value in doc["comparisons"]},
+                    saved.number(doc["before"]),
+                    tuple(doc["names"]), doc["reason"], doc["needed"])
+
+
+def load(path: str | Path) -> Comparison | Sweep | BatchSweep | Generation | Remedies:
     """Reads a file that ``.save(path)`` wrote: the same table (every column and dtype),
     per-sample figures, meta, summary and plots. Kept tensors and models are not saved:
     ``pair()`` and ``Generation.at()`` need a fresh run.
@@ -65,6 +76,8 @@ def load(path: str | Path) -> Comparison | Sweep | BatchSweep | Generation:
         if kind == "sweep":
             return Sweep(table, comparisons)
         return BatchSweep(table, saved.frame_from_json(doc["onset"]), comparisons)
+    if kind == "remedies":
+        return _remedies(doc)
     if kind == "generation":
         from divtrace.generate.result import Generation
 

@@ -32,7 +32,7 @@ from divtrace.record.loop import InputCopies
 from divtrace.record.ragged import row_store
 from divtrace.record.rows import RowStore
 from divtrace.record.runner import Runner
-from divtrace.report.comparison import Comparison
+from divtrace.report.comparison import Comparison, Origin
 from divtrace.report.environment import environment, run_settings
 from divtrace.report.meta import Meta
 from divtrace.report.table import build
@@ -44,7 +44,8 @@ def record(ctx: Context, runner: Runner, chunks: tuple[tuple[int, int], ...]) ->
     """Runs ``chunks`` of the batch with ``runner``, keeping the compared samples' rows
     (notes in ``ctx`` what the output was when it held no tensor)."""
     plan = ctx.plan
-    store = row_store(plan.batch, list(plan.samples), plan.offload, pinned=plan.keep)
+    store = row_store(plan.batch, list(plan.samples), plan.offload, pinned=plan.keep,
+                      padded=plan.padded)
 
     def label(start: int, stop: int) -> str:
         inside = [s for s in plan.samples if start <= s < stop]
@@ -150,9 +151,11 @@ def _meter(plan: Plan, ctx: Context, host: Host, parts: Parts,
                  site_watchers=sites, call_watchers=calls)
 
 
-def execute(plan: Plan, model: nn.Module, parts: Parts | None = None) -> Comparison:
+def execute(plan: Plan, model: nn.Module, parts: Parts | None = None,
+            origin: Origin | None = None) -> Comparison:
     """Carries out ``plan`` on ``model`` with ``parts`` (default: those the plan asks for,
-    :func:`~divtrace.assembly.parts_for`); the model comes back untouched."""
+    :func:`~divtrace.assembly.parts_for`); the model comes back untouched. ``origin``:
+    how the comparison runs again, for :meth:`Comparison.remedies`."""
     parts = parts_for(plan, model) if parts is None else parts
     walk = plan.walk if plan.walk is not None and plan.walk.model is model else Walk.of(model)
     reference = Runner.of(plan.a, model, plan.modules, plan.output_only, plan.name("a"),
@@ -188,4 +191,4 @@ def execute(plan: Plan, model: nn.Module, parts: Parts | None = None) -> Compari
             "first pass, on a copy, did not): rows of x were changed", DivtraceWarning,
             stacklevel=3)
     return build(plan, probes, meter, _meta(plan, ctx, stored_bytes, draws, probes), host,
-                 parts.figures)
+                 parts.figures, origin)

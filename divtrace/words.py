@@ -44,7 +44,7 @@ FRACTIONS = frozenset({"mismatch", "exceed", "input_mismatch", "noise_mismatch",
 ERRORS = frozenset({"max_abs", "mean_abs", "rel_l2", "others_rel_l2", "local_rel_l2",
                     "local_max_abs", "b_err_fp64", "a_err_fp64", "noise_rel_l2",
                     "rel_l2_a", "rel_l2_b", "logits_rel_l2", "logits_max_abs",
-                    "output_rel_l2"})
+                    "output_rel_l2", "output_change"})
 
 
 def shown(name: str, value: object) -> object:

@@ -52,6 +52,9 @@ class Plan:
         graphs: Chunked runs replayed from a CUDA graph: ``"auto"``, True or False.
         graph_obstacle: Why no run of this comparison can be graphed (None: they may be).
         walk: The model's modules, parameters and buffers, as the checks found them.
+        padded: Every recorded pass is padded to this many rows by the model's own hooks
+            (a fixed batch shape, :class:`divtrace.remedies.FixedBatch`): the padding
+            is cut off before a tensor is recorded.
     """
 
     batch: BatchedInput
@@ -74,6 +77,7 @@ class Plan:
     graphs: GraphMode = False
     graph_obstacle: str | None = None
     walk: Walk | None = field(default=None, repr=False, compare=False)
+    padded: int | None = None
 
     def name(self, which: str) -> str:
         """How sentences, errors and the progress bar name run ``"a"`` or ``"b"``."""

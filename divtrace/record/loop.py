@@ -109,7 +109,8 @@ def drive(model: nn.Module, recorder: Recorder, sink: Sink, batch: BatchedInput,
                 seen = copies.seen(tensors)
                 sink.begin_chunk(start, stop, tracker)
                 output = forward(model, *batch.build(leaves), tracker,
-                                 partial(label, start, stop), tensors, stop - start, driver)
+                                 partial(label, start, stop), tensors,
+                                 sink.pass_rows(start, stop), driver)
                 copies.after(tensors, seen)
                 done = sink.end_chunk()
             kind = _kind(output)

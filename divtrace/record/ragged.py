@@ -11,6 +11,7 @@ from divtrace.align.sites import Site
 from divtrace.align.status import Status, comparable
 from divtrace.plan.inputs import BatchedInput
 from divtrace.plan.prompts import Layout, RaggedInput
+from divtrace.record.padded import PaddedStore
 from divtrace.record.recorder import Tracker
 from divtrace.record.rows import RowStore
 from divtrace.record.stored import StoredRows
@@ -69,9 +70,14 @@ class RaggedStore(RowStore):
 
 
 def row_store(batch: BatchedInput, samples: list[int], offload: bool = False,
-              pinned: bool = False, learn_lineage: bool = True) -> RowStore:
+              pinned: bool = False, learn_lineage: bool = True, padded: int | None = None
+              ) -> RowStore:
     """The row store that records ``samples`` of passes over ``batch``: a
-    :class:`RaggedStore` for prompts of different lengths, else a :class:`RowStore`."""
+    :class:`RaggedStore` for prompts of different lengths, a :class:`PaddedStore` for
+    passes ``padded`` to a fixed batch size, else a :class:`RowStore`."""
+    if padded is not None:
+        return PaddedStore(samples, batch.batch_dim, offload, learn_lineage=learn_lineage,
+                           pinned=pinned, size=padded)
     if isinstance(batch, RaggedInput):
         return RaggedStore(samples, 0, offload, learn_lineage=learn_lineage, pinned=pinned,
                            ragged=batch)

@@ -86,6 +86,11 @@ class Sink:
     def begin_chunk(self, start: int, stop: int, tracker: Tracker) -> None:
         """A pass over rows ``start:stop`` of the batch begins."""
 
+    def pass_rows(self, start: int, stop: int) -> int:
+        """The rows the pass over ``start:stop`` really has: more when something pads
+        every call to a fixed batch size (see :attr:`RowStore.padded`)."""
+        return stop - start
+
     def on_call(self, call: Site, module: nn.Module, args: tuple[Any, ...],
                 kwargs: dict[str, Any], output: Any, tracker: Tracker) -> None:
         """A leaf module call returned; called before its outputs reach :meth:`on_tensor`."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pandas as pd
 import torch
@@ -24,7 +24,16 @@ if TYPE_CHECKING:
     from divtrace.explain.probe import Probe
     from divtrace.report.diff import Diff
 
-__all__ = ["Comparison", "SiteRow"]
+__all__ = ["Comparison", "Origin", "SiteRow"]
+
+
+class Origin(Protocol):
+    """What made a comparison (its plan and model), able to run it again under each
+    remedy: :meth:`Comparison.remedies`. Made by the faces (``divtrace.remedies``)."""
+
+    def remedies(self, result: Comparison, candidates: Any, repeats: int,
+                 progress: bool) -> Any:
+        """The remedies of ``result`` (a :class:`divtrace.remedies.Remedies`)."""
 
 
 class SiteRow(pd.Series):
@@ -58,12 +67,13 @@ class Comparison:
             samples, runs, probes, environment; ``meta.to_dict()`` for plain JSON).
     """
 
-    __slots__ = ("_meta", "_pairs", "_probes", "_samples", "_table")
+    __slots__ = ("_meta", "_origin", "_pairs", "_probes", "_samples", "_table")
 
     def __init__(self, table: pd.DataFrame,
                  samples: pd.DataFrame | Callable[[], pd.DataFrame], meta: Meta,
                  pairs: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]],
-                 probes: tuple[type[Probe], ...] = ()) -> None:
+                 probes: tuple[type[Probe], ...] = (), origin: Origin | None = None) -> None:
+        self._origin = origin  # the plan and model, to run it again (None: loaded)
         self._table = table
         self._samples = samples  # or how to make it, on first use
         self._meta = meta
@@ -104,7 +114,7 @@ class Comparison:
         samples = samples[samples["site"].isin(table["site"])]
         pairs = {k: v for k, v in self._pairs.items() if k in set(table["site"])}
         return Comparison(table, samples.reset_index(drop=True), self._meta, pairs,
-                          self._probes)
+                          self._probes, self._origin)
 
     # -- lookups -------------------------------------------------------------------
 
@@ -183,6 +193,47 @@ class Comparison:
         assert a is not None
         assert b is not None
         return a, b
+
+    def remedies(self, candidates: Any = None, *, repeats: int = 5,
+                 progress: bool = True) -> Any:
+        """Which setting makes the runs bit-identical, and what it costs.
+
+        Each candidate is verified by running this comparison again, on the same model
+        and input, with the remedy in force (the default probes only); a remedy scoped
+        to the modules where error enters (the sources and, with ``explain=["local"]``,
+        the layers that add error of their own) that leaves the runs apart is widened to
+        the sources of its own run and tried again. Then the bare passes of both runs
+        are timed with each remedy and without, in ``repeats`` interleaved rounds. The
+        model, its hooks and every flag are as before afterwards.
+
+        Args:
+            candidates: The remedies to try (default: all of
+                :data:`divtrace.remedies.NAMES`, in that order): names, ``"defaults"``,
+                :class:`divtrace.remedies.Remedy` objects or classes, or callables that
+                take the model and return a context manager.
+            repeats: Timings per remedy (their median is taken).
+            progress: A progress bar on stderr.
+
+        Returns:
+            A :class:`divtrace.remedies.Remedies` (``.table``, ``.best``, ``.summary()``).
+
+        Raises:
+            DivtraceValueError: The comparison was loaded from a file, or its runs run a
+                changed copy of the model.
+
+        Example:
+            >>> import torch, divtrace
+            >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4)).eval()
+            >>> found = divtrace.compare(net, torch.randn(6, 4), progress=False)
+            >>> found.remedies(progress=False).needed  # identical already on most CPUs
+            False
+        """
+        if self._origin is None:
+            raise DivtraceValueError(
+                "this comparison does not know the model and input it was made from (it "
+                "was loaded from a file, or made by execute() directly); run "
+                "divtrace.compare(model, x, ...).remedies() on them")
+        return self._origin.remedies(self, candidates, repeats, progress)
 
     # -- words ---------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from divtrace.report.comparison import Comparison
 
 __all__ = ["FORMAT", "VERSION", "comparison_fields", "frame_from_json", "frame_to_json",
-           "read", "write"]
+           "number", "plain", "read", "write"]
 
 FORMAT = "divtrace"
 #: Raised when the layout changes; files of older versions are read as long as possible.
@@ -32,8 +32,8 @@ VERSION = 2
 _SPECIAL = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
-def _plain(value: Any) -> Any:
-    """A JSON-ready cell: numbers, strings, booleans, None; NaN and infinities as strings."""
+def plain(value: Any) -> Any:
+    """A JSON-ready value: numbers, strings, booleans, None; NaN and infinities as strings."""
     if value is None or value is pd.NA:
         return None
     if isinstance(value, bool):
@@ -48,11 +48,16 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def number(value: Any) -> float:
+    """A float that :func:`plain` wrote, back (``"NaN"`` and the infinities too)."""
+    return math.nan if value is None else float(_SPECIAL.get(value, value))
+
+
 def _cells(column: pd.Series) -> list[Any]:
     if str(column.dtype).startswith("float"):
-        return [_plain(v) for v in column.tolist()]
+        return [plain(v) for v in column.tolist()]
     # elsewhere a NaN or NA is a missing value, not a number
-    return [None if _missing(v) else _plain(v) for v in column.tolist()]
+    return [None if _missing(v) else plain(v) for v in column.tolist()]
 
 
 def _missing(value: Any) -> bool:

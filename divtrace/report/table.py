@@ -24,7 +24,7 @@ from divtrace.measure.host import Host
 from divtrace.measure.meter import Measured, Meter
 from divtrace.plan.make import Plan
 from divtrace.record.rows import RowStore
-from divtrace.report.comparison import Comparison
+from divtrace.report.comparison import Comparison, Origin
 from divtrace.report.meta import Meta
 
 __all__ = ["COLUMNS", "SAMPLE_COLUMNS", "SITE_COLUMNS", "build", "columns"]
@@ -150,8 +150,9 @@ def _flags(values: list[Any]) -> bool:
 
 
 def build(plan: Plan, probes: tuple[Probe, ...], meter: Meter, meta: Meta, host: Host,
-          figures: tuple[Figure, ...] = FIGURES) -> Comparison:
-    """Assembles the :class:`Comparison` of a finished run (fetches the figures first)."""
+          figures: tuple[Figure, ...] = FIGURES, origin: Origin | None = None) -> Comparison:
+    """Assembles the :class:`Comparison` of a finished run (fetches the figures first);
+    ``origin``: how to run it again, for :meth:`Comparison.remedies`."""
     host.fetch()
     rows, samples, fields, flips = _measured_rows(plan, figures, meter.sites)
     call_keys = {s.site.key: s.site.call_key for s in meter.sites if s.site.op}
@@ -184,4 +185,4 @@ def build(plan: Plan, probes: tuple[Probe, ...], meter: Meter, meta: Meta, host:
              for s in meter.sites if s.elements_view is not None}
     notes = {**meta.notes, "output_elements": views} if views else meta.notes
     return Comparison(table, samples, replace(meta, flips=flips, notes=notes), pairs,
-                      tuple(type(p) for p in probes))
+                      tuple(type(p) for p in probes), origin)

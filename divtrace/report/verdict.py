@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
     Probes = Sequence[type[Probe]]
 
-__all__ = ["JUMP", "Verdict", "judge"]
+__all__ = ["JUMP", "Verdict", "blocked", "judge"]
 
 T = TypeVar("T")
 
@@ -157,6 +157,17 @@ def _unmeasurable(tested: str) -> Verdict:
     return Verdict("not rounding", (
         f"Verdict: not rounding — floating point cannot be shown to explain it: {why}, and "
         f"the independence test did not decide."))
+
+
+def blocked(table: pd.DataFrame, meta: Meta, probes: Probes = ()) -> str | None:
+    """Why the runs differ for reasons that are not numerical, so that no kernel or
+    precision setting can make them agree: by design (train mode, random draws, other
+    modules run) or because the samples mix (None: neither was found)."""
+    mixing = _first(p.mixing(table, meta) for p in probes)
+    reason = _by_design(table, meta, mixing)
+    if reason is not None:
+        return reason
+    return None if mixing is None else mixing[1]
 
 
 def judge(table: pd.DataFrame, meta: Meta, probes: Probes = ()) -> Verdict:

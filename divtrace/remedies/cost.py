@@ -1,0 +1,124 @@
+"""What a remedy costs: the bare passes of each run, timed under it and without it, in
+interleaved rounds on the same device in the same call."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from divtrace.compat import pytree
+from divtrace.plan.make import Plan
+from divtrace.plan.runs import Run
+from divtrace.remedies.remedy import Remedy
+
+__all__ = ["Costs", "costs", "quiet"]
+
+#: Per remedy: ``(cost, a_cost, output_change)``: run b's passes and run a's passes
+#: under the remedy over the same passes without it, and how far the remedy moves run b's
+#: first output (its rel_l2 against the same output without the remedy).
+Costs = list[tuple[float, float, float]]
+
+
+@contextmanager
+def quiet() -> Iterator[None]:
+    """Silences the warnings of ``use_deterministic_algorithms(warn_only=True)``."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*does not have a deterministic")
+        warnings.filterwarnings("ignore", message=".*deterministic.*CUBLAS_WORKSPACE")
+        yield
+
+
+def _sync(devices: set[torch.device]) -> None:
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+
+def _passes(plan: Plan, chunks: Sequence[tuple[int, int]]
+            ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """Each pass's input, copied once (a model that changes its input in place changes
+    only these copies)."""
+    return [plan.batch.rows(start, stop, copy=True) for start, stop in chunks]
+
+
+def _first_float(output: Any) -> torch.Tensor | None:
+    return next((t for t in pytree.tree_leaves(output)
+                 if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+
+
+class _Change:
+    """How far each remedy moves the first output: kept for the run without a remedy,
+    compared at once for the others."""
+
+    def __init__(self) -> None:
+        self.reference: torch.Tensor | None = None
+        self.found: list[float] = []
+
+    def see(self, output: Any, first: bool) -> None:
+        tensor = _first_float(output)
+        if first:
+            self.reference = None if tensor is None else tensor.detach().double()
+            return
+        if tensor is None or self.reference is None or tensor.shape != self.reference.shape:
+            self.found.append(math.nan)
+            return
+        norm = float(self.reference.norm())
+        diff = float((tensor.double() - self.reference).norm())
+        self.found.append(diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf))
+
+
+def _timer(model: nn.Module, run: Run, passes: list[tuple[tuple[Any, ...], dict[str, Any]]],
+           devices: set[torch.device]) -> Callable[[Remedy | None, Callable[[Any], object]
+                                                    | None], float]:
+    def timed(remedy: Remedy | None, seen: Callable[[Any], object] | None = None) -> float:
+        within = nullcontext() if remedy is None else remedy.applied(model)
+        with within, run.flags(), torch.no_grad(), quiet():
+            _sync(devices)
+            start = time.perf_counter()
+            for index, (args, kwargs) in enumerate(passes):
+                output = model(*args, **kwargs)
+                if seen is not None and index == 0:
+                    seen(output)
+                del output
+            _sync(devices)
+            return time.perf_counter() - start
+    return timed
+
+
+def costs(plan: Plan, model: nn.Module, remedies: Sequence[Remedy], repeats: int,
+          step: Callable[[], object] | None = None) -> Costs:
+    """Each remedy's cost, from the median of ``repeats`` timings (after one round to
+    warm up), the rounds interleaving the bare passes and every remedy."""
+    if not remedies:
+        return []
+    size = plan.batch.batch_size
+    devices = {t.device for t in plan.batch.leaves if isinstance(t, torch.Tensor)}
+    devices |= {p.device for p in model.parameters()}
+    timers = [_timer(model, plan.b, _passes(plan, plan.b_chunks or ((0, size),)), devices),
+              _timer(model, plan.a, _passes(plan, plan.a_chunks), devices)]
+    everyone: list[Remedy | None] = [None, *remedies]
+    seen: list[list[list[float]]] = [[[] for _ in everyone] for _ in timers]
+    change = _Change()
+    for round_ in range(repeats + 1):
+        for which, timer in enumerate(timers):
+            for index, remedy in enumerate(everyone):
+                if round_ or which:
+                    took = timer(remedy, None)
+                else:  # the first round warms up, and sees the outputs
+                    timer(remedy, partial(change.see, first=index == 0))
+                if round_:
+                    seen[which][index].append(took)
+        if step is not None:
+            step()
+    medians = [[statistics.median(times) for times in per] for per in seen]
+    return [(medians[0][i] / medians[0][0], medians[1][i] / medians[1][0], change.found[i - 1])
+            for i in range(1, len(everyone))]

@@ -1,0 +1,220 @@
+"""``Remedies``: which settings make the runs bit-identical, at what cost, and the best."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+from torch import nn
+
+from divtrace.errors import DivtraceValueError
+from divtrace.remedies.remedy import Remedy
+from divtrace.report import html, saved
+from divtrace.report.comparison import Comparison
+from divtrace.words import readable, sci
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+__all__ = ["COLUMNS", "Remedies", "Saved"]
+
+#: The table's columns, in order.
+COLUMNS = ("remedy", "kind", "modules", "identical", "identical_sites", "sites",
+           "output_rel_l2", "output_ratio", "verdict", "cost", "a_cost", "output_change",
+           "note")
+
+
+class Saved(Remedy):
+    """A remedy read back from a file: named, but not applicable (build it again)."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+
+    @property
+    def name(self) -> str:
+        return str(self.spec.get("name", "remedy"))
+
+    @property
+    def kind(self) -> str:  # type: ignore[override]
+        return str(self.spec.get("kind", "remedy"))
+
+    def applied(self, model: nn.Module) -> AbstractContextManager[None]:  # type: ignore[override]
+        raise DivtraceValueError(
+            f"the remedy {self.name!r} was read from a file and holds no code; build it "
+            f"again (divtrace.remedies.{_CLASSES.get(self.kind, 'Remedy')}(...)) or run "
+            f"result.remedies() again")
+
+    def enter(self, model: nn.Module, stack: ExitStack) -> None:
+        raise DivtraceValueError("a remedy read from a file cannot be applied")
+
+
+_CLASSES = {"cudnn": "CudnnOff", "float64": "Float64", "fixed-batch": "FixedBatch",
+            "precision": "PrecisionOff", "math-attention": "MathAttention",
+            "deterministic": "Deterministic", "custom": "Custom"}
+
+
+def _yes(value: Any) -> bool:
+    """Whether a cell of ``identical`` says True (<NA>: not tried)."""
+    return not pd.isna(value) and bool(value)
+
+
+def _no(value: Any) -> bool:
+    return not pd.isna(value) and not bool(value)
+
+
+def _times(value: float) -> str:
+    return "not measured" if value != value else f"{value:.3g}×"
+
+
+@dataclass(frozen=True)
+class Remedies:
+    """The remedies tried on a comparison, each verified by running it again under the
+    remedy, and costed.
+
+    Attributes:
+        table: One row per candidate, in the order tried: ``remedy`` (its name and
+            scope), ``kind``, ``modules`` (how many it acts in; <NA>: everywhere),
+            ``identical`` (every compared site bit-identical; <NA>: not tried),
+            ``identical_sites`` of ``sites``, ``output_rel_l2`` and ``output_ratio`` (over
+            the unremedied run's), ``verdict``, ``cost`` (run b's passes under the
+            remedy over the same passes without it; for the default pair, the batched
+            pass), ``a_cost`` (likewise run a's passes), ``output_change`` (the rel_l2
+            of run b's first output under the remedy against the same output without it:
+            how far the remedy moves the results), ``note`` (what it trades away, or why
+            it was not tried).
+        candidates: The remedy objects, in the table's order.
+        comparisons: The comparison run under each tried remedy, by its name.
+        before: The output's rel_l2 without a remedy.
+        names: How the runs are called (``meta.names`` of the comparison).
+        reason: Why nothing was tried, when the runs differ for reasons that are not
+            numerical (None otherwise).
+        needed: False when the runs were already bit-identical.
+    """
+
+    table: pd.DataFrame
+    candidates: tuple[Remedy, ...]
+    comparisons: dict[str, Comparison] = field(default_factory=dict)
+    before: float = math.nan
+    names: tuple[str, str] = ("split run", "batched run")
+    reason: str | None = None
+    needed: bool = True
+
+    @classmethod
+    def untried(cls, base: Comparison, reason: str | None) -> Remedies:
+        """No remedy tried: the runs are identical already (``reason`` None) or differ
+        for ``reason``."""
+        out = base.output
+        return cls(pd.DataFrame({c: pd.Series(dtype=object) for c in COLUMNS}), (), {},
+                   math.nan if out is None else float(out["rel_l2"]), base.meta.names,
+                   reason, needed=reason is not None)
+
+    def _ranked(self) -> Iterator[tuple[float, int]]:
+        """The identical candidates' (price, position): price is the slower of the two
+        runs' costs, since a remedy is paid in every call."""
+        for position, row in enumerate(self.table.itertuples()):
+            if _yes(row.identical):
+                price = max(row.cost, row.a_cost)
+                yield (math.inf if price != price else price), position
+
+    @property
+    def best(self) -> Remedy | None:
+        """The cheapest candidate that makes the runs bit-identical (by the slower of
+        ``cost`` and ``a_cost``), or None."""
+        ranked = sorted(self._ranked())
+        return self.candidates[ranked[0][1]] if ranked else None
+
+    def _runs(self) -> tuple[str, str]:
+        return self.names[0], self.names[1]
+
+    def _costs(self, row: pd.Series) -> str:
+        """``batched 1.02×, split 1.3×``: both costs, each named by its run."""
+        a, b = (n.removesuffix(" run") for n in self._runs())
+        return f"{b} {_times(row['cost'])}, {a} {_times(row['a_cost'])}"
+
+    def summary(self) -> str:
+        """What to do: the best remedy and its cost, or why there is none."""
+        a, b = self._runs()
+        if not self.needed:
+            return (f"No remedy is needed: the {a} and the {b} are already bit-identical "
+                    f"at every compared site.")
+        if self.reason is not None:
+            return (f"No remedy is tried: the runs differ for a reason that is not "
+                    f"numerical, so no setting of kernels, precision or batch shape is the "
+                    f"fix — {self.reason}")
+        return "\n".join(self._lines(a, b))
+
+    def _lines(self, a: str, b: str) -> list[str]:
+        table, lines = self.table, []
+        best = self.best
+        if best is not None:
+            row = table.iloc[self.candidates.index(best)]
+            lines.append(
+                f"Best: {row['remedy']} — the runs become bit-identical at all "
+                f"{row['sites']} compared sites; the {b}'s passes take {_times(row['cost'])}"
+                f" as long, the {a}'s {_times(row['a_cost'])}; it moves the {b}'s output by "
+                f"rel_l2 {sci(row['output_change'])}.")
+        else:
+            tried = table[table["identical"].notna()]
+            closest = tried.loc[tried["output_rel_l2"].fillna(math.inf).idxmin()] if (
+                not tried.empty) else None
+            lines.append("No candidate makes the runs bit-identical." + ("" if closest is None
+                         else f" The closest, {closest['remedy']}, leaves the output's "
+                              f"rel_l2 at {sci(closest['output_rel_l2'])} (without a "
+                              f"remedy: {sci(self.before)})."))
+        others = [r for _, r in table.iterrows() if _yes(r["identical"])
+                  and (best is None or r["remedy"] != best.name)]
+        if others:
+            lines.append("Also bit-identical: " + "; ".join(
+                f"{r['remedy']} ({self._costs(r)})"
+                for r in others) + ".")
+        apart = [r for _, r in table.iterrows() if _no(r["identical"])]
+        if apart:
+            lines.append("Not bit-identical: " + "; ".join(
+                f"{r['remedy']} (output rel_l2 {sci(r['output_rel_l2'])})" for r in apart)
+                + ".")
+        skipped = table[table["identical"].isna()]
+        if not skipped.empty:
+            lines.append("Not tried: " + "; ".join(
+                f"{r['remedy']} ({r['note'].removeprefix('not tried: ')})"
+                for _, r in skipped.iterrows()) + ".")
+        return lines
+
+    def __repr__(self) -> str:
+        best = self.best
+        tail = "none needed" if not self.needed else (
+            f"best: {best.name}" if best is not None else "no remedy")
+        return f"<divtrace.Remedies: {len(self.table)} candidates, {tail}>"
+
+    def _repr_html_(self) -> str:
+        lines = self.summary().splitlines()
+        words = "".join(f"<p>{html.escape(line)}</p>" for line in lines)
+        if self.table.empty:
+            return f'<div class="divtrace">{words}</div>'
+        table = readable(self.table).astype(object)
+        for column in ("cost", "a_cost"):
+            table[column] = [_times(v) for v in self.table[column]]
+        style = table.where(self.table.notna(), "").style.hide(axis="index")
+        return f'<div class="divtrace">{words}{style.to_html()}</div>'
+
+    def plot(self, ax: Axes | None = None) -> Axes:
+        """Cost against output error, one point per tried remedy (see
+        :func:`divtrace.remedies.plot.plot_remedies`)."""
+        from divtrace.remedies.plot import plot_remedies
+
+        return plot_remedies(self, ax=ax)
+
+    def save(self, path: str | Path) -> Path:
+        """Writes the remedies, their table and the comparison under each, as versioned
+        JSON (see :func:`divtrace.load`; the remedies read back hold no code)."""
+        return saved.write(path, "remedies", {
+            "table": saved.frame_to_json(self.table),
+            "candidates": [remedy.to_dict() for remedy in self.candidates],
+            "comparisons": [[name, saved.comparison_fields(c)]
+                            for name, c in self.comparisons.items()],
+            "before": saved.plain(self.before), "names": list(self.names),
+            "reason": self.reason, "needed": self.needed})
