@@ -341,3 +341,24 @@ def test_the_command_line_prints_the_remedies(tmp_path: Path,
     assert "output_change" in out
     assert out.rstrip().splitlines()[-1].startswith("best: ")
     assert out.rstrip().splitlines()[-1] != "best: none"
+
+
+def test_reduced_precision_off_through_either_api() -> None:
+    from divtrace.plan.make import make_plan
+    from divtrace.plan.precision import effective, restored
+
+    with restored():
+        torch.set_float32_matmul_precision("medium")
+        model = models.variant_mlp()
+        situation = divtrace.remedies.search.situation(
+            make_plan(model, torch.randn(4, 16)), model)
+        assert situation.reduced == ("bfloat16 CPU matmuls",)
+        with divtrace.remedies.PrecisionOff().applied(nn.Linear(2, 2)):
+            assert torch.get_float32_matmul_precision() == "highest"
+        assert torch.get_float32_matmul_precision() == "medium"
+    if getattr(torch.backends.cuda.matmul, "fp32_precision", None) is not None:
+        with restored():
+            torch.backends.cuda.matmul.fp32_precision = "tf32"  # the newer API
+            with divtrace.remedies.PrecisionOff().applied(nn.Linear(2, 2)):
+                assert effective("cuda.matmul") == "ieee"
+            assert effective("cuda.matmul") == "tf32"

@@ -17,6 +17,7 @@ from torch import nn
 
 from divtrace.compat import pytree
 from divtrace.plan.make import Plan
+from divtrace.plan.prompts import RaggedInput
 from divtrace.plan.runs import Run
 from divtrace.remedies.remedy import Remedy
 
@@ -57,14 +58,17 @@ def _first_float(output: Any) -> torch.Tensor | None:
 
 class _Change:
     """How far each remedy moves the first output: kept for the run without a remedy,
-    compared at once for the others."""
+    compared at once for the others. ``real`` cuts out what is compared (the prompts'
+    real tokens: padded positions hold no result)."""
 
-    def __init__(self) -> None:
+    def __init__(self, real: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.real = real
         self.reference: torch.Tensor | None = None
         self.found: list[float] = []
 
     def see(self, output: Any, first: bool) -> None:
         tensor = _first_float(output)
+        tensor = None if tensor is None else self.real(tensor.detach())
         if first:
             self.reference = None if tensor is None else tensor.detach().double()
             return
@@ -74,6 +78,20 @@ class _Change:
         norm = float(self.reference.norm())
         diff = float((tensor.double() - self.reference).norm())
         self.found.append(diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf))
+
+
+def _real(plan: Plan, chunk: tuple[int, int]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What of a pass's output over ``chunk`` holds results (for prompts, their tokens)."""
+    if not isinstance(plan.batch, RaggedInput):
+        return lambda tensor: tensor
+    layout = plan.batch.layout(*chunk)
+    rows = range(chunk[1] - chunk[0])
+
+    def real(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() < 2 or tensor.shape[0] != len(rows):
+            return tensor
+        return torch.cat([layout.tokens(tensor, row).flatten() for row in rows])
+    return real
 
 
 def _timer(model: nn.Module, run: Run, passes: list[tuple[tuple[Any, ...], dict[str, Any]]],
@@ -103,20 +121,22 @@ def costs(plan: Plan, model: nn.Module, remedies: Sequence[Remedy], repeats: int
     size = plan.batch.batch_size
     devices = {t.device for t in plan.batch.leaves if isinstance(t, torch.Tensor)}
     devices |= {p.device for p in model.parameters()}
-    timers = [_timer(model, plan.b, _passes(plan, plan.b_chunks or ((0, size),)), devices),
+    b_chunks = plan.b_chunks or ((0, size),)
+    timers = [_timer(model, plan.b, _passes(plan, b_chunks), devices),
               _timer(model, plan.a, _passes(plan, plan.a_chunks), devices)]
     everyone: list[Remedy | None] = [None, *remedies]
     seen: list[list[list[float]]] = [[[] for _ in everyone] for _ in timers]
-    change = _Change()
-    for round_ in range(repeats + 1):
+    change = _Change(_real(plan, b_chunks[0]))
+    for index, remedy in enumerate(everyone):  # a round to warm up, seeing the outputs
+        timers[0](remedy, partial(change.see, first=index == 0))
+        timers[1](remedy, None)
+    for round_ in range(repeats):
+        order = list(range(len(everyone)))
+        order = order[round_ % len(order):] + order[:round_ % len(order)]  # no one first
         for which, timer in enumerate(timers):
-            for index, remedy in enumerate(everyone):
-                if round_ or which:
-                    took = timer(remedy, None)
-                else:  # the first round warms up, and sees the outputs
-                    timer(remedy, partial(change.see, first=index == 0))
-                if round_:
-                    seen[which][index].append(took)
+            timer(None, None)  # after the other run's passes: not timed
+            for index in order:
+                seen[which][index].append(timer(everyone[index], None))
         if step is not None:
             step()
     medians = [[statistics.median(times) for times in per] for per in seen]

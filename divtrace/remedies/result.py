@@ -16,7 +16,7 @@ from divtrace.errors import DivtraceValueError
 from divtrace.remedies.remedy import Remedy
 from divtrace.report import html, saved
 from divtrace.report.comparison import Comparison
-from divtrace.words import readable, sci
+from divtrace.words import sci
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -56,6 +56,12 @@ class Saved(Remedy):
 _CLASSES = {"cudnn": "CudnnOff", "float64": "Float64", "fixed-batch": "FixedBatch",
             "precision": "PrecisionOff", "math-attention": "MathAttention",
             "deterministic": "Deterministic", "custom": "Custom"}
+
+
+#: The remedies' table: names and notes read as text.
+_CSS = (".remedies td{white-space:nowrap}"
+        ".remedies td.col7{white-space:normal;text-align:left;min-width:28em;"
+        "font-family:system-ui,sans-serif}")
 
 
 def _yes(value: Any) -> bool:
@@ -192,14 +198,27 @@ class Remedies:
 
     def _repr_html_(self) -> str:
         lines = self.summary().splitlines()
-        words = "".join(f"<p>{html.escape(line)}</p>" for line in lines)
+        kind = "identical" if not self.needed else (
+            "rounding" if self.best is not None else "not-rounding")
+        words = (f'<p class="verdict {kind}">{html.escape(lines[0])}</p>'
+                 f'<p class="summary">{html.escape(chr(10).join(lines[1:]))}</p>')
         if self.table.empty:
-            return f'<div class="divtrace">{words}</div>'
-        table = readable(self.table).astype(object)
+            return f'<style>{html.CSS}</style><div class="divtrace">{words}</div>'
+        table = self.table
+        frame = table[["remedy", "identical", "output_rel_l2", "cost", "a_cost",
+                       "output_change", "note"]].astype(object)
+        frame = frame.where(frame.notna(), None)
+        frame.insert(2, "sites", [None if pd.isna(n) else f"{s} of {n}" for s, n in
+                                  zip(table["identical_sites"], table["sites"], strict=True)])
         for column in ("cost", "a_cost"):
-            table[column] = [_times(v) for v in self.table[column]]
-        style = table.where(self.table.notna(), "").style.hide(axis="index")
-        return f'<div class="divtrace">{words}{style.to_html()}</div>'
+            frame[column] = [None if v is None else _times(v) for v in frame[column]]
+        best = self.best
+        kinds = ["first" if best is not None and name == best.name else
+                 "skipped" if pd.isna(same) else "identical" if same else "diverged"
+                 for name, same in zip(self.table["remedy"], self.table["identical"],
+                                       strict=True)]
+        return (f'<style>{html.CSS}{_CSS}</style><div class="divtrace remedies">{words}'
+                f"{html.styled(frame, kinds)}</div>")
 
     def plot(self, ax: Axes | None = None) -> Axes:
         """Cost against output error, one point per tried remedy (see

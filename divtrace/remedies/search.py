@@ -64,11 +64,11 @@ def situation(plan: Plan, model: nn.Module) -> Situation:
     reduced = tuple(name for name, on in (
         ("TF32 matmuls", flags["tf32_matmul"] and on_cuda),
         ("TF32 convolutions", flags["tf32_cudnn"] and on_cuda),
-        (f"matmul precision {flags['matmul_precision']!r}",
-         flags["matmul_precision"] != "highest"),
         ("bfloat16 CPU matmuls", flags["bf16_matmul_cpu"] and not on_cuda),
         ("reduced-precision reductions of half-precision matmuls", on_cuda and any(
             getattr(torch.backends.cuda.matmul, flag, False) for flag in REDUCTIONS))) if on)
+    if not reduced and flags["matmul_precision"] != "highest":  # else it is said above
+        reduced = (f"matmul precision {flags['matmul_precision']!r}",)
     attention = tuple(name or ROOT for name, module in model.named_modules()
                       if isinstance(module, nn.MultiheadAttention)
                       or "attention" in type(module).__name__.lower())
