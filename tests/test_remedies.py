@@ -362,3 +362,24 @@ def test_reduced_precision_off_through_either_api() -> None:
             with divtrace.remedies.PrecisionOff().applied(nn.Linear(2, 2)):
                 assert effective("cuda.matmul") == "ieee"
             assert effective("cuda.matmul") == "tf32"
+
+
+def test_when_no_candidate_works_the_closest_is_named() -> None:
+    result = divtrace.compare(models.variant_mlp(), torch.randn(6, 16), progress=False)
+    remedies = result.remedies(["deterministic", "cudnn"], repeats=1, progress=False)
+    assert remedies.best is None
+    lines = remedies.summary().splitlines()
+    assert lines[0] == (f"No candidate makes the runs bit-identical. The closest, "
+                        f"deterministic algorithms, leaves the output's rel_l2 at "
+                        f"{divtrace.words.sci(remedies.before)} (without a remedy: "
+                        f"{divtrace.words.sci(remedies.before)}).")
+    assert lines[-1].startswith("Not tried: cuDNN off in 3")
+
+
+def test_a_model_compared_in_train_mode_gets_no_remedy() -> None:
+    model = models.batchnorm_model().train()
+    remedies = divtrace.compare(model, torch.randn(6, 3, 8, 8), allow_train=True,
+                                progress=False).remedies(progress=False)
+    assert remedies.best is None
+    assert remedies.table.empty
+    assert "train mode" in remedies.summary()

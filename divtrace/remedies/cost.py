@@ -130,6 +130,8 @@ def costs(plan: Plan, model: nn.Module, remedies: Sequence[Remedy], repeats: int
     for index, remedy in enumerate(everyone):  # a round to warm up, seeing the outputs
         timers[0](remedy, partial(change.see, first=index == 0))
         timers[1](remedy, None)
+    if step is not None:
+        step()
     for round_ in range(repeats):
         order = list(range(len(everyone)))
         order = order[round_ % len(order):] + order[:round_ % len(order)]  # no one first

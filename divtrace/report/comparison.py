@@ -218,20 +218,20 @@ class Comparison:
             A :class:`divtrace.remedies.Remedies` (``.table``, ``.best``, ``.summary()``).
 
         Raises:
-            DivtraceValueError: The comparison was loaded from a file, or its runs run a
-                changed copy of the model.
+            DivtraceValueError: The comparison was loaded from a file (or not made by
+                :func:`divtrace.compare`), or its runs run a changed copy of the model.
 
         Example:
             >>> import torch, divtrace
-            >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4)).eval()
+            >>> net = torch.nn.Sequential(torch.nn.Tanh()).eval()  # element-wise
             >>> found = divtrace.compare(net, torch.randn(6, 4), progress=False)
-            >>> found.remedies(progress=False).needed  # identical already on most CPUs
+            >>> found.remedies(progress=False).needed
             False
         """
         if self._origin is None:
             raise DivtraceValueError(
                 "this comparison does not know the model and input it was made from (it "
-                "was loaded from a file, or made by execute() directly); run "
+                "was loaded from a file, or not made by divtrace.compare); run "
                 "divtrace.compare(model, x, ...).remedies() on them")
         return self._origin.remedies(self, candidates, repeats, progress)
 
