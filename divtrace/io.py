@@ -47,7 +47,7 @@ def _remedies(doc: dict[str, Any]) -> Remedies:
                     tuple(Saved(spec) for spec in doc["candidates"]),
                     {name: _comparison(value) for name, value in doc["comparisons"]},
                     saved.number(doc["before"]),
-                    tuple(doc["names"]), doc["reason"], doc["needed"])
+                    tuple(doc["names"]), doc["reason"], doc["needed"], doc["verdict"])
 
 
 def load(path: str | Path) -> Comparison | Sweep | BatchSweep | Generation | Remedies:

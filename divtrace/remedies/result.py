@@ -100,6 +100,7 @@ class Remedies:
         reason: Why nothing was tried, when the runs differ for reasons that are not
             numerical (None otherwise).
         needed: False when the runs were already bit-identical.
+        verdict: The comparison's verdict without a remedy.
     """
 
     table: pd.DataFrame
@@ -109,6 +110,7 @@ class Remedies:
     names: tuple[str, str] = ("split run", "batched run")
     reason: str | None = None
     needed: bool = True
+    verdict: str = "rounding"
 
     @classmethod
     def untried(cls, base: Comparison, reason: str | None) -> Remedies:
@@ -117,7 +119,7 @@ class Remedies:
         out = base.output
         return cls(pd.DataFrame({c: pd.Series(dtype=object) for c in COLUMNS}), (), {},
                    math.nan if out is None else float(out["rel_l2"]), base.meta.names,
-                   reason, needed=reason is not None)
+                   reason, needed=reason is not None, verdict=base.verdict)
 
     def _ranked(self) -> Iterator[tuple[float, int]]:
         """The identical candidates' (price, position): price is the slower of the two
@@ -171,7 +173,7 @@ class Remedies:
             lines.append("No candidate makes the runs bit-identical." + ("" if closest is None
                          else f" The closest, {closest['remedy']}, leaves the output's "
                               f"rel_l2 at {sci(closest['output_rel_l2'])} (without a "
-                              f"remedy: {sci(self.before)})."))
+                              f"remedy: {sci(self.before)}).") + " " + self._without())
         others = [r for _, r in table.iterrows() if _yes(r["identical"])
                   and (best is None or r["remedy"] != best.name)]
         if others:
@@ -189,6 +191,16 @@ class Remedies:
                 f"{r['remedy']} ({r['note'].removeprefix('not tried: ')})"
                 for _, r in skipped.iterrows()) + ".")
         return lines
+
+    def _without(self) -> str:
+        """What the verdict without a remedy means when none works."""
+        if self.verdict == "rounding":
+            return ("Without a remedy the verdict is rounding: the runs differ by floating "
+                    "point, not by a bug; compare them within a tolerance "
+                    "(divtrace.testing.assert_batch_invariant), or try a remedy of your own "
+                    "(candidates=[...]).")
+        return (f"Without a remedy the verdict is {self.verdict}: the comparison's summary "
+                f"says why.")
 
     def __repr__(self) -> str:
         best = self.best
@@ -236,4 +248,4 @@ class Remedies:
             "comparisons": [[name, saved.comparison_fields(c)]
                             for name, c in self.comparisons.items()],
             "before": saved.plain(self.before), "names": list(self.names),
-            "reason": self.reason, "needed": self.needed})
+            "reason": self.reason, "needed": self.needed, "verdict": self.verdict})

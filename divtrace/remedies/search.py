@@ -251,7 +251,8 @@ def find(result: Comparison, plan: Plan, model: nn.Module, given: Any = None,
             for column, value in zip(("cost", "a_cost", "output_change"), measured,
                                      strict=True):
                 rows[index][column] = value
-    return Remedies(_table(rows), tuple(chosen), comparisons, before, base.meta.names)
+    return Remedies(_table(rows), tuple(chosen), comparisons, before, base.meta.names,
+                    verdict=base.verdict)
 
 
 def _table(rows: Sequence[dict[str, Any]]) -> pd.DataFrame:
