@@ -388,3 +388,21 @@ def test_a_model_compared_in_train_mode_gets_no_remedy() -> None:
     assert remedies.best is None
     assert remedies.table.empty
     assert "train mode" in remedies.summary()
+
+
+def test_a_fixed_batch_keeps_op_sites_aligned() -> None:
+    class CatAtRoot(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = models.OrderedLinear(16, 8, variant_from=2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([self.lin(x), x[:, :4]], 1) * 2
+
+    model = CatAtRoot().eval()
+    result = divtrace.compare(model, torch.randn(8, 16), ops=True, progress=False)
+    remedies = result.remedies(["fixed-batch"], repeats=1, progress=False)
+    table = remedies.comparisons["fixed batch of 8"].table
+    assert (table["status"] == "ok").all()  # the padding is no op site of the model's
+    assert list(table["site"]) == list(result.table["site"])
+    assert bool(remedies.table.iloc[0]["identical"])

@@ -49,14 +49,17 @@ class InputCopies:
 
 def forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             tracker: Tracker, label: Callable[[], str], inputs: list[torch.Tensor],
-            rows: int = 0, driver: Driver | None = None) -> Any:
+            rows: int = 0, driver: Driver | None = None, padded: int | None = None) -> Any:
     """One forward pass over ``rows`` rows of the batch; an exception keeps its type and
     gains a note naming the pass (``label()``, made only then) and the last site it
     reached. ``inputs``: the tensors among the arguments (the model's own input, for the
-    lineage)."""
+    lineage). ``padded``: the rows the model's own hooks pad the pass to (its tensors
+    have that many rows; its input has ``rows``)."""
     tracker.reset(rows)
     for tensor in inputs:
         tracker.produced(INPUT, tensor)
+    if padded is not None:
+        tracker.rows = padded
     try:
         if driver is not None:
             return driver.run(model, args, kwargs, tracker)
@@ -108,9 +111,10 @@ def drive(model: nn.Module, recorder: Recorder, sink: Sink, batch: BatchedInput,
                 tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
                 seen = copies.seen(tensors)
                 sink.begin_chunk(start, stop, tracker)
+                rows = sink.pass_rows(start, stop)
                 output = forward(model, *batch.build(leaves), tracker,
-                                 partial(label, start, stop), tensors,
-                                 sink.pass_rows(start, stop), driver)
+                                 partial(label, start, stop), tensors, stop - start, driver,
+                                 None if rows == stop - start else rows)
                 copies.after(tensors, seen)
                 done = sink.end_chunk()
             kind = _kind(output)

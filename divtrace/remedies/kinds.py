@@ -12,7 +12,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from divtrace.align.sites import ROOT
-from divtrace.compat import pytree
+from divtrace.compat import modes_off, pytree
 from divtrace.errors import DivtraceValueError
 from divtrace.plan.precision import set_tf32
 from divtrace.remedies.remedy import Remedy, Scoped, Situation, targets
@@ -218,15 +218,17 @@ class FixedBatch(Remedy):
                 raise DivtraceValueError(
                     f"FixedBatch(size={size}) got a call of {rows} rows; split such calls "
                     f"into batches of at most {size} rows")
-            return pytree.tree_unflatten([pad(t, rows) for t in leaves], spec)
+            with modes_off():  # the padding is the remedy's work, not the model's ops
+                return pytree.tree_unflatten([pad(t, rows) for t in leaves], spec)
 
         def post(_mod: nn.Module, _args: Any, _kwargs: Any, output: Any) -> Any:
             rows = counts.pop() if counts else None
             if rows is None or rows == size or output is None:
                 return None
-            return pytree.tree_map_only(
-                torch.Tensor, lambda t: t.narrow(dim, 0, rows)
-                if t.dim() and t.shape[dim] == size else t, output)
+            with modes_off():
+                return pytree.tree_map_only(
+                    torch.Tensor, lambda t: t.narrow(dim, 0, rows)
+                    if t.dim() and t.shape[dim] == size else t, output)
 
         for handle in (model.register_forward_pre_hook(pre, prepend=True, with_kwargs=True),
                        model.register_forward_hook(post, prepend=True, with_kwargs=True,
