@@ -261,6 +261,11 @@ def test_a_scoped_remedy_is_widened_to_the_sources_of_its_own_run() -> None:
     assert bool(row["identical"])
     assert row["note"].startswith("widened 1× to the sources of its own run")
     assert _plain_loop(model, x, remedies.best)
+    local = divtrace.compare(model, x, explain=["local"], progress=False)
+    assert list(local.table.loc[local.table["adds_error"] == True, "site"]) == ["0", "2"]  # noqa: E712
+    row = local.remedies(["float64"], repeats=1, progress=False).table.iloc[0]
+    assert row["remedy"] == "float64 in 0, 2"  # where error enters, from the start
+    assert not row["note"].startswith("widened")
 
 
 def test_cudnn_off_holds_inside_its_modules_only() -> None:
@@ -406,3 +411,18 @@ def test_a_fixed_batch_keeps_op_sites_aligned() -> None:
     assert (table["status"] == "ok").all()  # the padding is no op site of the model's
     assert list(table["site"]) == list(result.table["site"])
     assert bool(remedies.table.iloc[0]["identical"])
+
+
+def test_a_fixed_batch_pads_both_runs_when_both_are_chunked() -> None:
+    model, x = models.variant_mlp(), torch.randn(8, 16)
+    result = divtrace.compare(model, x, a=divtrace.Run(chunk=1), b=divtrace.Run(chunk=4),
+                              progress=False)
+    assert result.verdict != "identical"
+    remedies = result.remedies(["fixed-batch"], repeats=1, progress=False)
+    row = remedies.table.iloc[0]
+    assert row["note"] == "a call of 1 row is computed as a batch of 8"
+    assert bool(row["identical"])
+    with torch.no_grad(), remedies.best.applied(model):
+        fours = torch.cat([model(x[i:i + 4]) for i in (0, 4)])
+        ones = torch.cat([model(x[i:i + 1]) for i in range(8)])
+    assert torch.equal(fours, ones)

@@ -114,8 +114,7 @@ class Float64(Scoped):
     what = "float64"
 
     def caveat(self, situation: Situation) -> str:
-        return ("float64 maths rounds too, then back to the model's dtype; on most GPUs "
-                "float64 is many times slower")
+        return "its results are rounded once more, to the dtype of the module's input"
 
     def own(self, module: str, op: str) -> bool:
         scope = self.modules or (ROOT,)
@@ -183,8 +182,8 @@ class FixedBatch(Remedy):
 
     def caveat(self, situation: Situation) -> str:
         chunk = situation.a_chunk or situation.batch_size
-        return (f"a call of {chunk} row{'s' if chunk > 1 else ''} costs as much as one of "
-                f"{self.size}")
+        return (f"a call of {chunk} row{'s' if chunk > 1 else ''} is computed as a batch "
+                f"of {self.size}")
 
     def to_dict(self) -> dict[str, Any]:
         return {**super().to_dict(), "size": self.size, "batch_dim": self.batch_dim}

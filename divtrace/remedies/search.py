@@ -72,8 +72,9 @@ def situation(plan: Plan, model: nn.Module) -> Situation:
     attention = tuple(name or ROOT for name, module in model.named_modules()
                       if isinstance(module, nn.MultiheadAttention)
                       or "attention" in type(module).__name__.lower())
+    batch_only = replace(plan.a, chunk=None) == replace(plan.b, chunk=None)
     return Situation(plan.batch.batch_size, plan.batch.batch_dim, on_cuda,
-                     isinstance(plan.batch, RaggedInput), plan.a.chunk, plan.default_pair,
+                     isinstance(plan.batch, RaggedInput), plan.a.chunk, batch_only,
                      reduced, attention)
 
 
