@@ -65,23 +65,53 @@ def _target(spec: str) -> tuple[torch.nn.Module, Any]:
     return made[0], made[1]
 
 
+#: How ``--dtype`` may name the floating dtypes (torch's names, and the usual short ones).
+DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+          "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float64": torch.float64, "double": torch.float64, "fp64": torch.float64}
+
+
+def _device(name: str) -> torch.device:
+    """``--device``, checked: a malformed name, or a device this machine does not have,
+    is a usage error."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise UsageError(f"--device {name!r} is not a device name (cpu, cuda, cuda:1, "
+                         f"mps, ...): {exc}") from exc
+    if device.type == "cuda" and (not torch.cuda.is_available() or (
+            device.index is not None and device.index >= torch.cuda.device_count())):
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise UsageError(f"--device {name}: this machine has {found} CUDA device"
+                         f"{'' if found == 1 else 's'} (torch.cuda.is_available() is "
+                         f"{torch.cuda.is_available()}); leave --device out to run where "
+                         f"the target put the model")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UsageError(f"--device {name}: MPS is not available on this machine")
+    return device
+
+
 def _placed(model: torch.nn.Module, x: Any, device: str | None, dtype: str | None
             ) -> tuple[torch.nn.Module, Any]:
     """The model and input moved to ``device`` and floating tensors cast to ``dtype``."""
     if device is None and dtype is None:
         return model, x
-    cast = getattr(torch, dtype) if dtype else None
-    if dtype and not isinstance(cast, torch.dtype):
-        raise UsageError(f"--dtype must name a torch dtype (float32, bfloat16, ...); "
-                         f"got {dtype!r}")
+    cast = None
+    if dtype is not None:
+        cast = DTYPES.get(dtype.removeprefix("torch."))
+        if cast is None:
+            raise UsageError(f"--dtype must name a floating dtype ({', '.join(DTYPES)}); "
+                             f"got {dtype!r}")
+    where = _device(device) if device is not None else None
 
     def move(value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
-        value = value.to(device) if device else value
+        value = value.to(where) if where is not None else value
         return value.to(cast) if cast is not None and value.is_floating_point() else value
 
-    model = model.to(device) if device else model
+    model = model.to(where) if where is not None else model
     model = model.to(cast) if cast is not None else model
     return model, pytree.tree_map(move, x)
 
@@ -197,9 +227,13 @@ def _diff(args: argparse.Namespace) -> int:
     print(found.summary())
     changed = found.changed
     if not changed.empty:
+        shown = changed if args.all else changed.head(20)
         print()
-        print(readable(changed[["site", "status_a", "status_b", "rel_l2_a", "rel_l2_b",
-                                "change"]].head(20)).to_string(index=False))
+        print(readable(shown[["site", "status_a", "status_b", "rel_l2_a", "rel_l2_b",
+                              "change"]]).to_string(index=False))
+        if len(shown) < len(changed):
+            print(f"({len(shown)} of the {len(changed)} changed sites shown; --all shows "
+                  f"every one)")
     return 1 if args.fail_on_change and not changed.empty else 0
 
 
@@ -269,6 +303,8 @@ def parser() -> argparse.ArgumentParser:
     differ.add_argument("b", metavar="B")
     differ.add_argument("--fail-on-change", action="store_true",
                         help="exit 1 when any site changed")
+    differ.add_argument("--all", action="store_true",
+                        help="list every changed site (default: the first 20)")
     differ.set_defaults(handle=_diff)
 
     env = commands.add_parser("env", help="the environment block: versions and devices")

@@ -9,20 +9,25 @@ from torch import nn
 
 from divtrace.explain.registry import Explain
 from divtrace.pipeline import execute
+from divtrace.plan.checks import unexpected
 from divtrace.plan.make import make_plan
 from divtrace.plan.runs import Resources, Run
 from divtrace.plan.selection import ModuleSpec
 from divtrace.remedies.search import Again
 from divtrace.report.comparison import Comparison
 
-__all__ = ["compare"]
+__all__ = ["KEYWORDS", "compare"]
+
+#: ``compare()``'s keyword arguments.
+KEYWORDS = ("samples", "batch_dim", "modules", "ops", "explain", "rtol", "atol",
+            "allow_train", "a", "b", "resources", "progress")
 
 
 def compare(
     model: nn.Module,
     x: Any,
     *,
-    samples: Iterable[int] | int | None = None,
+    samples: Iterable[int] | None = None,
     batch_dim: int = 0,
     modules: ModuleSpec = None,
     ops: bool | str = False,
@@ -34,6 +39,7 @@ def compare(
     b: Run | None = None,
     resources: Resources | None = None,
     progress: bool = True,
+    **misspelt: Any,
 ) -> Comparison:
     """Traces where two runs of ``model`` on ``x`` part, layer by layer: by default the
     split run (a: ``x`` one sample at a time) and the batched run (b: ``x`` whole).
@@ -86,6 +92,8 @@ def compare(
             :meth:`Comparison.pair`, ``offload`` run a's rows to CPU memory, ``graphs``:
             replay run a from a CUDA graph). None of it changes a figure.
         progress: Show a progress bar on stderr.
+        **misspelt: Nothing: a keyword compare() does not take is refused with the way to
+            give it (``chunk=2`` is ``a=divtrace.Run(chunk=2)``) or the closest name.
 
     Returns:
         A :class:`Comparison`, one row per site.
@@ -93,6 +101,8 @@ def compare(
     Raises:
         BatchMixingError: The model is in train mode with BatchNorm or Dropout.
         DivtraceValueError: Unusable ``x``, ``samples``, runs or probes.
+        DivtraceTypeError: A keyword that compare() does not take, or an argument of the
+            wrong type.
 
     Example:
         >>> import torch, divtrace
@@ -102,6 +112,8 @@ def compare(
         >>> list(result.table.site)
         ['0', '1', '(model)']
     """
+    if misspelt:
+        raise unexpected("compare", misspelt, KEYWORDS)
     plan = make_plan(
         model, x, samples=samples, batch_dim=batch_dim, modules=modules, ops=ops,
         explain=explain, rtol=rtol, atol=atol, allow_train=allow_train, a=a, b=b,

@@ -46,7 +46,7 @@ def compare_generate(
     eos_token_id: int | Sequence[int] | str | None = "model",
     padding_side: str = "left",
     chunk: int = 1,
-    samples: Iterable[int] | int | None = None,
+    samples: Iterable[int] | None = None,
     progress: bool = True,
     ops: bool | str = False,
     modules: ModuleSpec = None,

@@ -104,9 +104,9 @@ def test_samples_of_the_wrong_type() -> None:
         run(models.variant_mlp(), torch.randn(8, 16), samples=[0.5])
 
 
-def test_samples_as_range_tensor_or_int() -> None:
+def test_samples_as_range_tensor_or_list() -> None:
     x = torch.randn(8, 16)
-    for samples in (range(2, 4), torch.tensor([2, 3]), 3):
+    for samples in (range(2, 4), torch.tensor([2, 3]), [3]):
         result = run(models.variant_mlp(), x, samples=samples)
         assert set(result.per_sample["sample"]) <= {2, 3}
 

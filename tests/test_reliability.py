@@ -143,7 +143,12 @@ def test_numpy_integers_and_0d_tensors_work_where_ints_are_expected() -> None:
                  batch_dim=np.int32(0))
     assert result.meta.a_chunk == 2
     assert result.meta.samples == (1, 5)
-    assert run(models.variant_mlp(), x, samples=torch.tensor(3)).meta.samples == (3,)
+    assert run(models.variant_mlp(), x, samples=torch.tensor([3])).meta.samples == (3,)
+    for one in (3, np.int64(3), torch.tensor(3)):  # "row 3" or "the first 3"?
+        with pytest.raises(divtrace.DivtraceTypeError, match=r"samples=3 is one number; "
+                           r"samples takes the rows to compare: samples=\[3\] for row 3 "
+                           r"alone, samples=range\(3\) for the first 3 rows"):
+            run(models.variant_mlp(), x, samples=one)
     assert run(models.variant_mlp(), x, a=divtrace.Run(chunk=np.int64(4))).meta.a_chunk == 4
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
 
-__all__ = ["GraphMode", "check_graphs", "patterns", "tolerance", "whole_number"]
+__all__ = ["GraphMode", "check_graphs", "patterns", "tolerance", "unexpected", "whole_number"]
 
 
 def whole_number(value: Any, name: str, minimum: int | None = None) -> int:
@@ -66,3 +66,37 @@ def check_graphs(graphs: Any) -> GraphMode:
             f"used), True (always, or an error) or False (the eager split run); got "
             f"{graphs!r}")
     return graphs
+
+
+#: Keywords people reach for that ``compare()`` takes another way, and that way.
+_ELSEWHERE = {
+    "chunk": "a=divtrace.Run(chunk=...)", "chunks": "a=divtrace.Run(chunk=...)",
+    "chunk_size": "a=divtrace.Run(chunk=...)", "batch_size": "a=divtrace.Run(chunk=...)",
+    "reference": "a=divtrace.Run(...)", "device": "a=/b=divtrace.Run(device=...)",
+    "dtype": "a=/b=divtrace.Run(dtype=...)", "local": 'explain=["local"]',
+    "truth": 'explain=["fp64"]', "fp64": 'explain=["fp64"]',
+    "repeat": "explain=[divtrace.Repeat(n)]", "kernels": 'explain=["kernels"]',
+    "observer": 'explain=["observer"]', "independence": 'explain=["-independence"] (off)',
+    "replay_skip": "explain=[divtrace.Local(skip=[...])]",
+    "keep": "resources=divtrace.Resources(keep=True)",
+    "offload": "resources=divtrace.Resources(offload=True)",
+    "graphs": "resources=divtrace.Resources(graphs=...)",
+}
+
+
+def unexpected(function: str, given: Iterable[str], known: Iterable[str]) -> DivtraceTypeError:
+    """The error for keywords ``function`` does not take: each with the way it is given
+    there, or the closest known name."""
+    import difflib
+
+    names = list(known)
+    said = []
+    for name in given:
+        if name in _ELSEWHERE:
+            said.append(f"{name}= is given as {_ELSEWHERE[name]}")
+            continue
+        close = difflib.get_close_matches(name, names, n=1)
+        said.append(f"{name}= is not one" + (f" (did you mean {close[0]}=?)" if close else ""))
+    return DivtraceTypeError(
+        f"{function}() got unexpected keyword argument(s): {'; '.join(said)}. It takes "
+        f"{', '.join(names)}")

@@ -117,6 +117,23 @@ class BatchedInput:
         return self.rows(0, self.batch_size, copy)
 
 
+def _list_message(x: list[torch.Tensor]) -> str:
+    """What a list of tensors most likely is, and what to pass instead."""
+    shapes = [tuple(t.shape) for t in x]
+    if len(x) == 1:
+        return (f"x is a list of one tensor of shape {shapes[0]} (a DataLoader over a "
+                f"TensorDataset gives [batch]): pass the tensor itself, x[0]")
+    batched = all(t.dim() for t in x) and len({t.shape[0] for t in x}) == 1 and (
+        len(set(shapes)) > 1)  # one batch of several inputs; alike ones are samples
+    if batched:  # e.g. [inputs, labels] from a DataLoader
+        return (f"x is a list of {len(x)} tensors of shapes {shapes}, all with "
+                f"{x[0].shape[0]} rows (a DataLoader's [inputs, labels]?): pass the model's "
+                f"input, x[0], or all of them as positional arguments, tuple(x)")
+    return (f"x is a list of {len(x)} tensors of shapes {shapes}; if they are samples, "
+            f"stack them into one batch (torch.stack(x)); if they are the model's "
+            f"positional arguments, pass them as a tuple (tuple(x))")
+
+
 def _split_x(x: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if isinstance(x, torch.Tensor):
         return (x,), {}
@@ -131,10 +148,18 @@ def _split_x(x: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
             )
         return (), dict(x)
     if isinstance(x, list) and x and all(isinstance(v, torch.Tensor) for v in x):
+        raise DivtraceTypeError(_list_message(x))
+    if isinstance(x, torch.utils.data.Dataset):
         raise DivtraceTypeError(
-            f"x is a list of {len(x)} tensors; if they are samples, stack them into one "
-            f"batch (torch.stack(x)); if they are the model's positional arguments, pass "
-            f"them as a tuple (tuple(x))")
+            f"x is a {type(x).__name__}, a dataset; divtrace compares one batch: take one, "
+            f"e.g. next(iter(torch.utils.data.DataLoader(x, batch_size=32))) (for "
+            f"[inputs, labels], its inputs: [0])")
+    if isinstance(x, torch.utils.data.DataLoader) or (
+            hasattr(x, "__iter__") and hasattr(x, "batch_size")):
+        raise DivtraceTypeError(
+            f"x is a {type(x).__name__}; divtrace compares one batch: pass "
+            f"x=next(iter(loader)) (for a TensorDataset's [inputs, labels], pass the "
+            f"inputs only: next(iter(loader))[0])")
     raise DivtraceTypeError(
         f"x must be a tensor, a tuple of positional arguments or a dict of keyword "
         f"arguments; got {type(x).__name__}. Wrap a single non-tensor argument as (x,)"

@@ -243,7 +243,7 @@ def _check_input(modules: list[nn.Module], x: Any, batch: BatchedInput,
                 f"move it first: {name}.to('{device}')")
 
 
-def make_plan(model: nn.Module, x: Any, *, samples: Iterable[int] | int | None = None,
+def make_plan(model: nn.Module, x: Any, *, samples: Iterable[int] | None = None,
               batch_dim: BatchDim = 0, modules: ModuleSpec = None, ops: bool | str = False,
               explain: Any = None, rtol: float | None = None, atol: float | None = None,
               allow_train: bool = False, a: Run | None = None, b: Run | None = None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
@@ -16,13 +17,17 @@ def prepare_samples(samples: Any, batch_size: int) -> list[int]:
     """Validates ``samples`` and returns them as a sorted list of row indices."""
     if samples is None:
         return list(range(batch_size))
+    if getattr(samples, "ndim", None) == 0 or (
+            isinstance(samples, numbers.Integral) and not isinstance(samples, bool)):
+        one = int(samples.item() if hasattr(samples, "item") else samples)
+        raise DivtraceTypeError(  # "the first 3" or "row 3"? Both are common readings
+            f"samples={one} is one number; samples takes the rows to compare: "
+            f"samples=[{one}] for row {one} alone, samples=range({one}) for the first "
+            f"{one} rows (or None for all)")
     if isinstance(samples, torch.Tensor):
-        samples = samples.reshape(-1).tolist()  # a 0-d tensor is one sample
+        samples = samples.reshape(-1).tolist()
     elif isinstance(samples, range):
         samples = list(samples)
-    elif getattr(samples, "ndim", None) == 0 or (
-            not isinstance(samples, str | bytes) and not hasattr(samples, "__len__")):
-        samples = [samples]  # one index (an int, a NumPy integer or 0-d array, ...)
     if isinstance(samples, str | bytes | dict) or not hasattr(samples, "__iter__"):
         raise DivtraceTypeError(
             f"samples must be a list of row indices (or None for all rows); got "

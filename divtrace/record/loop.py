@@ -70,6 +70,16 @@ def forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
         raise
 
 
+def _cut_note(exc: Exception, batch: BatchedInput, rows: int) -> None:
+    """A pass over some rows that raised, with the inputs cut along another dimension than
+    the first: says so (a channel or token axis cut by mistake is a common cause)."""
+    if rows == batch.batch_size or batch.batch_dim == 0 or not hasattr(batch, "dims"):
+        return
+    exc.add_note(f"divtrace: the inputs were cut along batch_dim={batch.batch_dim} (B="
+                 f"{batch.batch_size} there) into passes of {rows}; if that is not the "
+                 f"batch dimension, pass the right one (batch_dim=0 for [B, C, H, W] images)")
+
+
 def _kind(output: Any) -> str | None:
     """The type of an output that holds no tensor (None when it holds one)."""
     if isinstance(output, torch.Tensor) or flatten_output(output):
@@ -112,9 +122,13 @@ def drive(model: nn.Module, recorder: Recorder, sink: Sink, batch: BatchedInput,
                 seen = copies.seen(tensors)
                 sink.begin_chunk(start, stop, tracker)
                 rows = sink.pass_rows(start, stop)
-                output = forward(model, *batch.build(leaves), tracker,
-                                 partial(label, start, stop), tensors, stop - start, driver,
-                                 None if rows == stop - start else rows)
+                try:
+                    output = forward(model, *batch.build(leaves), tracker,
+                                     partial(label, start, stop), tensors, stop - start,
+                                     driver, None if rows == stop - start else rows)
+                except Exception as exc:
+                    _cut_note(exc, batch, stop - start)
+                    raise
                 copies.after(tensors, seen)
                 done = sink.end_chunk()
             kind = _kind(output)

@@ -99,6 +99,9 @@ class Diff:
                  f"verdict {self.b.verdict}. {len(both)} sites in both, "
                  f"{int((self.table['change'] == 'only in a').sum())} only in a, "
                  f"{int((self.table['change'] == 'only in b').sum())} only in b."]
+        other = self._other_models()
+        if other:
+            lines.append(other)
         changed = self.changed
         if changed.empty:
             lines.append("No site changed its behaviour: the same statuses, the same "
@@ -112,6 +115,24 @@ class Diff:
             lines.append(f"At the output, rel_l2 {out_a['rel_l2']:.3g} (a) and "
                          f"{out_b['rel_l2']:.3g} (b).")
         return "\n".join(lines)
+
+    def _other_models(self) -> str:
+        """A warning when the two comparisons are not of one model ("" when they are):
+        sites of the same name hold other module types, or few sites are shared."""
+        a, b = self.a.table, self.b.table
+        types = a.drop_duplicates("site").set_index("site")["module_type"]
+        theirs = b.drop_duplicates("site").set_index("site")["module_type"]
+        shared = types.index.intersection(theirs.index)
+        retyped = [s for s in shared if types[s] != theirs[s]]
+        alone = len(types.index.union(theirs.index)) - len(shared)
+        if not retyped and alone <= len(shared):
+            return ""
+        said = f"{len(retyped)} shared site(s) hold another module type (first: "\
+            f"'{retyped[0]}', {types[retyped[0]]} in a, {theirs[retyped[0]]} in b)" \
+            if retyped else f"only {len(shared)} of {len(shared) + alone} sites are shared"
+        return (f"These look like comparisons of two different models: {said}. A diff "
+                f"compares one model before and after a change; the sites are matched by "
+                f"name only.")
 
     def plot(self, ax: Axes | None = None) -> Axes:
         """rel_l2 of both comparisons by depth (leaf sites), bit-identical sites on a lane."""

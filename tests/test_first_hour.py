@@ -1,0 +1,127 @@
+"""A new user's first hour: common mistakes get the right fix, the command line keeps up
+with compare()."""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import divtrace
+from divtrace.cli import main, parser
+from divtrace.compare import KEYWORDS
+from tests import models
+
+
+def _compare(x: object, **options: object) -> divtrace.Comparison:
+    return divtrace.compare(torch.nn.Linear(4, 2).eval(), x, progress=False, **options)
+
+
+def test_a_batch_from_a_tensor_dataset_is_a_list_of_one() -> None:
+    batch = next(iter(DataLoader(TensorDataset(torch.randn(16, 4)), batch_size=8)))
+    with pytest.raises(divtrace.DivtraceTypeError, match=r"x is a list of one tensor of "
+                       r"shape \(8, 4\) .*: pass the tensor itself, x\[0\]"):
+        _compare(batch)
+
+
+def test_inputs_and_labels_from_a_loader() -> None:
+    data = TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
+    batch = next(iter(DataLoader(data, batch_size=8)))
+    with pytest.raises(divtrace.DivtraceTypeError, match=r"all with 8 rows \(a DataLoader's "
+                       r"\[inputs, labels\]\?\): pass the model's input, x\[0\]"):
+        _compare(batch)
+    with pytest.raises(divtrace.DivtraceTypeError, match=r"x is a DataLoader; divtrace "
+                       r"compares one batch: pass x=next\(iter\(loader\)\)"):
+        _compare(DataLoader(data, batch_size=8))
+    with pytest.raises(divtrace.DivtraceTypeError, match=r"x is a TensorDataset, a dataset"):
+        _compare(data)
+    with pytest.raises(divtrace.DivtraceTypeError, match=r"stack them into one batch"):
+        _compare([torch.randn(4), torch.randn(4)])  # samples alike: a batch to stack
+
+
+def test_a_cut_along_the_wrong_dimension_is_named() -> None:
+    with pytest.raises(RuntimeError, match="channels") as found:
+        divtrace.compare(torch.nn.Conv2d(3, 4, 3).eval(), torch.randn(8, 3, 16, 16),
+                         batch_dim=1, progress=False)
+    assert any("the inputs were cut along batch_dim=1 (B=3 there)" in note and
+               "batch_dim=0 for [B, C, H, W] images" in note for note in found.value.__notes__)
+
+
+def test_a_misspelt_keyword_gets_the_way_to_give_it() -> None:
+    with pytest.raises(divtrace.DivtraceTypeError, match=r"chunks= is given as "
+                       r"a=divtrace.Run\(chunk=...\); sample= is not one \(did you mean "
+                       r"samples=\?\)\. It takes samples, batch_dim"):
+        _compare(torch.randn(3, 4), chunks=2, sample=[1])
+    with pytest.raises(TypeError, match=r"keep= is given as resources=divtrace.Resources"):
+        _compare(torch.randn(3, 4), keep=True)
+    signature = inspect.signature(divtrace.compare)
+    named = [p.name for p in signature.parameters.values() if p.kind is p.KEYWORD_ONLY]
+    assert tuple(named) == KEYWORDS
+
+
+def test_the_command_line_has_each_of_compares_options() -> None:
+    run = parser()._subparsers._group_actions[0].choices["compare"]  # type: ignore[union-attr]
+    flags = {flag for action in run._actions for flag in action.option_strings}
+    ways = {"samples": "--samples", "batch_dim": "--batch-dim", "modules": "--modules",
+            "ops": "--ops", "explain": "--explain", "rtol": "--rtol", "atol": "--atol",
+            "allow_train": "--allow-train", "a": "--a", "b": "--b",
+            "resources": "--offload", "progress": "--no-progress"}
+    assert set(ways) == set(KEYWORDS)
+    assert set(ways.values()) <= flags
+    assert {"--graphs", "--remedies", "--device", "--dtype"} <= flags
+
+
+@pytest.fixture
+def target(tmp_path: Path) -> str:
+    (tmp_path / "target.py").write_text(textwrap.dedent("""
+        import torch
+        from tests import models
+        def build():
+            torch.manual_seed(0)
+            return models.variant_mlp(), torch.randn(6, 16)
+        def other():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(16, 4)).eval(), \\
+                torch.randn(6, 16)
+    """))
+    return str(tmp_path / "target.py")
+
+
+def test_usage_errors_exit_2_with_the_fix(target: str, capsys: pytest.CaptureFixture[str]
+                                          ) -> None:
+    assert main(["compare", f"{target}:build", "--dtype", "fp17", "--no-progress"]) == 2
+    assert "--dtype must name a floating dtype (float32, float, fp32, float16" in (
+        capsys.readouterr().err)
+    assert main(["compare", f"{target}:build", "--device", "nowhere", "--no-progress"]) == 2
+    assert "is not a device name" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["compare", f"{target}:build", "--device", "cuda", "--no-progress"]) == 2
+        assert "this machine has 0 CUDA devices" in capsys.readouterr().err
+    assert main(["compare", f"{target}:build", "--dtype", "fp64", "--no-progress"]) == 0
+    assert capsys.readouterr().out.startswith("Verdict: ")
+
+
+def test_diff_says_what_it_left_out_and_when_models_differ(
+        target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    x = torch.randn(8, 16)
+    wide = torch.nn.Sequential(*[models.OrderedLinear(16, 16, variant_from=2)
+                                 for _ in range(24)]).eval()
+    a = divtrace.compare(wide, x, progress=False).save(tmp_path / "a.json")
+    narrow = torch.nn.Sequential(*[models.OrderedLinear(16, 16) for _ in range(24)]).eval()
+    b = divtrace.compare(narrow, x, progress=False).save(tmp_path / "b.json")
+    assert main(["diff", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "(20 of the 25 changed sites shown; --all shows every one)" in out
+    assert "two different models" not in out  # the same layers, other settings
+    assert main(["diff", str(a), str(b), "--all"]) == 0
+    assert "changed sites shown" not in capsys.readouterr().out
+    main(["compare", f"{target}:other", "--json", str(tmp_path / "c.json"), "--no-progress"])
+    capsys.readouterr()
+    main(["diff", str(a), str(tmp_path / "c.json")])
+    assert ("These look like comparisons of two different models: 2 shared site(s) hold "
+            "another module type (first: '0', OrderedLinear in a, Tanh in b)") in (
+        capsys.readouterr().out)
