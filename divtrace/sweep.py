@@ -20,6 +20,7 @@ from divtrace.plan.inputs import prepare_input
 from divtrace.plan.runs import Run
 from divtrace.report import saved
 from divtrace.report.comparison import Comparison
+from divtrace.words import sci
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -64,6 +65,40 @@ class Sweep:
     table: pd.DataFrame
     comparisons: dict[str, Comparison]
 
+    def summary(self) -> str:
+        """A line per setting: its verdict, where its runs first part, the output's rel_l2;
+        and, for reduced precision, what bit-identical runs do not say."""
+        same = [str(n) for n in self.table.loc[self.table["verdict"] == "identical",
+                                               "setting"]]
+        lines = [f"{len(self.table)} setting(s); bit-identical at every compared site under "
+                 f"{len(same)}" + (f": {'; '.join(same)}." if same else ".")]
+        for row in self.table.itertuples():
+            if row.verdict == "identical":
+                continue
+            where = "" if row.first_divergence is None else (
+                f", first at '{row.first_divergence}'")
+            lines.append(f"{row.setting}: {row.verdict}{where}; output rel_l2 "
+                         f"{sci(row.output_rel_l2)}.")
+        coarse = [name for name, c in self.comparisons.items() if _coarse(c)]
+        if coarse:
+            lines.append(
+                f"{'; '.join(coarse)}: both runs compute in reduced precision (bfloat16, "
+                f"float16, TF32 or matmul_precision below 'highest'), so runs that agree say "
+                f"nothing of their error against float32; compare them with a float32 run "
+                f"(a=divtrace.Run()) to see it.")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        same = int((self.table["verdict"] == "identical").sum())
+        return f"<divtrace.Sweep: {len(self.table)} settings, {same} bit-identical>"
+
+    def _repr_html_(self) -> str:
+        from divtrace.report.html import escape
+        from divtrace.words import readable
+
+        words = "".join(f"<p>{escape(line)}</p>" for line in self.summary().splitlines())
+        return f"<div>{words}{readable(self.table).to_html(index=False)}</div>"
+
     def save(self, path: str | Path) -> Path:
         """Writes the sweep and each comparison as versioned JSON (see
         :func:`divtrace.load`)."""
@@ -77,6 +112,18 @@ class Sweep:
         from divtrace.report.plot import plot_sweep
 
         return plot_sweep(self, ax=ax, metric=metric)
+
+
+def _coarse(result: Comparison) -> bool:
+    """Whether both runs of a comparison computed in reduced precision."""
+    settings = result.meta.settings
+
+    def reduced(run: Mapping[str, Any]) -> bool:
+        flags = run.get("flags", run)
+        return (str(run.get("dtype", "")).endswith(("bfloat16", "float16"))
+                or bool(flags.get("tf32_matmul")) or bool(flags.get("bf16_matmul_cpu"))
+                or flags.get("matmul_precision") in ("high", "medium"))
+    return bool(settings) and all(reduced(settings[k]) for k in ("a", "b") if k in settings)
 
 
 def sweep(model: nn.Module, x: Any, settings: Mapping[str, Any] | Sequence[Run], *,

@@ -125,3 +125,38 @@ def test_diff_says_what_it_left_out_and_when_models_differ(
     assert ("These look like comparisons of two different models: 2 shared site(s) hold "
             "another module type (first: '0', OrderedLinear in a, Tanh in b)") in (
         capsys.readouterr().out)
+
+
+def test_the_sites_view_reads_as_figures_not_zeros() -> None:
+    torch.manual_seed(0)
+    result = divtrace.compare(models.variant_mlp(), torch.randn(8, 16), explain=["local"],
+                              progress=False)
+    view = result.sites
+    assert list(view.columns[:8]) == ["site", "module_type", "status", "role", "mismatch",
+                                      "rel_l2", "max_abs", "growth"]
+    assert "local_rel_l2" in view.columns
+    assert "depends_on_others" in view.columns
+    assert "module" not in view.columns
+    assert "scope" not in view.columns
+    diverged = result.table["mismatch"] > 0
+    for text, value in zip(view.loc[diverged, "rel_l2"], result.table.loc[diverged, "rel_l2"],
+                           strict=True):
+        assert text == f"{value:.2e}"  # never 0.000000
+    assert all(t.endswith("%") and t != "0%" for t in view.loc[diverged, "mismatch"])
+    assert len(result.table.columns) > len(view.columns)
+
+
+def test_a_sweep_says_what_it_found() -> None:
+    torch.manual_seed(0)
+    found = divtrace.sweep(models.variant_mlp(), torch.randn(8, 16),
+                           {"dtype": [torch.float32, torch.bfloat16, torch.float64]},
+                           progress=False)
+    assert repr(found) == (f"<divtrace.Sweep: 3 settings, "
+                           f"{int((found.table['verdict'] == 'identical').sum())} bit-identical>")
+    lines = found.summary().splitlines()
+    assert lines[0].startswith("3 setting(s); bit-identical at every compared site under ")
+    parted = found.table[found.table["verdict"] != "identical"]
+    for row in parted.itertuples():
+        assert any(line.startswith(f"{row.setting}: {row.verdict}") for line in lines)
+    assert lines[-1].startswith("dtype=bfloat16: both runs compute in reduced precision")
+    assert "<table" in found._repr_html_()

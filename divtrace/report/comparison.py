@@ -16,7 +16,7 @@ from divtrace.measure.stats import tolerances
 from divtrace.report import files, html, text
 from divtrace.report.meta import Meta
 from divtrace.report.verdict import judge
-from divtrace.words import shown
+from divtrace.words import readable, shown
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -83,6 +83,18 @@ class Comparison:
     @property
     def table(self) -> pd.DataFrame:
         return self._table.copy()
+
+    @property
+    def sites(self) -> pd.DataFrame:
+        """The table as a person reads it: the columns that answer the question (site,
+        module type, status, role, mismatch, rel_l2, max_abs, growth, and those the probes
+        show), fractions as percentages and error figures in scientific notation (as
+        text: a non-zero figure never reads 0). :attr:`table` has every column, as
+        numbers."""
+        table = self._table
+        shown = [*html.COMPACT, *(c for p in self._probes for c in p.shown if c in table)]
+        view = readable(table[shown]).astype(object)
+        return view.where(view.notna(), "")
 
     @property
     def per_sample(self) -> pd.DataFrame:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from divtrace.explain.probe import Probe
     from divtrace.report.comparison import Comparison
 
-__all__ = ["compact", "escape", "fragment", "page", "png", "styled"]
+__all__ = ["COMPACT", "compact", "escape", "fragment", "page", "png", "styled"]
 
 escape = html.escape
 
@@ -45,7 +45,7 @@ CSS = """
 .divtrace summary{cursor:pointer;color:#27a}
 """
 #: The columns of the compact table (the explain options add the ones they show).
-_COMPACT = ("site", "module_type", "status", "role", "mismatch", "rel_l2", "max_abs",
+COMPACT = ("site", "module_type", "status", "role", "mismatch", "rel_l2", "max_abs",
             "growth")
 _FOLD = 3  # runs of at least this many bit-identical sites become one row
 
@@ -110,7 +110,7 @@ def _tables(result: Comparison, probes: Sequence[type[Probe]]) -> str:
     table = result.table
     first = result.first_divergence
     at = None if first is None else int(first.name)
-    shown = [*_COMPACT, *(c for probe in probes for c in probe.shown if c in table)]
+    shown = [*COMPACT, *(c for probe in probes for c in probe.shown if c in table)]
     folded, kinds = compact(table, at, shown)
     every = [_kind(row, at) for _, row in table.iterrows()]
     return (f"{styled(folded, kinds)}<details><summary>All {len(table)} sites, every "
