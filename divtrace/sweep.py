@@ -109,7 +109,7 @@ class Sweep:
 
     def plot(self, ax: Axes | None = None, metric: str = "output_rel_l2") -> Axes:
         """One bar per setting; bit-identical settings are drawn on a grey floor."""
-        from divtrace.report.plot import plot_sweep
+        from divtrace.report.plot_sweeps import plot_sweep
 
         return plot_sweep(self, ax=ax, metric=metric)
 
@@ -217,7 +217,7 @@ class BatchSweep:
 
     def plot(self, ax: Axes | None = None, metric: str = "rel_l2") -> Axes:
         """A site × batch-size heatmap of log10(``metric``); grey where bit-identical."""
-        from divtrace.report.plot import plot_batch_sweep
+        from divtrace.report.plot_sweeps import plot_batch_sweep
 
         return plot_batch_sweep(self, ax=ax, metric=metric)
 

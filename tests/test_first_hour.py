@@ -160,3 +160,28 @@ def test_a_sweep_says_what_it_found() -> None:
         assert any(line.startswith(f"{row.setting}: {row.verdict}") for line in lines)
     assert lines[-1].startswith("dtype=bfloat16: both runs compute in reduced precision")
     assert "<table" in found._repr_html_()
+
+
+def test_the_snowball_says_what_it_shows_and_keeps_each_types_colour() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    first = divtrace.compare(models.variant_mlp(), x, progress=False)
+    ax = first.plot()
+    assert ax.get_title() == ("Sequential: rel_l2 by depth — batch of 8 vs passes of 1; "
+                              f"verdict: {first.verdict}")
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert "rounding budget (6.2e-05)" in labels
+    assert "float32 unit roundoff (6e-08)" in labels
+
+    def colours(axes: object) -> dict[str, tuple[float, ...]]:
+        return {c.get_label(): tuple(c.get_facecolor()[0]) for c in axes.collections  # type: ignore[attr-defined]
+                if c.get_label() and not c.get_label().startswith("_")
+                and len(c.get_facecolor())}
+
+    other = torch.nn.Sequential(torch.nn.Tanh(), models.OrderedLinear(16, 16, variant_from=2),
+                                torch.nn.Hardtanh()).eval()
+    second = colours(divtrace.compare(other, x, progress=False).plot())
+    assert colours(ax)["OrderedLinear"] == second["OrderedLinear"]

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from divtrace.report.plot import log_heatmap
+from divtrace.report.canvas import log_heatmap
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
