@@ -185,3 +185,16 @@ def test_the_snowball_says_what_it_shows_and_keeps_each_types_colour() -> None:
                                 torch.nn.Hardtanh()).eval()
     second = colours(divtrace.compare(other, x, progress=False).plot())
     assert colours(ax)["OrderedLinear"] == second["OrderedLinear"]
+
+
+def test_the_report_names_the_runs_and_the_flags_that_apply(tmp_path: Path) -> None:
+    result = divtrace.compare(models.variant_mlp(), torch.randn(6, 16), progress=False)
+    page = result.to_html(tmp_path / "report.html").read_text()
+    assert "a: split run (chunk=1)" in page
+    assert "b: batched run (as is)" in page
+    runs = page[page.index("<h2>Runs</h2>"):page.index("<h2>Environment</h2>")]
+    assert "cudnn=" not in runs  # a CPU run: no cuDNN flags
+    assert "matmul_precision=" in runs
+    if not torch.cuda.is_available():
+        assert "what torch was built with; no GPU on this machine" in page
+    assert "the dtype&#x27;s default" in page or "the dtype's default" in page

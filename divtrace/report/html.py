@@ -162,9 +162,51 @@ def _figures(result: Comparison) -> str:
     return "".join(images)
 
 
+def _said(value: Any) -> str:
+    """A setting as a person reads it: lists joined, mappings as ``key=value``."""
+    if value is None or value == {} or value == []:
+        return "–"
+    if isinstance(value, dict):
+        return "; ".join(k if v in (None, {}, []) else f"{k}={_said(v)}"
+                         for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return ", ".join(_said(v) for v in value)
+    return str(value)
+
+
 def _pairs(title: str, values: dict[str, Any]) -> str:
-    frame = pd.DataFrame({"setting": list(values), "value": [str(v) for v in values.values()]})
+    frame = pd.DataFrame({"setting": list(values), "value": [_said(v) for v in values.values()]})
     return f"<h2>{escape(title)}</h2>{styled(frame, ['plain'] * len(frame))}"
+
+
+#: Flags that matter on a CUDA device only.
+_CUDA_ONLY = ("cudnn", "deterministic", "benchmark", "tf32_matmul", "tf32_cudnn")
+
+
+def _runs(meta: dict[str, Any]) -> dict[str, str]:
+    """Each run: which it is (batched, split), its settings, the flags that apply where it
+    ran, and how its passes ran."""
+    rows = {}
+    for which, name in zip(("a", "b"), meta["names"], strict=True):
+        run = meta["settings"].get(which, {})
+        on_cpu = str(run.get("device", "")).startswith("cpu")
+        flags = [f"{k}={v}" for k, v in run.items()
+                 if k != "label" and not (on_cpu and k in _CUDA_ONLY)]
+        if which in meta["graphed"]:
+            flags.append(_graph_words(meta["graphed"][which]))
+        rows[f"{which}: {name} ({run.get('label')})"] = ", ".join(flags)
+    return rows
+
+
+def _environment(env: dict[str, Any]) -> dict[str, Any]:
+    """The environment, saying which versions are those torch was built with (no GPU)."""
+    if env.get("gpus"):
+        return env
+    shown = {k: v for k, v in env.items() if k not in ("driver", "gpus")}
+    for key in ("cuda", "cudnn"):
+        if shown.get(key) is not None:
+            shown[key] = f"{shown[key]} (what torch was built with; no GPU on this machine)"
+    return shown
 
 
 def _graph_words(outcome: dict[str, Any]) -> str:
@@ -185,17 +227,16 @@ def page(result: Comparison, title: str, probes: Sequence[type[Probe]] = ()) -> 
     runs folded, every column below), the settings of each run and the environment."""
     meta = result.meta.to_dict()
     settings = {k: v for k, v in meta.items()
-                if k not in ("flips", "environment", "settings", "notes", "graphed")}
-    runs, graphed = meta["settings"], meta["graphed"]
-    run_rows = {f"{name} ({s.get('label')})": ", ".join(
-        [f"{k}={v}" for k, v in s.items() if k != "label"]
-        + ([_graph_words(graphed[name])] if name in graphed else []))
-        for name, s in runs.items()}
+                if k not in ("flips", "environment", "settings", "notes", "graphed", "names",
+                             "runs")}
+    for key in ("rtol", "atol"):
+        if settings.get(key) is None:
+            settings[key] = "the dtype's default (torch.testing.assert_close's)"
     return (
         f"<!DOCTYPE html><html><head><meta charset='utf-8'>"
         f"<meta name='viewport' content='width=device-width, initial-scale=1'>"
         f"<title>{escape(title)}</title><style>{CSS}</style></head><body>"
         f"<main class='divtrace'><h1>{escape(title)}</h1>{_words(result)}"
         f"{_figures(result)}<h2>Sites</h2>{_tables(result, probes)}"
-        f"{_pairs('Runs', run_rows)}{_pairs('Environment', meta['environment'])}"
+        f"{_pairs('Runs', _runs(meta))}{_pairs('Environment', _environment(meta['environment']))}"
         f"{_pairs('Settings', settings)}</main></body></html>")
