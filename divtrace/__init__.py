@@ -1,4 +1,4 @@
-"""divtrace: trace, layer by layer, where a batched and a split run of a model part.
+"""divtrace: trace, layer by layer, where a batched run and a split run of a model differ.
 
 Example:
     >>> import torch, divtrace

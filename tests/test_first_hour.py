@@ -198,3 +198,41 @@ def test_the_report_names_the_runs_and_the_flags_that_apply(tmp_path: Path) -> N
     if not torch.cuda.is_available():
         assert "what torch was built with; no GPU on this machine" in page
     assert "the dtype&#x27;s default" in page or "the dtype's default" in page
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_the_readmes_python_blocks_run_and_print_what_it_says() -> None:
+    import contextlib
+    import io
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    assert len(blocks) >= 3
+    namespace: dict[str, object] = {}
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        for block in blocks:
+            exec(compile(block, "README.md", "exec"), namespace)
+    shown = re.search(r"```text\n(.*?)```", readme, re.S)
+    assert shown is not None
+    first = shown.group(1).split("\n")[0]
+    assert printed.getvalue().startswith(first.split(" — ")[0])  # "Verdict: ..."
+
+
+def test_the_readme_is_short_and_its_links_lead_somewhere() -> None:
+    import re
+
+    for name in ("README.md", "docs/guide.md", "docs/verdict.md", "docs/gpu-results.md"):
+        text = (ROOT / name).read_text()
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
+            if not target.startswith("http"):
+                assert ((ROOT / name).parent / target).exists(), (name, target)
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) < 200
+    prose = [line for line in readme.splitlines() if not line.startswith(("|", "  ", "Verdict"))]
+    assert max(len(line) for line in prose) <= 100
+    assert "seed" not in readme.replace("manual_seed", "")

@@ -207,8 +207,8 @@ def test_the_command_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_the_readme_ci_example_runs_under_pytest(tmp_path: Path) -> None:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+def test_the_guides_ci_example_runs_under_pytest(tmp_path: Path) -> None:
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "guide.md").read_text()
     start = readme.index("# test_batch_invariance.py")
     example = readme[start:readme.index("```", start)]
     (tmp_path / "test_batch_invariance.py").write_text(example)
