@@ -248,7 +248,8 @@ def parser() -> argparse.ArgumentParser:
     """The command line's parser."""
     top = argparse.ArgumentParser(
         prog="divtrace",
-        description="Trace, layer by layer, where a batched run and a split run of a model start to differ.",
+        description=("Trace, layer by layer, where a batched run and a split run of a model "
+                     "start to differ."),
         epilog="Exit codes: 0 done; 1 a --fail-on condition met; 2 a usage error.")
     top.add_argument("--version", action="version", version=f"divtrace {__version__}")
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
