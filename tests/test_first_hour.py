@@ -236,3 +236,22 @@ def test_the_readme_is_short_and_its_links_lead_somewhere() -> None:
     prose = [line for line in readme.splitlines() if not line.startswith(("|", "  ", "Verdict"))]
     assert max(len(line) for line in prose) <= 100
     assert "seed" not in readme.replace("manual_seed", "")
+
+
+def test_the_command_line_prints_figures_that_never_read_zero(
+        target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    saved = tmp_path / "a.json"
+    assert main(["compare", f"{target}:build", "--json", str(saved), "--no-progress"]) == 0
+    for printed in (capsys.readouterr().out, (main(["show", str(saved)]),
+                                              capsys.readouterr().out)[1]):
+        lines = printed.splitlines()
+        header = next(i for i, line in enumerate(lines) if line.split()[:3] == [
+            "site", "module_type", "status"])
+        rows = [line.split() for line in lines[header + 1:] if line.strip()]
+        diverged = [row for row in rows if row[3] != "0%"]
+        assert diverged  # the variant layer and after
+        for row in diverged:
+            assert row[3].endswith("%")  # mismatch as a percentage
+            assert re.fullmatch(r"\d\.\d\de-\d\d", row[4])  # rel_l2 in scientific notation

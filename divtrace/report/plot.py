@@ -173,7 +173,7 @@ def plot_sources(result: Comparison, ax: Axes | None = None) -> Axes:
     log_axis(ax, np.concatenate([own, rows["rel_l2"].to_numpy(dtype=float)]), axis="x")
     ax.grid(axis="x", color="0.9", linewidth=0.8)
     ax.set_xlabel("rel_l2")
-    ax.set_title("divtrace: where error enters")
+    ax.set_title(_title(result, "where error enters"), fontsize=10)
     ax.legend(**LEGEND)
     return ax
 
@@ -192,7 +192,7 @@ def plot_samples(result: Comparison, ax: Axes | None = None, metric: str = "rel_
                   [str(s) for s in grid.index[::step]], fontsize=7)
     ax.set_xlabel("site (leaf, execution order)")
     ax.set_ylabel("sample")
-    ax.set_title(f"divtrace: {metric} per sample")
+    ax.set_title(_title(result, f"{metric} per sample"), fontsize=10)
     return ax
 
 
