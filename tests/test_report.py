@@ -183,8 +183,8 @@ def test_overlay(diverging, identical) -> None:
     try:
         assert divtrace.overlay([diverging, identical], ["mlp", "elementwise"], ax=ax) is ax
         labels = [t.get_text() for t in ax.get_legend().get_texts()]
-        assert "mlp (6 sites)" in labels
-        assert "elementwise (5 sites)" in labels
+        assert f"mlp (6 sites; {diverging.verdict})" in labels
+        assert "elementwise (5 sites; identical)" in labels
         assert len(ax.get_lines()) == 2
         rows = sorted({y for c in lane_of(ax).collections for _, y in c.get_offsets()})
         assert rows == [0, 1]  # each curve's identical sites in a row of the lane

@@ -229,7 +229,8 @@ def overlay(comparisons: Sequence[Comparison], labels: Sequence[str] | None = No
         depth, positive = np.arange(len(rows)), values > 0
         marker, noun = MARKERS[i % len(MARKERS)], "site" if len(rows) == 1 else "sites"
         line = ax.plot(depth[positive], values[positive], marker=marker, markersize=5,
-                       linewidth=1.2, label=f"{label} ({len(rows)} {noun})")[0]
+                       linewidth=1.2,
+                       label=f"{label} ({len(rows)} {noun}; {result.verdict})")[0]
         strip.scatter(depth[~positive], np.full(int((~positive).sum()), i), marker=marker,
                      s=22, color=line.get_color())
         drawn.append(values[positive])
@@ -241,7 +242,9 @@ def overlay(comparisons: Sequence[Comparison], labels: Sequence[str] | None = No
     strip.set_xlabel("depth (leaf sites in execution order)")
     names = {result.meta.names for result in comparisons}  # the same two runs in all?
     ax.set_ylabel(f"{metric} ({versus(names.pop() if len(names) == 1 else ('run a', 'run b'))})")
-    ax.set_title(f"divtrace: {metric} by depth")
+    ax.set_title(f"divtrace: {metric} by depth, {len(comparisons)} comparison"
+                 f"{'s' if len(comparisons) > 1 else ''} (each one's verdict in the legend)",
+                 fontsize=10)
     ax.legend(**LEGEND)
     return ax
 
