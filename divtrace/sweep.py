@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,7 +18,8 @@ from tqdm.auto import tqdm
 
 from divtrace.compare import compare
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
-from divtrace.plan.inputs import prepare_input
+from divtrace.plan.inputs import each_once, prepare_input
+from divtrace.plan.make import make_plan
 from divtrace.plan.runs import Run
 from divtrace.report import saved
 from divtrace.report.comparison import Comparison
@@ -58,7 +61,9 @@ class Sweep:
 
     Attributes:
         table: One row per setting: the output's divergence, the first divergent site,
-            the number of sources and the verdict.
+            the number of sources, the verdict, and ``cost``: the time of run b's bare
+            passes under the setting over that of the same passes of the model as is
+            (medians of 5 taken in turn, measured in the sweep).
         comparisons: The full :class:`~divtrace.Comparison` of each setting, by name.
     """
 
@@ -78,7 +83,8 @@ class Sweep:
             where = "" if row.first_divergence is None else (
                 f", first at '{row.first_divergence}'")
             lines.append(f"{row.setting}: {row.verdict}{where}; output rel_l2 "
-                         f"{sci(row.output_rel_l2)}.")
+                         f"{sci(row.output_rel_l2)}; its passes take {row.cost:.3g}× as "
+                         f"long as the model's as is.")
         coarse = [name for name, c in self.comparisons.items() if _coarse(c)]
         if coarse:
             lines.append(
@@ -124,6 +130,53 @@ def _coarse(result: Comparison) -> bool:
                 or bool(flags.get("tf32_matmul")) or bool(flags.get("bf16_matmul_cpu"))
                 or flags.get("matmul_precision") in ("high", "medium"))
     return bool(settings) and all(reduced(settings[k]) for k in ("a", "b") if k in settings)
+
+
+def _passes(model: nn.Module, x: Any, run: Run, batch_dim: Any = 0
+            ) -> Callable[[], float]:
+    """A timer of run ``run``'s bare passes on ``x``: each call returns one time."""
+    other = Run() if run == Run(chunk=1) else Run(chunk=1)  # any run a: only b is timed
+    plan = make_plan(model, x, a=other, b=run, batch_dim=batch_dim, progress=False)
+    mine = run.model(model)
+    chunks = plan.b_chunks or ((0, plan.batch.batch_size),)
+    passes = [plan.batch.build(each_once(plan.batch.row_leaves(start, stop, copy=True),
+                                         run.tensor)) for start, stop in chunks]
+    devices = {t.device for t in plan.batch.leaves if isinstance(t, torch.Tensor)}
+    if run.device is not None:
+        devices.add(torch.device(run.device))
+
+    def sync() -> None:
+        for device in devices:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+    loops = [1]  # the passes are repeated until a timing takes 20 ms or more
+
+    def once() -> float:
+        with run.flags(), torch.no_grad():
+            sync()
+            start = time.perf_counter()
+            for _ in range(loops[0]):
+                for args, kwargs in passes:
+                    mine(*args, **kwargs)
+            sync()
+            took = (time.perf_counter() - start) / loops[0]
+        loops[0] = max(loops[0], min(1000, math.ceil(0.02 / max(took, 1e-9))))
+        return took
+    return once
+
+
+def _cost(model: nn.Module, x: Any, run: Run, batch_dim: Any, repeats: int = 5) -> float:
+    """Run ``run``'s bare passes over the same passes of the model as is: medians of
+    ``repeats`` timings taken in turn with those of the model as is (after one each)."""
+    setting, bare = _passes(model, x, run, batch_dim), _passes(model, x, Run(), batch_dim)
+    setting(), bare(), setting(), bare()  # warm up, and learn how often to repeat
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(repeats):
+        for which, timer in ((0, setting), (1, bare))[::1 if i % 2 else -1]:
+            times[which].append(timer())
+    base = statistics.median(times[1])
+    return statistics.median(times[0]) / base if base > 0 else math.nan
 
 
 def sweep(model: nn.Module, x: Any, settings: Mapping[str, Any] | Sequence[Run], *,
@@ -188,6 +241,7 @@ def sweep(model: nn.Module, x: Any, settings: Mapping[str, Any] | Sequence[Run],
             "identical_sites": int((ok["mismatch"] == 0).sum()),
             "sites": len(ok),
             "verdict": result.verdict,
+            "cost": _cost(model, x, second, options.get("batch_dim", 0)),
         })
     return Sweep(pd.DataFrame(rows), comparisons)
 

@@ -159,6 +159,10 @@ def test_a_sweep_says_what_it_found() -> None:
     for row in parted.itertuples():
         assert any(line.startswith(f"{row.setting}: {row.verdict}") for line in lines)
     assert lines[-1].startswith("dtype=bfloat16: both runs compute in reduced precision")
+    assert (found.table["cost"] > 0).all()
+    float64 = found.table.set_index("setting").loc["dtype=float64"]
+    if float64["verdict"] != "identical":
+        assert f"its passes take {float64['cost']:.3g}× as long" in found.summary()
     assert "<table" in found._repr_html_()
 
 
