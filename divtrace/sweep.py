@@ -117,7 +117,14 @@ class Sweep:
         """One bar per setting; bit-identical settings are drawn on a grey floor."""
         from divtrace.report.plot_sweeps import plot_sweep
 
-        return plot_sweep(self, ax=ax, metric=metric)
+        return plot_sweep(self, ax=ax, metric=metric, model=_model(self.comparisons))
+
+
+def _model(comparisons: Mapping[Any, Comparison]) -> str | None:
+    """The model's type, from the output row of a sweep's first comparison."""
+    first = next(iter(comparisons.values()), None)
+    out = None if first is None else first.output
+    return None if out is None else str(out["module_type"])
 
 
 def _coarse(result: Comparison) -> bool:
@@ -273,7 +280,7 @@ class BatchSweep:
         """A site × batch-size heatmap of log10(``metric``); grey where bit-identical."""
         from divtrace.report.plot_sweeps import plot_batch_sweep
 
-        return plot_batch_sweep(self, ax=ax, metric=metric)
+        return plot_batch_sweep(self, ax=ax, metric=metric, model=_model(self.comparisons))
 
 
 def sweep_batch(model: nn.Module, x: Any, sizes: Iterable[int] | None = None, *,

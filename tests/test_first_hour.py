@@ -164,6 +164,10 @@ def test_a_sweep_says_what_it_found() -> None:
     if float64["verdict"] != "identical":
         assert f"its passes take {float64['cost']:.3g}× as long" in found.summary()
     assert "<table" in found._repr_html_()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    assert found.plot().get_title().startswith("Sequential: the output's rel_l2 per setting")
 
 
 def test_the_snowball_says_what_it_shows_and_keeps_each_types_colour() -> None:

@@ -21,7 +21,8 @@ class Tabled(Protocol):  # a sweep (divtrace.Sweep, divtrace.BatchSweep): drawn 
     def table(self) -> pd.DataFrame: ...
 
 
-def plot_sweep(sweep: Tabled, ax: Axes | None = None, metric: str = "output_rel_l2") -> Axes:
+def plot_sweep(sweep: Tabled, ax: Axes | None = None, metric: str = "output_rel_l2",
+               model: str | None = None) -> Axes:
     """One point per setting on a log axis; bit-identical settings in the lane on the left."""
     ax = axes(ax, (8, 0.6 + 0.4 * len(sweep.table)))
     values = sweep.table[metric].to_numpy(dtype=float)
@@ -39,11 +40,13 @@ def plot_sweep(sweep: Tabled, ax: Axes | None = None, metric: str = "output_rel_
     else:
         empty(ax, f"every setting is {IDENTICAL}")
     ax.set_xlabel(metric)
-    ax.set_title("divtrace: divergence of the output, per setting")
+    ax.set_title(f"{model or 'divtrace'}: the output's {metric.removeprefix('output_')} per "
+                 f"setting", fontsize=10)
     return ax
 
 
-def plot_batch_sweep(sweep: Tabled, ax: Axes | None = None, metric: str = "rel_l2") -> Axes:
+def plot_batch_sweep(sweep: Tabled, ax: Axes | None = None, metric: str = "rel_l2",
+                     model: str | None = None) -> Axes:
     """A site × batch-size heatmap of ``metric``; grey where bit-identical."""
     ax = axes(ax)
     sites = list(dict.fromkeys(sweep.table["site"]))
@@ -55,5 +58,6 @@ def plot_batch_sweep(sweep: Tabled, ax: Axes | None = None, metric: str = "rel_l
     ax.set_yticks(np.arange(0, len(sites), step), sites[::step], fontsize=7)
     ax.set_xlabel("batch size of the batched run")
     ax.set_ylabel("site (execution order)")
-    ax.set_title("divtrace: where each site starts to diverge")
+    ax.set_title(f"{model or 'divtrace'}: where each site starts to diverge as the batch "
+                 f"grows", fontsize=10)
     return ax
