@@ -263,3 +263,15 @@ def test_the_command_line_prints_figures_that_never_read_zero(
         for row in diverged:
             assert row[3].endswith("%")  # mismatch as a percentage
             assert re.fullmatch(r"\d\.\d\de-\d\d", row[4])  # rel_l2 in scientific notation
+
+
+def test_numpy_input_and_a_dtype_mismatch_get_the_fix() -> None:
+    import numpy as np
+
+    with pytest.raises(divtrace.DivtraceTypeError, match=r"x is a NumPy array of shape "
+                       r"\(6, 4\); pass a tensor: torch.from_numpy\(x\)"):
+        _compare(np.zeros((6, 4)))
+    with pytest.raises(RuntimeError) as found:
+        _compare(torch.randn(6, 4, dtype=torch.float64))
+    assert ("divtrace: the input is float64 and the model's parameters are float32: cast "
+            "one to the other (e.g. x.to(torch.float32))") in found.value.__notes__

@@ -149,6 +149,10 @@ def _split_x(x: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
         return (), dict(x)
     if isinstance(x, list) and x and all(isinstance(v, torch.Tensor) for v in x):
         raise DivtraceTypeError(_list_message(x))
+    if type(x).__module__ == "numpy" and hasattr(x, "shape"):
+        raise DivtraceTypeError(
+            f"x is a NumPy array of shape {tuple(x.shape)}; pass a tensor: "
+            f"torch.from_numpy(x) (and .float() for float64 data and a float32 model)")
     if isinstance(x, torch.utils.data.Dataset):
         raise DivtraceTypeError(
             f"x is a {type(x).__name__}, a dataset; divtrace compares one batch: take one, "

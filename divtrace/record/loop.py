@@ -80,6 +80,18 @@ def _cut_note(exc: Exception, batch: BatchedInput, rows: int) -> None:
                  f"batch dimension, pass the right one (batch_dim=0 for [B, C, H, W] images)")
 
 
+def _dtype_note(exc: Exception, model: nn.Module, tensors: list[torch.Tensor]) -> None:
+    """A pass that raised with floating inputs of another dtype than the model's
+    parameters: says so (x float64 from NumPy into a float32 model is common)."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    given = {t.dtype for t in tensors if t.is_floating_point()}
+    if dtype is not None and given and dtype not in given:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in given))
+        exc.add_note(f"divtrace: the input is {names} and the model's parameters are "
+                     f"{str(dtype).removeprefix('torch.')}: cast one to the other (e.g. "
+                     f"x.to({dtype}))")
+
+
 def _kind(output: Any) -> str | None:
     """The type of an output that holds no tensor (None when it holds one)."""
     if isinstance(output, torch.Tensor) or flatten_output(output):
@@ -128,6 +140,7 @@ def drive(model: nn.Module, recorder: Recorder, sink: Sink, batch: BatchedInput,
                                      driver, None if rows == stop - start else rows)
                 except Exception as exc:
                     _cut_note(exc, batch, stop - start)
+                    _dtype_note(exc, model, tensors)
                     raise
                 copies.after(tensors, seen)
                 done = sink.end_chunk()
