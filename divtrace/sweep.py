@@ -21,6 +21,7 @@ from divtrace.errors import DivtraceTypeError, DivtraceValueError
 from divtrace.plan.inputs import each_once, prepare_input
 from divtrace.plan.make import make_plan
 from divtrace.plan.runs import Run
+from divtrace.remedies.cost import sync
 from divtrace.report import saved
 from divtrace.report.comparison import Comparison
 from divtrace.words import sci
@@ -132,10 +133,9 @@ def _coarse(result: Comparison) -> bool:
     settings = result.meta.settings
 
     def reduced(run: Mapping[str, Any]) -> bool:
-        flags = run.get("flags", run)
         return (str(run.get("dtype", "")).endswith(("bfloat16", "float16"))
-                or bool(flags.get("tf32_matmul")) or bool(flags.get("bf16_matmul_cpu"))
-                or flags.get("matmul_precision") in ("high", "medium"))
+                or bool(run.get("tf32_matmul")) or bool(run.get("bf16_matmul_cpu"))
+                or run.get("matmul_precision") in ("high", "medium"))
     return bool(settings) and all(reduced(settings[k]) for k in ("a", "b") if k in settings)
 
 
@@ -152,21 +152,16 @@ def _passes(model: nn.Module, x: Any, run: Run, batch_dim: Any = 0
     if run.device is not None:
         devices.add(torch.device(run.device))
 
-    def sync() -> None:
-        for device in devices:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-
     loops = [1]  # the passes are repeated until a timing takes 20 ms or more
 
     def once() -> float:
         with run.flags(), torch.no_grad():
-            sync()
+            sync(devices)
             start = time.perf_counter()
             for _ in range(loops[0]):
                 for args, kwargs in passes:
                     mine(*args, **kwargs)
-            sync()
+            sync(devices)
             took = (time.perf_counter() - start) / loops[0]
         loops[0] = max(loops[0], min(1000, math.ceil(0.02 / max(took, 1e-9))))
         return took

@@ -21,7 +21,7 @@ from divtrace.plan.prompts import RaggedInput
 from divtrace.plan.runs import Run
 from divtrace.remedies.remedy import Remedy
 
-__all__ = ["Costs", "costs", "quiet"]
+__all__ = ["Costs", "costs", "quiet", "sync"]
 
 #: Per remedy: ``(cost, a_cost, output_change)``: run b's passes and run a's passes
 #: under the remedy over the same passes without it, and how far the remedy moves run b's
@@ -38,7 +38,8 @@ def quiet() -> Iterator[None]:
         yield
 
 
-def _sync(devices: set[torch.device]) -> None:
+def sync(devices: set[torch.device]) -> None:
+    """Waits for the queued work of the CUDA devices among ``devices`` (a timing's ends)."""
     for device in devices:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -100,14 +101,14 @@ def _timer(model: nn.Module, run: Run, passes: list[tuple[tuple[Any, ...], dict[
     def timed(remedy: Remedy | None, seen: Callable[[Any], object] | None = None) -> float:
         within = nullcontext() if remedy is None else remedy.applied(model)
         with within, run.flags(), torch.no_grad(), quiet():
-            _sync(devices)
+            sync(devices)
             start = time.perf_counter()
             for index, (args, kwargs) in enumerate(passes):
                 output = model(*args, **kwargs)
                 if seen is not None and index == 0:
                     seen(output)
                 del output
-            _sync(devices)
+            sync(devices)
             return time.perf_counter() - start
     return timed
 

@@ -96,11 +96,6 @@ class Remedy:
         return self.kind
 
     @property
-    def everywhere(self) -> bool:
-        """Whether the remedy acts on the whole process (flags), not on some modules."""
-        return True
-
-    @property
     def modules(self) -> tuple[str, ...] | None:
         """The modules it acts in (None: everywhere)."""
         return None
@@ -192,10 +187,6 @@ class Scoped(Remedy):
     @property
     def modules(self) -> tuple[str, ...] | None:
         return self._modules
-
-    @property
-    def everywhere(self) -> bool:
-        return self._modules is None
 
     @property
     def name(self) -> str:

@@ -136,17 +136,14 @@ class Remedies:
         ranked = sorted(self._ranked())
         return self.candidates[ranked[0][1]] if ranked else None
 
-    def _runs(self) -> tuple[str, str]:
-        return self.names[0], self.names[1]
-
     def _costs(self, row: pd.Series) -> str:
         """``batched 1.02×, split 1.3×``: both costs, each named by its run."""
-        a, b = (n.removesuffix(" run") for n in self._runs())
+        a, b = (n.removesuffix(" run") for n in self.names)
         return f"{b} {_times(row['cost'])}, {a} {_times(row['a_cost'])}"
 
     def summary(self) -> str:
         """What to do: the best remedy and its cost, or why there is none."""
-        a, b = self._runs()
+        a, b = self.names
         if not self.needed:
             return (f"No remedy is needed: the {a} and the {b} are already bit-identical "
                     f"at every compared site.")

@@ -218,7 +218,8 @@ def find(result: Comparison, plan: Plan, model: nn.Module, given: Any = None,
     _refused(plan)
     sit = situation(plan, model)
     base = result
-    if not (result.meta.notes.get("independence") or {}).get("ran"):
+    tested = next((t for p in result.probes if (t := p.independent(result.meta))), None)
+    if tested in (None, "untested"):
         with quiet():  # the verdict must rest on the independence test
             base = execute(replace(plan, explain=None, keep=False, progress=False), model)
     before = _output(base)

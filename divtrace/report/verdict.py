@@ -159,12 +159,18 @@ def _unmeasurable(tested: str) -> Verdict:
         f"the independence test did not decide."))
 
 
+def _apart(table: pd.DataFrame, meta: Meta, probes: Probes
+           ) -> tuple[tuple[str, str] | None, str | None]:
+    """What the probes found of batch mixing, and why the runs differ by design."""
+    mixing = _first(p.mixing(table, meta) for p in probes)
+    return mixing, _by_design(table, meta, mixing)
+
+
 def blocked(table: pd.DataFrame, meta: Meta, probes: Probes = ()) -> str | None:
     """Why the runs differ for reasons that are not numerical, so that no kernel or
     precision setting can make them agree: by design (train mode, random draws, other
     modules run) or because the samples mix (None: neither was found)."""
-    mixing = _first(p.mixing(table, meta) for p in probes)
-    reason = _by_design(table, meta, mixing)
+    mixing, reason = _apart(table, meta, probes)
     if reason is not None:
         return reason
     return None if mixing is None else mixing[1]
@@ -175,8 +181,7 @@ def judge(table: pd.DataFrame, meta: Meta, probes: Probes = ()) -> Verdict:
     (those that explain the comparison) add what they found: batch mixing, how far the
     samples were shown independent, where error enters, what floating point does not
     explain."""
-    mixing = _first(p.mixing(table, meta) for p in probes)
-    reason = _by_design(table, meta, mixing)
+    mixing, reason = _apart(table, meta, probes)
     if reason is not None:
         return Verdict("not rounding", f"Verdict: not rounding — {reason}")
     ok = table[table["status"] == "ok"]
