@@ -3,117 +3,31 @@ print the environment.
 
 Exit codes: 0 done (and no ``--fail-on`` condition met), 1 a ``--fail-on`` condition met
 (or ``diff --fail-on-change`` found a change), 2 a usage error (bad arguments, a target
-that cannot be loaded, a file that is not divtrace's).
+that cannot be loaded, a file that is not divtrace's), 3 the target or the model raised
+(its traceback and divtrace's notes on stderr).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import os
 import sys
+import traceback
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import torch
 
-from divtrace.compat import pytree
 from divtrace.errors import DivtraceError
+from divtrace.target import Raised, UsageError, load, placed
 from divtrace.version import __version__
 from divtrace.words import readable
 
 __all__ = ["main"]
 
 _COMPACT = ["site", "module_type", "status", "mismatch", "rel_l2", "role"]
-
-
-class UsageError(Exception):
-    """Something the user gave cannot be used: exit code 2, with the message."""
-
-
-def _target(spec: str) -> tuple[torch.nn.Module, Any]:
-    """Calls ``path/to/file.py:function`` or ``package.module:function`` for ``(model, x)``."""
-    where, _, name = spec.rpartition(":")
-    if not where or not name:
-        raise UsageError(f"TARGET must be path/to/file.py:function or package.module:function;"
-                         f" got {spec!r}")
-    try:
-        if where.endswith(".py") or "/" in where:
-            path = Path(where)
-            if not path.is_file():
-                raise UsageError(f"no such file: {path}")
-            loader = importlib.util.spec_from_file_location(path.stem, path)
-            if loader is None or loader.loader is None:
-                raise UsageError(f"cannot load {path} as Python")
-            module = importlib.util.module_from_spec(loader)
-            sys.path.insert(0, str(path.resolve().parent))
-            loader.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-    except ImportError as exc:
-        raise UsageError(f"cannot import {where}: {exc}") from exc
-    function = getattr(module, name, None)
-    if not callable(function):
-        raise UsageError(f"{where} has no function {name!r}")
-    made = function()
-    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
-        raise UsageError(f"{spec} must return (model, x); got {type(made).__name__}")
-    return made[0], made[1]
-
-
-#: How ``--dtype`` may name the floating dtypes (torch's names, and the usual short ones).
-DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-          "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float64": torch.float64, "double": torch.float64, "fp64": torch.float64}
-
-
-def _device(name: str) -> torch.device:
-    """``--device``, checked: a malformed name, or a device this machine does not have,
-    is a usage error."""
-    try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError) as exc:
-        raise UsageError(f"--device {name!r} is not a device name (cpu, cuda, cuda:1, "
-                         f"mps, ...): {exc}") from exc
-    if device.type == "cuda" and (not torch.cuda.is_available() or (
-            device.index is not None and device.index >= torch.cuda.device_count())):
-        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        raise UsageError(f"--device {name}: this machine has {found} CUDA device"
-                         f"{'' if found == 1 else 's'} (torch.cuda.is_available() is "
-                         f"{torch.cuda.is_available()}); leave --device out to run where "
-                         f"the target put the model")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise UsageError(f"--device {name}: MPS is not available on this machine")
-    return device
-
-
-def _placed(model: torch.nn.Module, x: Any, device: str | None, dtype: str | None
-            ) -> tuple[torch.nn.Module, Any]:
-    """The model and input moved to ``device`` and floating tensors cast to ``dtype``."""
-    if device is None and dtype is None:
-        return model, x
-    cast = None
-    if dtype is not None:
-        cast = DTYPES.get(dtype.removeprefix("torch."))
-        if cast is None:
-            raise UsageError(f"--dtype must name a floating dtype ({', '.join(DTYPES)}); "
-                             f"got {dtype!r}")
-    where = _device(device) if device is not None else None
-
-    def move(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        value = value.to(where) if where is not None else value
-        return value.to(cast) if cast is not None and value.is_floating_point() else value
-
-    model = model.to(where) if where is not None else model
-    model = model.to(cast) if cast is not None else model
-    return model, pytree.tree_map(move, x)
 
 
 def _compact(table: pd.DataFrame, limit: int = 15) -> str:
@@ -154,25 +68,30 @@ def _run(spec: str | None, flag: str) -> Any:
         fields[name.strip()] = _value(value.strip())
     try:
         return divtrace.Run(**fields)
-    except TypeError as exc:
+    except DivtraceError as exc:
         raise UsageError(f"{flag}: {exc}") from exc
 
 
 def _compare(args: argparse.Namespace) -> int:
     import divtrace
 
-    model, x = _placed(*_target(args.target), args.device, args.dtype)
+    model, x = placed(*load(args.target), args.device, args.dtype)
     samples = [int(s) for s in args.samples.split(",")] if args.samples else None
     ops: bool | str = "only" if args.ops == "only" else args.ops == "true"
     graphs: bool | str = "auto" if args.graphs == "auto" else args.graphs == "true"
     explain = [name for name in (args.explain or "").split(",") if name]
     modules = [name for name in args.modules.split(",") if name] if args.modules else None
-    result = divtrace.compare(
-        model, x, samples=samples, batch_dim=args.batch_dim, modules=modules, ops=ops,
-        explain=explain, rtol=args.rtol, atol=args.atol, allow_train=args.allow_train,
-        a=_run(args.a, "--a"), b=_run(args.b, "--b"),
-        resources=divtrace.Resources(offload=args.offload, graphs=graphs),
-        progress=not args.no_progress)
+    try:
+        result = divtrace.compare(
+            model, x, samples=samples, batch_dim=args.batch_dim, modules=modules, ops=ops,
+            explain=explain, rtol=args.rtol, atol=args.atol, allow_train=args.allow_train,
+            a=_run(args.a, "--a"), b=_run(args.b, "--b"),
+            resources=divtrace.Resources(offload=args.offload, graphs=graphs),
+            progress=not args.no_progress)
+    except (UsageError, DivtraceError):
+        raise
+    except Exception as exc:
+        raise Raised(f"the model raised {type(exc).__name__}: {exc}") from exc
     for suffix, write in (("json", result.save), ("html", result.to_html),
                           ("csv", result.to_csv)):
         if getattr(args, suffix):
@@ -250,7 +169,8 @@ def parser() -> argparse.ArgumentParser:
         prog="divtrace",
         description=("Trace, layer by layer, where a batched run and a split run of a model "
                      "start to differ."),
-        epilog="Exit codes: 0 done; 1 a --fail-on condition met; 2 a usage error.")
+        epilog="Exit codes: 0 done; 1 a --fail-on condition met; 2 a usage error; 3 the "
+               "target or the model raised.")
     top.add_argument("--version", action="version", version=f"divtrace {__version__}")
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -313,15 +233,39 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
+#: Options people reach for that divtrace spells another way.
+_SPELT = {"--chunk": "--a chunk=N", "--chunks": "--a chunk=N", "--chunk-size": "--a chunk=N",
+          "--batch-size": "--a chunk=N (the batch itself is the x the target returns)",
+          "--train": "--allow-train", "--local": "--explain local",
+          "--fp64": "--explain fp64", "--out": "--json, --html or --csv"}
+
+
+def _unrecognized(top: argparse.ArgumentParser, extra: list[str]) -> None:
+    """Exits 2 for arguments no command takes, saying how each known one is spelt."""
+    hints = [f"{word} is spelt {_SPELT[word.partition('=')[0]]}" for word in extra
+             if word.partition("=")[0] in _SPELT]
+    top.error(f"unrecognized arguments: {' '.join(extra)}"
+              + (f" ({'; '.join(hints)})" if hints else ""))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit code."""
-    args = parser().parse_args(argv)
+    top = parser()
+    args, extra = top.parse_known_args(argv)
+    if extra:
+        _unrecognized(top, extra)
     try:
         code: int = args.handle(args)
         return code
     except (UsageError, DivtraceError) as exc:
         print(f"divtrace: error: {exc}", file=sys.stderr)
         return 2
+    except Raised as exc:
+        cause = exc.__cause__
+        if cause is not None:
+            traceback.print_exception(cause, file=sys.stderr)
+        print(f"divtrace: error: {exc}", file=sys.stderr)
+        return 3
     except BrokenPipeError:  # the reader (e.g. `| head`) stopped: not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -83,6 +83,9 @@ def target(tmp_path: Path) -> str:
         def build():
             torch.manual_seed(0)
             return models.variant_mlp(), torch.randn(6, 16)
+        def conv():
+            torch.manual_seed(0)
+            return torch.nn.Conv2d(3, 4, 3).eval(), torch.randn(4, 3, 8, 8)
         def other():
             torch.manual_seed(0)
             return torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(16, 4)).eval(), \\
@@ -103,6 +106,68 @@ def test_usage_errors_exit_2_with_the_fix(target: str, capsys: pytest.CaptureFix
         assert "this machine has 0 CUDA devices" in capsys.readouterr().err
     assert main(["compare", f"{target}:build", "--dtype", "fp64", "--no-progress"]) == 0
     assert capsys.readouterr().out.startswith("Verdict: ")
+
+
+def test_a_model_that_raises_exits_3_and_spellings_are_named(
+        target: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compare", f"{target}:conv", "--batch-dim", "1", "--no-progress"]) == 3
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err
+    assert "divtrace: the inputs were cut along batch_dim=1 (B=3 there)" in err
+    assert err.rstrip().splitlines()[-1].startswith("divtrace: error: the model raised ")
+    assert main(["compare", f"{target}:build", "--a", "chunks=2", "--no-progress"]) == 2
+    assert ("--a: Run() got unexpected keyword argument(s): chunks= is not one (did you "
+            "mean chunk=?). It takes chunk, device, dtype") in capsys.readouterr().err
+    with pytest.raises(divtrace.DivtraceTypeError, match=r"keep_rows= is not one \(did you "
+                       r"mean keep=\?\)\. It takes keep, offload, graphs"):
+        divtrace.Resources(keep_rows=True)
+    with pytest.raises(SystemExit) as exited:
+        main(["compare", f"{target}:build", "--chunk", "2", "--train"])
+    assert exited.value.code == 2
+    assert ("unrecognized arguments: --chunk 2 --train (--chunk is spelt --a chunk=N; "
+            "--train is spelt --allow-train)") in capsys.readouterr().err
+
+
+def test_a_batch_dim_no_site_has_is_questioned() -> None:
+    result = divtrace.compare(models.variant_mlp(), torch.randn(6, 16), batch_dim=1,
+                              progress=False)
+    said = result.summary()
+    assert ("Status unbatched: the tensor has no dimension of size B=16 at batch_dim=1; no "
+            "site had one: is batch_dim right?") in said
+    assert "no compared site could be tested, so it says nothing about the samples" in said
+    assert "differ because" not in said
+
+
+def test_the_independence_sentence_explains_only_a_difference_there_is() -> None:
+    same = divtrace.compare(models.elementwise_model(), torch.randn(6, 16), progress=False)
+    assert same.verdict == "identical"
+    assert "No sample's result showed a dependence on the other samples." in same.summary()
+    assert "differ" not in same.summary().split("Independence test")[1].split("\n")[0]
+    apart = divtrace.compare(models.variant_mlp(), torch.randn(6, 16), progress=False)
+    assert ("so the batched run and the split run differ because the batch's shape "
+            "differs") in apart.summary()
+
+
+def test_train_mode_sentences_name_the_modules() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5),
+                                torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.0))
+    with pytest.raises(ValueError, match="more than 1 value per channel") as raised:
+        divtrace.compare(model, torch.randn(6, 4), allow_train=True, progress=False)
+    assert ("divtrace: '2' (BatchNorm1d) is in train mode, where a batch statistic needs two "
+            "rows or more: split in chunks of 2 or more (a=divtrace.Run(chunk=2))") in (
+        raised.value.__notes__[-1])
+    result = divtrace.compare(model, torch.randn(6, 4), allow_train=True, progress=False,
+                              a=divtrace.Run(chunk=2))
+    assert result.meta.mixing == ("1 (Dropout)", "2 (BatchNorm1d)")  # p=0 draws nothing
+    assert result.summary().startswith("Verdict: not rounding — the model ran in train mode "
+                                       "(allow_train=True): 1 (Dropout), 2 (BatchNorm1d) make")
+    assert "BatchNorm or Dropout" not in result.summary()
+    assert divtrace.load(result.save(_tmp_json())).meta.mixing == result.meta.mixing
+
+
+def _tmp_json() -> Path:
+    import tempfile
+    return Path(tempfile.mkdtemp()) / "train.json"
 
 
 def test_diff_says_what_it_left_out_and_when_models_differ(

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import pandas as pd
 
 from divtrace.align.status import Status
+from divtrace.explain.mixed import first_dependent, through_shared, unmoved
 from divtrace.explain.probe import Context, Judged, Probe, Settings, TableView
 from divtrace.measure.figures import site_figures
 from divtrace.measure.host import Deferred, Host
@@ -32,7 +33,6 @@ from divtrace.measure.meter import Meter
 from divtrace.measure.moved import PrintCheck
 from divtrace.measure.ragged import RaggedMeter
 from divtrace.plan.inputs import BatchedInput
-from divtrace.record.lineage import Origin
 from divtrace.record.ragged import row_store
 from divtrace.record.recorder import Sink
 from divtrace.record.rows import RowStore
@@ -239,7 +239,7 @@ class Independence(Probe):
                 if moved and first is None:
                     first = row
         if first is not None:
-            self.found["through"] = _not_per_sample_inputs(first, rows, view)
+            self.found["through"] = through_shared(first, rows, view)
 
     def note(self) -> Any:
         return self.found
@@ -292,12 +292,10 @@ class Independence(Probe):
             left = found.get("unchanged") or []
             kept = "" if not left else (
                 f"; rows {left} could not be given other values and were left as they were")
-            return [f"Independence test ({passes} more batched pass"
+            head = (f"Independence test ({passes} more batched pass"
                     f"{'es' * (passes > 1)}, {held}, the other rows given other values, "
-                    f"the shapes kept{kept}): the compared rows stayed bit-identical at "
-                    f"every compared site. No sample's result showed a dependence on the "
-                    f"other samples, so the batched and split runs differ because the "
-                    f"batch's shape differs (the kernels chosen, the order of reduction)."]
+                    f"the shapes kept{kept})")
+            return [head + unmoved(table, result.meta.names)]
         through = found.get("through") or []
         via = f", through {', '.join(repr(t) for t in through)} (not per sample)" if (
             through) else ""
@@ -305,36 +303,3 @@ class Independence(Probe):
                 f"({row['module_type']}){via} when only the other samples change, the "
                 f"shapes kept (rel_l2 {sci(row['others_rel_l2'])}): each sample's result "
                 f"depends on the other samples' values (batch mixing)."]
-
-
-def first_dependent(table: pd.DataFrame) -> pd.Series | None:
-    """The first site whose compared rows moved with the other samples, or None."""
-    if "depends_on_others" not in table:
-        return None
-    moved = table[table["depends_on_others"].astype("boolean").fillna(False).astype(bool)]
-    return None if moved.empty else moved.iloc[0]
-
-
-def _not_per_sample_inputs(first: dict[str, Any], rows: list[dict[str, Any]],
-                           view: TableView) -> list[str]:
-    """Where the first moved site's call reads sites that hold no rows per sample (e.g. an
-    ``aten.mean`` over the batch, at op level): followed back through such sites to the
-    first of them, the likely mixing."""
-    by_key = {row["site"]: row for row in rows}
-    found: list[str] = []
-    todo, seen = [first], set()
-    while todo:
-        call = view.call(todo.pop())
-        for origin, key, _ in call.inputs if call is not None else ():
-            row = by_key.get(key) if origin == Origin.SITE and key is not None else None
-            if row is None or key is None or key in seen or row["status"] == Status.OK.value:
-                continue
-            seen.add(key)
-            inner = view.call(row)
-            deeper = [k for o, k, _ in (inner.inputs if inner is not None else ())
-                      if o == Origin.SITE and k in by_key
-                      and by_key[k]["status"] != Status.OK.value]
-            if not deeper:
-                found.append(key)
-            todo.append(row)
-    return found

@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
 
-__all__ = ["GraphMode", "check_graphs", "patterns", "tolerance", "unexpected", "whole_number"]
+__all__ = ["GraphMode", "check_graphs", "fields_checked", "patterns", "tolerance", "unexpected",
+           "whole_number"]
 
 
 def whole_number(value: Any, name: str, minimum: int | None = None) -> int:
@@ -84,15 +85,17 @@ _ELSEWHERE = {
 }
 
 
-def unexpected(function: str, given: Iterable[str], known: Iterable[str]) -> DivtraceTypeError:
+def unexpected(function: str, given: Iterable[str], known: Iterable[str],
+               elsewhere: bool = True) -> DivtraceTypeError:
     """The error for keywords ``function`` does not take: each with the way it is given
-    there, or the closest known name."""
+    there (``elsewhere``: the keywords of ``compare()`` that moved), or the closest known
+    name."""
     import difflib
 
     names = list(known)
     said = []
     for name in given:
-        if name in _ELSEWHERE:
+        if elsewhere and name in _ELSEWHERE:
             said.append(f"{name}= is given as {_ELSEWHERE[name]}")
             continue
         close = difflib.get_close_matches(name, names, n=1)
@@ -100,3 +103,26 @@ def unexpected(function: str, given: Iterable[str], known: Iterable[str]) -> Div
     return DivtraceTypeError(
         f"{function}() got unexpected keyword argument(s): {'; '.join(said)}. It takes "
         f"{', '.join(names)}")
+
+
+C = TypeVar("C", bound=type)
+
+
+def fields_checked(cls: C) -> C:
+    """``cls`` (a dataclass), whose constructor answers a keyword that is not a field with
+    the closest field and the list of them, instead of a bare ``TypeError``."""
+    import dataclasses
+    import functools
+
+    made = vars(cls)["__init__"]
+    known = [f.name for f in dataclasses.fields(cls)]
+
+    @functools.wraps(made)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        wrong = [name for name in kwargs if name not in known]
+        if wrong:
+            raise unexpected(cls.__name__, wrong, known, elsewhere=False)
+        made(self, *args, **kwargs)
+
+    setattr(cls, "__init__", init)  # noqa: B010 - a dataclass's generated __init__, wrapped
+    return cls

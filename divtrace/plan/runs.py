@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
+from divtrace.plan.checks import fields_checked
 from divtrace.plan.precision import (
     effective,
     matmul_precision,
@@ -45,6 +46,7 @@ def backend_flags() -> dict[str, Any]:
             "bf16_matmul_cpu": effective("mkldnn.matmul", state) == "bf16"}
 
 
+@fields_checked
 @dataclass(frozen=True)
 class Run:
     """One configuration of a forward pass; ``None`` leaves a setting as it is.
@@ -179,6 +181,7 @@ class Run:
             cudnn.enabled, cudnn.deterministic, cudnn.benchmark = saved
 
 
+@fields_checked
 @dataclass(frozen=True)
 class Resources:
     """How a comparison spends memory and time; none of it changes a figure.

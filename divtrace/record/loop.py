@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from divtrace.align.sites import INPUT, flatten_output
-from divtrace.compat import version
+from divtrace.compat import BATCH_NORM, version
 from divtrace.plan.inputs import BatchedInput, Driver, each_once
 from divtrace.record.recorder import Recorder, Sink, Tracker
 
@@ -92,6 +92,18 @@ def _dtype_note(exc: Exception, model: nn.Module, tensors: list[torch.Tensor]) -
                      f"x.to({dtype}))")
 
 
+def _train_note(exc: Exception, model: nn.Module, rows: int) -> None:
+    """A pass of one row that raised with BatchNorm in train mode (allowed by
+    ``allow_train=True``): batch statistics need two rows or more."""
+    norms = [name for name, module in model.named_modules()
+             if module.training and isinstance(module, BATCH_NORM)]
+    if rows == 1 and norms:
+        exc.add_note(f"divtrace: '{norms[0]}' ({type(model.get_submodule(norms[0])).__name__})"
+                     f" is in train mode, where a batch statistic needs two rows or more: "
+                     f"split in chunks of 2 or more (a=divtrace.Run(chunk=2)), or call "
+                     f"model.eval()")
+
+
 def _kind(output: Any) -> str | None:
     """The type of an output that holds no tensor (None when it holds one)."""
     if isinstance(output, torch.Tensor) or flatten_output(output):
@@ -141,6 +153,7 @@ def drive(model: nn.Module, recorder: Recorder, sink: Sink, batch: BatchedInput,
                 except Exception as exc:
                     _cut_note(exc, batch, stop - start)
                     _dtype_note(exc, model, tensors)
+                    _train_note(exc, model, stop - start)
                     raise
                 copies.after(tensors, seen)
                 done = sink.end_chunk()

@@ -26,6 +26,7 @@ class Meta:
         rtol: The given relative tolerance (None: the dtype's default).
         atol: The given absolute tolerance (None: the dtype's default).
         train_mode: The model ran with sample-mixing modules in train mode.
+        mixing: Those modules, each as ``"name (Type)"`` (empty in files saved before it).
         torch: The torch version.
         explain: The probes that ran, by name, each with its settings (``{"repeat":
             {"times": 2}, ...}``).
@@ -69,6 +70,14 @@ class Meta:
     notes: Mapping[str, Any] = field(default_factory=dict)
     environment: Mapping[str, Any] = field(default_factory=dict)
     settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    mixing: tuple[str, ...] = ()
+
+    def mixers(self) -> str:
+        """What ran in train mode, in words: the modules when they are known."""
+        if not self.mixing:
+            return "BatchNorm or Dropout"
+        shown = ", ".join(self.mixing[:4])
+        return shown + (f" and {len(self.mixing) - 4} more" if len(self.mixing) > 4 else "")
 
     def to_dict(self) -> dict[str, Any]:
         """A plain, JSON-ready dict (a fresh copy) of the fields."""
@@ -84,4 +93,5 @@ class Meta:
         return cls(**raw | {
             "samples": tuple(raw["samples"]), "names": tuple(raw.get("names", cls.names)),
             "runs": None if runs is None else (runs[0], runs[1]),
+            "mixing": tuple(raw.get("mixing", ())),
             "flips": {k: tuple(v) for k, v in raw.get("flips", {}).items()}})

@@ -18,6 +18,7 @@ from divtrace.words import percent, sci
 if TYPE_CHECKING:
     from divtrace.explain.probe import Probe
     from divtrace.report.comparison import Comparison
+    from divtrace.report.meta import Meta
 
 __all__ = ["summary"]
 
@@ -105,8 +106,8 @@ def _caveats(result: Comparison, ok: pd.DataFrame) -> list[str]:
     meta, lines = result.meta, []
     if meta.train_mode:
         lines.append(
-            "The model ran in train mode (allow_train=True): BatchNorm or Dropout make "
-            "the runs differ for reasons that are not numerical.")
+            f"The model ran in train mode (allow_train=True): {meta.mixers()} make "
+            f"the runs differ for reasons that are not numerical.")
     if meta.random_draws:
         lines.append(
             "The model drew random numbers during its passes (allowed by allow_train=True): "
@@ -122,7 +123,7 @@ def _caveats(result: Comparison, ok: pd.DataFrame) -> list[str]:
         lines.append(f"The model's output (a {meta.output_type}) holds no tensor, so it "
                      f"could not be compared.")
     if ok.empty:
-        why = ("see the statuses below" if not result.table.empty
+        why = ("see why below" if not result.table.empty
                else "no observed module returned a tensor")
         lines.append(f"No site could be compared: {why}.")
     return lines
@@ -177,5 +178,29 @@ def summary(result: Comparison, probes: Sequence[type[Probe]] = ()) -> str:
         listed = ", ".join(f"'{s}' ({st})" for s, st in
                            zip(skipped["site"][:6], skipped["status"][:6], strict=True))
         more = "" if len(skipped) <= 6 else f" and {len(skipped) - 6} more"
-        lines.append(f"{len(skipped)} site(s) could not be compared: {listed}{more}.")
+        lines.append(f"{len(skipped)} site(s) could not be compared: {listed}{more}. "
+                     + _statuses(skipped, meta, ok.empty))
     return "\n".join(lines)
+
+
+def _statuses(skipped: pd.DataFrame, meta: Meta, none_ok: bool) -> str:
+    """What each status among ``skipped`` means, in words; for a batch dimension that no
+    compared site had, the question whether ``batch_dim`` is right."""
+    b, a = meta.names[1], meta.names[0]
+    meaning = {
+        "missing_in_split": f"only the {b} reached the site",
+        "missing_in_batched": f"only the {a} reached the site",
+        "partial_in_split": f"the {a} reached it for some compared samples only",
+        "unbatched": (f"the tensor has no dimension of size B={meta.batch_size} at "
+                      f"batch_dim={meta.batch_dim}"),
+        "shape_mismatch": "its rows have other shapes in the two runs",
+        "dtype_mismatch": "its dtypes differ between the runs",
+        "nested": "a nested tensor, each sample of its own shape",
+        "not_per_sample": "a field of a PackedSequence, not rows per sample",
+    }
+    said = [f"{status}: {meaning[status]}" for status in dict.fromkeys(skipped["status"])
+            if status in meaning]
+    text = "Status " + "; status ".join(said) if said else ""
+    if none_ok and (skipped["status"] == "unbatched").all():
+        return text + "; no site had one: is batch_dim right?"
+    return text + "." if text else ""

@@ -97,8 +97,8 @@ def _by_design(table: pd.DataFrame, meta: Meta, mixing: tuple[str, str] | None
     there = "" if mixing is None else (
         f" The compared rows first depend on the other samples at {mixing[0]}.")
     if meta.train_mode:
-        return ("the model ran in train mode (allow_train=True): BatchNorm or Dropout make "
-                "the runs differ by design." + (there if not meta.random_draws else ""))
+        return (f"the model ran in train mode (allow_train=True): {meta.mixers()} make "
+                f"the runs differ by design." + (there if not meta.random_draws else ""))
     if meta.random_draws:
         return ("the model drew random numbers during its passes (allow_train=True): the "
                 "runs differ by design.")

@@ -1,0 +1,64 @@
+"""Reading the independence test's findings off the table: the first site whose compared
+rows moved, the shared tensors it read, and what a test that moved no row says."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from divtrace.align.status import Status
+from divtrace.explain.probe import TableView
+from divtrace.record.lineage import Origin
+
+__all__ = ["first_dependent", "through_shared", "unmoved"]
+
+
+def unmoved(table: pd.DataFrame, names: tuple[str, str]) -> str:
+    """The end of the sentence for a test that moved no compared row: what it covered and
+    what that says, only as far as there is a difference to explain."""
+    ok = table[table["status"] == "ok"]
+    tested = ok[ok["depends_on_others"].notna()]
+    if tested.empty:
+        return ": no compared site could be tested, so it says nothing about the samples."
+    every = "every compared site" if len(tested) == len(ok) else (
+        f"each of the {len(tested)} tested sites (of {len(ok)} compared)")
+    said = (f": the compared rows stayed bit-identical at {every}. No sample's result "
+            f"showed a dependence on the other samples")
+    if not (ok["mismatch"] > 0).any():
+        return said + "."
+    return (said + f", so the {names[1]} and the {names[0]} differ because the batch's shape "
+            f"differs (the kernels chosen, the order of reduction).")
+
+
+def first_dependent(table: pd.DataFrame) -> pd.Series | None:
+    """The first site whose compared rows moved with the other samples, or None."""
+    if "depends_on_others" not in table:
+        return None
+    moved = table[table["depends_on_others"].astype("boolean").fillna(False).astype(bool)]
+    return None if moved.empty else moved.iloc[0]
+
+
+def through_shared(first: dict[str, Any], rows: list[dict[str, Any]],
+                           view: TableView) -> list[str]:
+    """Where the first moved site's call reads sites that hold no rows per sample (e.g. an
+    ``aten.mean`` over the batch, at op level): followed back through such sites to the
+    first of them, the likely mixing."""
+    by_key = {row["site"]: row for row in rows}
+    found: list[str] = []
+    todo, seen = [first], set()
+    while todo:
+        call = view.call(todo.pop())
+        for origin, key, _ in call.inputs if call is not None else ():
+            row = by_key.get(key) if origin == Origin.SITE and key is not None else None
+            if row is None or key is None or key in seen or row["status"] == Status.OK.value:
+                continue
+            seen.add(key)
+            inner = view.call(row)
+            deeper = [k for o, k, _ in (inner.inputs if inner is not None else ())
+                      if o == Origin.SITE and k in by_key
+                      and by_key[k]["status"] != Status.OK.value]
+            if not deeper:
+                found.append(key)
+            todo.append(row)
+    return found
