@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-__all__ = ["ERRORS", "FRACTIONS", "listed", "percent", "readable", "sci", "shown", "versus"]
+__all__ = ["ERRORS", "FRACTIONS", "RATIOS", "listed", "percent", "readable", "sci", "shown",
+           "versus"]
 
 
 def listed(rows: pd.DataFrame, limit: int = 6) -> str:
@@ -45,6 +46,8 @@ ERRORS = frozenset({"max_abs", "mean_abs", "rel_l2", "others_rel_l2", "local_rel
                     "local_max_abs", "b_err_fp64", "a_err_fp64", "noise_rel_l2",
                     "rel_l2_a", "rel_l2_b", "logits_rel_l2", "logits_max_abs",
                     "output_rel_l2", "output_change"})
+#: Columns that hold how many times one figure is another (shown as ``2.07×``).
+RATIOS = frozenset({"growth", "amplification"})
 
 
 def shown(name: str, value: object) -> object:
@@ -56,6 +59,8 @@ def shown(name: str, value: object) -> object:
         return percent(float(value))
     if name in ERRORS:
         return sci(float(value))
+    if name in RATIOS:  # inf: the error came from nothing
+        return f"{float(value):.3g}×" if abs(value) != float("inf") else str(float(value))
     if name == "cosine":  # all its digits: 1 - cos is about rel_l2² / 2
         return f"{float(value):.16g}"
     return value
@@ -65,7 +70,7 @@ def readable(frame: pd.DataFrame) -> pd.DataFrame:
     """``frame`` with its fractions and error figures as text (see :func:`shown`)."""
     out = frame.copy()
     for column in out.columns:
-        if column in FRACTIONS or column in ERRORS:
+        if column in FRACTIONS or column in ERRORS or column in RATIOS:
             out[column] = [shown(column, v) for v in out[column].tolist()]
     return out
 

@@ -7,6 +7,7 @@ import inspect
 import textwrap
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -340,3 +341,17 @@ def test_numpy_input_and_a_dtype_mismatch_get_the_fix() -> None:
         _compare(torch.randn(6, 4, dtype=torch.float64))
     assert ("divtrace: the input is float64 and the model's parameters are float32: cast "
             "one to the other (e.g. x.to(torch.float32))") in found.value.__notes__
+
+
+def test_the_html_table_and_ratios_never_read_zero() -> None:
+    from divtrace.report.html import styled
+    from divtrace.words import readable
+
+    frame = pd.DataFrame({"site": ["a"], "mismatch": [4e-5], "rel_l2": [3e-9],
+                          "growth": [2.0712], "amplification": [float("inf")]})
+    html = styled(frame, ["diverged"])
+    assert "0.004%" in html
+    assert "3.00e-09" in html
+    assert "0.0%" not in html
+    shown = readable(frame).iloc[0]
+    assert (shown["growth"], shown["amplification"]) == ("2.07×", "inf")

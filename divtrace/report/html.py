@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
+from divtrace.words import shown
+
 if TYPE_CHECKING:
     from divtrace.explain.probe import Probe
     from divtrace.report.comparison import Comparison
@@ -54,9 +56,8 @@ def _text(value: Any, column: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "–"
     if isinstance(value, float):
-        if column in ("mismatch", "noise_mismatch", "exceed", "input_mismatch"):
-            return f"{value:.1%}"
-        return f"{value:.3g}"
+        said = shown(column, value)
+        return f"{value:.3g}" if said is value else str(said)
     return str(value)
 
 
