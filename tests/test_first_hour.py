@@ -355,3 +355,15 @@ def test_the_html_table_and_ratios_never_read_zero() -> None:
     assert "0.0%" not in html
     shown = readable(frame).iloc[0]
     assert (shown["growth"], shown["amplification"]) == ("2.07×", "inf")
+
+
+def test_a_diff_names_the_settings_the_two_comparisons_differ_in() -> None:
+    x = torch.randn(8, 16)
+    per_sample = divtrace.compare(models.variant_mlp(), x, progress=False)
+    in_fours = divtrace.compare(models.variant_mlp(), x, a=divtrace.Run(chunk=4),
+                                progress=False)
+    assert ("The two comparisons were made with other settings (run a's passes of 1 vs 4): "
+            "some changes below may come from them.") in divtrace.diff(
+        per_sample, in_fours).summary()
+    again = divtrace.compare(models.variant_mlp(), x, progress=False)
+    assert "other settings" not in divtrace.diff(per_sample, again).summary()

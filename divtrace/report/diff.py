@@ -12,6 +12,7 @@ import pandas as pd
 
 from divtrace.align.order import merge
 from divtrace.errors import DivtraceTypeError
+from divtrace.words import sci
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -99,9 +100,9 @@ class Diff:
                  f"verdict {self.b.verdict}. {len(both)} sites in both, "
                  f"{int((self.table['change'] == 'only in a').sum())} only in a, "
                  f"{int((self.table['change'] == 'only in b').sum())} only in b."]
-        other = self._other_models()
-        if other:
-            lines.append(other)
+        for said in (self._settings_apart(), self._other_models()):
+            if said:
+                lines.append(said)
         changed = self.changed
         if changed.empty:
             lines.append("No site changed its behaviour: the same statuses, the same "
@@ -112,9 +113,26 @@ class Diff:
                          f"'{top['site']}' ({top['module_type']}): {top['change']}.")
         out_a, out_b = self.a.output, self.b.output
         if out_a is not None and out_b is not None:
-            lines.append(f"At the output, rel_l2 {out_a['rel_l2']:.3g} (a) and "
-                         f"{out_b['rel_l2']:.3g} (b).")
+            lines.append(f"At the output, rel_l2 {sci(out_a['rel_l2'])} (a) and "
+                         f"{sci(out_b['rel_l2'])} (b).")
         return "\n".join(lines)
+
+    def _settings_apart(self) -> str:
+        """The settings in which the two comparisons differ, as ``name: a vs b`` ("" when
+        none does)."""
+        ma, mb = self.a.meta, self.b.meta
+        pairs = [("B", ma.batch_size, mb.batch_size), ("batch_dim", ma.batch_dim, mb.batch_dim),
+                 ("run a's passes of", ma.a_chunk, mb.a_chunk),
+                 ("compared samples", len(ma.samples), len(mb.samples))]
+        for run in ("a", "b"):
+            sa, sb = ma.settings.get(run, {}), mb.settings.get(run, {})
+            pairs += [(f"run {run}'s {key}", sa[key], sb[key]) for key in sa
+                      if key != "label" and key in sb]
+        apart = [f"{name} {x} vs {y}" for name, x, y in pairs if x != y]
+        if not apart:
+            return ""
+        return (f"The two comparisons were made with other settings ({', '.join(apart)}): "
+                f"some changes below may come from them.")
 
     def _other_models(self) -> str:
         """A warning when the two comparisons are not of one model ("" when they are):
