@@ -7,10 +7,15 @@ ops=True`` and ``compare ops='only'``; ratios to ``bare``, and on CUDA the extra
 over the stored rows. ``generation``: ``compare_generate()`` against the bare
 ``generate()`` calls it must make (the padded batch, each prompt alone) for a
 random-init Llama-like model, and ``at(step)`` against the ``generate()`` calls of
-``step + 1`` tokens it makes.
+``step + 1`` tokens it makes. ``prompts``: ``compare(model, Prompts(...))`` of a
+Llama-shaped model (on CUDA the 8B shape, built on the GPU with random weights) with every
+prompt compared, and with two, against the bare passes it must make (each prompt alone,
+the padded batch) and against those plus the independence test's batched passes; the
+first call of each (cold) besides the medians (warm), and on CUDA the extra peak over the
+stored rows.
 
-    python -m benchmarks lm [ops] [generation] [--device cuda] [--repeats 5]
-        [--json out.json]
+    python -m benchmarks lm [ops] [generation] [prompts] [--device cuda] [--repeats 5]
+        [--old CHECKOUT] [--json out.json]
 """
 
 from __future__ import annotations
@@ -26,7 +31,14 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import divtrace
-from benchmarks.common import bare_passes, environment, peak, timed, use_seed_settings
+from benchmarks.common import (
+    bare_passes,
+    environment,
+    load_old,
+    peak,
+    timed,
+    use_seed_settings,
+)
 from divtrace.plan.prompts import pad
 
 #: Per device: the op-site cases (the transformer per sample over the whole batch, as a
@@ -45,11 +57,22 @@ OP_CASES: dict[str, dict[str, dict[str, Any]]] = {
                                        "chunk": 1, "samples": None},
     },
 }
-#: Per device: model size, prompts, new tokens, the step ``at()`` looks at.
+#: Per device: model size (or the prompts' Llama shape), prompts, new tokens, the step
+#: ``at()`` looks at.
 GENERATION: dict[str, dict[str, Any]] = {
     "cpu": {"hidden": 256, "layers": 4, "prompts": 8, "longest": 48, "tokens": 16, "at": 4},
-    "cuda": {"hidden": 1024, "layers": 8, "prompts": 16, "longest": 128, "tokens": 32,
-             "at": 8},
+    "cuda": {"shape": "cuda", "prompts": 8, "shortest": 64, "longest": 512, "tokens": 16,
+             "at": 4},
+}
+
+
+#: Per device: the Llama shape of ``prompts``, its dtype, and the prompts' lengths.
+PROMPTS: dict[str, dict[str, Any]] = {
+    "cpu": {"hidden": 256, "layers": 4, "heads": 8, "kv_heads": 4, "mlp": 704,
+            "vocab": 8000, "dtype": "float32", "prompts": 8, "shortest": 17, "longest": 90},
+    "cuda": {"hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8, "mlp": 14336,
+             "vocab": 128256, "dtype": "bfloat16", "prompts": 8, "shortest": 64,
+             "longest": 512},
 }
 
 
@@ -135,13 +158,19 @@ def generation(device: torch.device, repeats: int) -> dict[str, Any]:
 
     case = GENERATION[device.type]
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=case["hidden"], intermediate_size=case["hidden"] * 11 // 4,
-                         num_hidden_layers=case["layers"], num_attention_heads=8,
-                         num_key_value_heads=4, vocab_size=8000)
-    model = LlamaForCausalLM(config).eval().to(device)
+    if "shape" in case:  # the prompts' Llama shape (on CUDA the 8B one)
+        model: nn.Module = _llama(PROMPTS[case["shape"]], device)
+        vocab = PROMPTS[case["shape"]]["vocab"]
+    else:
+        config = LlamaConfig(hidden_size=case["hidden"],
+                             intermediate_size=case["hidden"] * 11 // 4,
+                             num_hidden_layers=case["layers"], num_attention_heads=8,
+                             num_key_value_heads=4, vocab_size=8000)
+        model, vocab = LlamaForCausalLM(config).eval().to(device), 8000
     generator = torch.Generator().manual_seed(0)
-    lengths = torch.linspace(4, case["longest"], case["prompts"]).round().int().tolist()
-    prompts = [torch.randint(3, 8000, (n,), generator=generator).to(device) for n in lengths]
+    lengths = torch.linspace(case.get("shortest", 4), case["longest"],
+                             case["prompts"]).round().int().tolist()
+    prompts = [torch.randint(3, vocab, (n,), generator=generator).to(device) for n in lengths]
     found = divtrace.compare_generate(model, prompts, max_new_tokens=case["tokens"],
                                       eos_token_id=None, progress=False)
 
@@ -172,19 +201,94 @@ def generation(device: torch.device, repeats: int) -> dict[str, Any]:
     return {"case": case, "seconds": median, "ratios": ratios}
 
 
+def _llama(case: dict[str, Any], device: torch.device) -> nn.Module:
+    """A Llama of ``case``'s shape with random weights, made on ``device`` in its dtype."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=case["hidden"], intermediate_size=case["mlp"],
+                         num_hidden_layers=case["layers"], num_attention_heads=case["heads"],
+                         num_key_value_heads=case["kv_heads"], vocab_size=case["vocab"])
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, case["dtype"]))  # made in it, never in float32
+    try:
+        with device:
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def prompts(device: torch.device, repeats: int, old: Any = None) -> dict[str, Any]:
+    case = PROMPTS[device.type]
+    built: dict[str, nn.Module] = {}
+    made = timed(lambda: built.setdefault("model", _llama(case, device)), device)
+    model = built["model"]
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.linspace(case["shortest"], case["longest"], case["prompts"]).round()
+    given = divtrace.Prompts([torch.randint(3, case["vocab"], (int(n),), generator=generator)
+                              .to(device) for n in lengths.tolist()], padding_side="left")
+
+    def bare() -> None:
+        with torch.no_grad():
+            for i in range(len(given.prompts)):
+                model(**pad(given, i, i + 1)[0])
+            model(**pad(given, 0, len(given.prompts))[0])
+
+    def batched() -> None:
+        with torch.no_grad():
+            model(**pad(given, 0, len(given.prompts))[0])
+
+    ways = {"bare passes": bare, "bare batched pass": batched,
+            "compare, every prompt": lambda: divtrace.compare(model, given, progress=False),
+            "compare, samples=[0, 1]": lambda: divtrace.compare(model, given, samples=[0, 1],
+                                                                 progress=False)}
+    if old is not None:  # an older checkout's call, in the same rotation
+        theirs = old.Prompts(list(given.prompts), padding_side="left")
+        ways["old: compare, every prompt"] = lambda: old.compare(model, theirs,
+                                                                 progress=False)
+    cold = {way: timed(fn, device) for way, fn in ways.items()}  # the first call of each
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    for _ in range(repeats):
+        for way, fn in ways.items():
+            times[way].append(timed(fn, device))
+    median = {way: statistics.median(t) for way, t in times.items()}
+    result = divtrace.compare(model, given, progress=False)
+    tested = int(result.meta.notes.get("independence", {}).get("passes", 0))
+    with_test = median["bare passes"] + tested * median["bare batched pass"]
+    row: dict[str, Any] = {
+        "case": case, "built_s": made, "sites": len(result.table), "test_passes": tested,
+        "cold": cold, "seconds": median, "stored_bytes": result.meta.stored_bytes,
+        "ratio": {"every prompt / bare passes": median["compare, every prompt"]
+                  / median["bare passes"],
+                  "every prompt / bare passes and the test's": median["compare, every prompt"]
+                  / with_test,
+                  "cold / warm (every prompt)": cold["compare, every prompt"]
+                  / median["compare, every prompt"]}}
+    if old is not None:
+        row["ratio"]["this / old (every prompt)"] = (median["compare, every prompt"]
+                                                     / median["old: compare, every prompt"])
+    if device.type == "cuda":
+        bare_peak, _ = peak(bare, device)
+        used, _ = peak(lambda: divtrace.compare(model, given, progress=False), device)
+        row["extra_over_stored"] = (used - bare_peak) / max(result.meta.stored_bytes, 1)
+    return row
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks lm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("parts", nargs="*", metavar="{ops,generation}",
-                        help="what to measure (default: both)")
+    parser.add_argument("parts", nargs="*", metavar="{ops,generation,prompts}",
+                        help="what to measure (default: all three)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--old", type=Path, help="prompts: also time an older checkout")
     args = parser.parse_args(argv)
-    parts = args.parts or ["ops", "generation"]
-    unknown = sorted(set(parts) - {"ops", "generation"})
+    parts = args.parts or ["ops", "generation", "prompts"]
+    unknown = sorted(set(parts) - {"ops", "generation", "prompts"})
     if unknown:
-        parser.error(f"unknown parts {unknown}; choose from ops, generation")
+        parser.error(f"unknown parts {unknown}; choose from ops, generation, prompts")
     device = torch.device(args.device)
     use_seed_settings(device)
     env = environment(device)
@@ -210,6 +314,18 @@ def main(argv: list[str]) -> int:
             print(f"  {way}: {seconds:.3f} s")
         for way, ratio in made["ratios"].items():
             print(f"  {way} / its bare generate() calls: {ratio:.2f}×")
+    if "prompts" in parts:
+        made = found["prompts"] = prompts(device, args.repeats,
+                                          load_old(args.old) if args.old else None)
+        print(f"prompts case: {made['case']}; {made['sites']} sites; model built in "
+              f"{made['built_s']:.2f} s; the independence test ran {made['test_passes']} "
+              f"batched passes")
+        for way, seconds in made["seconds"].items():
+            print(f"  {way}: {seconds:.3f} s (first call {made['cold'][way]:.3f} s)")
+        for way, ratio in made["ratio"].items():
+            print(f"  {way}: {ratio:.2f}×")
+        if "extra_over_stored" in made:
+            print(f"  extra peak / stored rows: {made['extra_over_stored']:.3f}")
     if args.json:
         args.json.write_text(json.dumps(found, indent=1))
     return 0

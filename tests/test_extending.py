@@ -23,7 +23,7 @@ from divtrace.assembly import parts_for
 from divtrace.explain.probe import Context, TableView
 from divtrace.measure.figures import Figure, SiteFields
 from divtrace.measure.host import Deferred
-from divtrace.measure.meter import Measured
+from divtrace.measure.measured import Measured
 from divtrace.pipeline import execute
 from divtrace.plan.make import make_plan
 from divtrace.record.recorder import Recorder, Sink, Tracker

@@ -74,3 +74,28 @@ def test_rows_that_do_not_start_on_a_word() -> None:
     base = torch.randn(4, 9)
     inner = base[1:, 1:]  # starts 40 bytes in, rows of 32 bytes 36 apart
     assert torch.equal(prints(inner), prints(inner.clone()))
+
+
+def _blocks(device: str) -> list[torch.Tensor]:
+    """Blocks of many lengths and dtypes: short, empty, beyond a period of the weights,
+    rows that do not start on a word, rows of several samples."""
+    generator = torch.Generator().manual_seed(1)
+    made = [torch.randn(1, n, generator=generator) for n in (3, 17, 1, 0, 40_000, 65_541)]
+    made += [torch.randn(3, 7, generator=generator).to(torch.bfloat16),
+             torch.randn(2, 5, generator=generator).double(),
+             torch.randn(1, 70_001, generator=generator)[:, 1:], torch.randn(2, 0),
+             torch.randint(0, 9, (2, 11), generator=generator)]
+    return [b.to(device) for b in made]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_many_blocks_at_once_give_each_blocks_own_fingerprints(device: str) -> None:
+    blocks = _blocks(device)
+    printer = Fingerprints()
+    alone = torch.cat([printer.of(b) for b in blocks])
+    together = printer.of_many(blocks)
+    assert together.device.type == device
+    assert torch.equal(together.cpu(), alone.cpu())
+    assert torch.equal(printer.of_many(blocks[:1]).cpu(), printer.of(blocks[0]).cpu())
+    assert torch.equal(printer.of_many([torch.zeros(3, 0, device=device)]).cpu(),
+                       torch.zeros(3, dtype=torch.int64))

@@ -19,7 +19,7 @@ from divtrace.explain.probe import Context, Judged, Probe, TableView, sums
 from divtrace.measure.fields import INDEX
 from divtrace.measure.figures import rel_l2
 from divtrace.measure.host import Deferred
-from divtrace.measure.meter import CallRecord, LeafCall
+from divtrace.measure.measured import CallRecord, LeafCall
 from divtrace.measure.scale import ratio
 from divtrace.plan.checks import patterns
 from divtrace.record.lineage import Origin

@@ -12,7 +12,7 @@ from divtrace.align.status import Status, comparable
 from divtrace.errors import DivtraceTypeError
 from divtrace.explain.probe import Context, Judged, Probe
 from divtrace.measure.block import bit_equal
-from divtrace.measure.meter import Measured
+from divtrace.measure.measured import Measured
 
 __all__ = ["HOOK_SENSITIVE", "Observer"]
 

@@ -28,7 +28,8 @@ from torch import nn
 from divtrace.align.sites import CONSTANT, INPUT, site_key
 from divtrace.measure.fields import INDEX
 from divtrace.measure.host import Host
-from divtrace.measure.meter import CallRecord, LeafCall, Measured, Meter
+from divtrace.measure.measured import CallRecord, LeafCall, Measured
+from divtrace.measure.meter import Meter
 from divtrace.measure.scale import common_arrays
 from divtrace.progress import Progress
 from divtrace.record.lineage import Origin

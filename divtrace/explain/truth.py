@@ -12,7 +12,7 @@ from divtrace.align.ragged import joined
 from divtrace.explain.probe import Context, Judged, Probe, Settings, TableView
 from divtrace.explain.rounding import CHECK, budget
 from divtrace.measure.host import Deferred
-from divtrace.measure.meter import Measured
+from divtrace.measure.measured import Measured
 from divtrace.plan.prompts import RaggedInput
 from divtrace.plan.runs import Run
 from divtrace.record.ragged import RaggedStore

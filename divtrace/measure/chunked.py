@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from divtrace.align.status import Status
-from divtrace.measure.meter import CallRecord, Measured, Meter
+from divtrace.measure.measured import CallRecord, Measured
+from divtrace.measure.meter import Meter
 from divtrace.record.lineage import Origin
 from divtrace.record.rows import RowStore
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-__all__ = ["Deferred", "Host"]
+__all__ = ["Deferred", "Host", "Joined"]
 
 
 class Deferred:
@@ -26,6 +26,22 @@ class Deferred:
     def get(self) -> np.ndarray:
         """The host copy (after :meth:`Host.fetch`)."""
         return self._host.array(self._index)
+
+
+class Joined(Deferred):
+    """Several places' host copies, end to end along the first dimension (e.g. one site's
+    rows, measured in several groups)."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, parts: list[Deferred]) -> None:
+        first = parts[0]
+        super().__init__(first._host, first.index)
+        self._parts = parts
+
+    def get(self) -> np.ndarray:
+        arrays = [part.get() for part in self._parts]
+        return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
 class Host:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -15,9 +13,10 @@ from divtrace.align.sites import Site, input_site
 from divtrace.align.status import Status, comparable, status_of
 from divtrace.measure.elements import argmax, elementwise
 from divtrace.measure.host import Deferred, Host
+from divtrace.measure.measured import CallRecord, LeafCall, Measured
 from divtrace.measure.pair import pair_fields
 from divtrace.measure.prints import Fingerprints
-from divtrace.measure.queue import FusedQueue, StatsQueue, budget_for
+from divtrace.measure.queue import QUEUE_WIDTH, FusedQueue, StatsQueue, budget_for
 from divtrace.measure.scale import WIDE, common
 from divtrace.measure.stats import (
     lower_precision,
@@ -40,65 +39,15 @@ _TEMP_SHARE = 0.05
 _MIN_BLOCK = 1 << 20
 #: On the CPU, blocks of this many elements keep the temporaries in cache.
 _CPU_BLOCK = 1 << 18
+#: Several blocks of at most this many words in all get their fingerprints in one sum
+#: (its temporaries: three int64 tensors as long as the words).
+_MANY_PRINTS = 1 << 22
 
 
 def _without_train_mode(module: nn.Module) -> bool:
     """A module whose forward pass does not read its ``training`` flag: PyTorch's quantized
     layers (``quantize_dynamic`` leaves them flagged as training)."""
     return type(module).__module__.startswith("torch.ao.nn.quantized")
-
-
-@dataclass
-class Measured:
-    """One site of the measured run: what it is and, if it could be compared, its stats."""
-
-    site: Site
-    status: Status
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    stats: Deferred | None = None  # [samples, len(FIELDS)]
-    flips: Deferred | None = None  # [samples] argmax flips, for 2-D model outputs
-    #: for floating model outputs: the element-wise view (see :func:`elementwise`)
-    elements_view: Deferred | None = None
-    kept: torch.Tensor | None = None  # the measured run's rows, when kept
-    #: for prompts of different lengths, the kept rows as one tensor per compared prompt
-    kept_parts: list[torch.Tensor] | None = None
-    #: compared elements per sample, where they differ from sample to sample (prompts of
-    #: different lengths); None: the shape's elements over the batch
-    elements: tuple[int, ...] | None = None
-    #: the compared rows' fingerprints (:mod:`~divtrace.measure.prints`), when asked for
-    prints: torch.Tensor | None = None
-    #: for prompts of different lengths, the shape of each compared prompt's part
-    part_shapes: tuple[tuple[int, ...], ...] | None = None
-
-    def per_sample(self, batch: int) -> int | np.ndarray:
-        """The compared elements of each sample (one number when all are equal)."""
-        if self.elements is not None:
-            return np.asarray(self.elements)
-        return math.prod(self.shape) // batch
-
-
-@dataclass
-class CallRecord:
-    """A leaf module call of the measured run: where each input came from, and, for an
-    input no observed module made, its own comparison."""
-
-    inputs: list[tuple[Origin, str | None, Measured | None]]
-
-
-@dataclass(frozen=True)
-class LeafCall:
-    """A leaf call of the measured run, as its hook sees it: a leaf module's call (after
-    it ran) or an op's (before it runs: ``output`` is None)."""
-
-    site: Site
-    run: Callable[..., Any]  # the module, or the op
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    output: Any
-    parts: list[InputPart]
-    tracker: Tracker
-    training: bool = False  # the module is in train mode
 
 
 #: Told of each measured site: ``(measured, tensor, rows)`` — the whole batch's tensor
@@ -242,6 +191,9 @@ class Meter(Sink):
         """``[k, ...]`` rows (or several such blocks, one after the other) → their ``[k]``
         fingerprints, in blocks as wide as the statistics'."""
         blocks = rows if isinstance(rows, list) else [rows]
+        if len(blocks) > 1 and sum(b.numel() * b.element_size() for b in blocks) <= (
+                8 * _MANY_PRINTS):  # one sum over every block's words (a few launches)
+            return self.printer.of_many(blocks)
         found = [self.printer.of(b, _CPU_BLOCK if b.device.type == "cpu" else self._budget)
                  for b in blocks]
         return found[0] if len(found) == 1 else torch.cat(found)
@@ -310,19 +262,34 @@ class Meter(Sink):
         """The site's fields, queued to be computed with other small sites', and the copy
         of its compared rows the queue holds; ``(None, None)`` when it is measured on its
         own."""
+        queue = self._queue_of(tensor.dtype, rows, QUEUE_WIDTH)
+        if queue is None:
+            return None, None
         n = rows.shape[0]  # (stored rows: the compared samples first)
-        if tensor.dtype != rows.dtype or not n or tensor.dtype in WIDE:  # WIDE: scaled
-            return None, None
-        queue: StatsQueue | FusedQueue
-        if self._queue.takes(rows.device, rows.numel() // n, _CPU_BLOCK // n):
-            queue = self._queue
-        elif self._fused.takes(rows):
-            queue = self._fused
-        else:
-            return None, None
         picked = self.store.pick(tensor)  # a copy: later ops cannot change it
         rtol, atol = self._tolerances(tensor.dtype)
         return queue.add(picked.reshape(n, -1), rows.reshape(n, -1), rtol, atol), picked
+
+    def queued_pair(self, b: torch.Tensor, r: torch.Tensor) -> Deferred | None:
+        """The fields of one ``[rows, elements]`` pair (``b``: the measured run's rows, a
+        view; ``r``: the reference run's, never written), queued with other sites' on the
+        CPU (``b`` copied first) as one block the per-site path would measure in one
+        piece; None where the pair is measured on its own. For the many small pairs of one
+        site (a prompt each), whatever their width."""
+        if b.device.type != "cpu" or self._queue_of(b.dtype, r, _CPU_BLOCK) is None:
+            return None
+        return self._queue.add(b.clone(), r, *self._tolerances(b.dtype))
+
+    def _queue_of(self, dtype: torch.dtype, rows: torch.Tensor, widest: int
+                  ) -> StatsQueue | FusedQueue | None:
+        """The queue that takes a pair of ``dtype`` against the stored ``rows`` (the CPU's
+        for rows of at most ``widest`` elements), or None."""
+        n = rows.shape[0]
+        if dtype != rows.dtype or not n or dtype in WIDE:  # WIDE: scaled
+            return None
+        if self._queue.takes(rows.device, rows.numel() // n, _CPU_BLOCK // n, widest):
+            return self._queue
+        return self._fused if self._fused.takes(rows) else None
 
     def stats(self, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Per-sample statistics of the compared rows of ``tensor`` against ``rows``."""

@@ -9,7 +9,8 @@ import torch
 from divtrace.align.sites import Site
 from divtrace.align.status import Status, comparable
 from divtrace.measure.host import Deferred, Host
-from divtrace.measure.meter import Measured, Meter
+from divtrace.measure.measured import Measured
+from divtrace.measure.meter import Meter
 from divtrace.plan.prompts import Layout
 from divtrace.record.recorder import Sink
 from divtrace.record.stored import runs_of

@@ -15,10 +15,12 @@ counts equal values as equal confirms a difference by comparing the values.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 
+from divtrace.devices import upload
 from divtrace.measure import fused
 
 __all__ = ["Fingerprints"]
@@ -26,6 +28,9 @@ __all__ = ["Fingerprints"]
 #: The weights repeat their pattern every this many words, each repetition's sum times
 #: another odd number.
 _PERIOD = 1 << 15
+#: :meth:`Fingerprints.of_many` keeps the weights of row layouts it saw, up to this many
+#: words in all (256 MiB).
+_LAID_OUT = 1 << 25
 
 
 def _signed(value: int) -> int:
@@ -65,6 +70,10 @@ class Fingerprints:
     """Computes fingerprints of rows (holds each device's table of weights)."""
 
     _tables: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    _long: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    _layouts: dict[tuple[torch.device, tuple[int, ...]],
+                   tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict)
 
     def of(self, rows: torch.Tensor, width: int = 1 << 18) -> torch.Tensor:
         """``[k, ...]`` rows → ``[k]`` int64 fingerprints, on the rows' device; ``width``:
@@ -94,6 +103,55 @@ class Fingerprints:
                                     device=rows.device) + (1 << 40))
             total += (torch.cat(sums, 1) * odd).sum(1)
         return total
+
+    def of_many(self, blocks: list[torch.Tensor]) -> torch.Tensor:
+        """The fingerprints of the rows of several ``[k, ...]`` blocks, one after the
+        other: those :meth:`of` gives block by block, from one sum over all their words
+        (each word times its weight in its own row; sums modulo 2**64 do not depend on
+        the grouping). A few launches for all the blocks, not a few per block."""
+        device = blocks[0].device
+        words, counts = [], []
+        for b in blocks:
+            if b.numel():
+                words.append(_words(b.reshape(b.shape[0], -1)))
+            counts += [words[-1].shape[1] if b.numel() else 0] * b.shape[0]
+        total = torch.zeros(len(counts), dtype=torch.int64, device=device)
+        if not sum(counts):
+            return total
+        flat = torch.cat([w.reshape(-1) for w in words])
+        weight, ends, starts = self._laid_out(device, tuple(counts))
+        summed = torch.cat([total[:1], (flat * weight).cumsum(0)])  # a row's sum: the
+        return summed.index_select(0, ends) - summed.index_select(0, starts)  # two ends'
+
+    def _laid_out(self, device: torch.device, counts: tuple[int, ...]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For rows of ``counts`` words end to end: each word's weight, and where each row
+        ends and starts in the running sum; kept for the next rows alike (the layers of a
+        model repeat their shapes), up to :data:`_LAID_OUT` words in all."""
+        key = (device, counts)
+        found = self._layouts.get(key)
+        if found is None:
+            weights = self._weights(device, max(counts))
+            edges = upload(torch.tensor([0, *itertools.accumulate(counts)],
+                                        dtype=torch.int64), device)
+            found = (torch.cat([weights[:n] for n in counts]), edges[1:], edges[:-1])
+            held = sum(len(w) for w, _, _ in self._layouts.values())
+            if held + len(found[0]) <= _LAID_OUT:
+                self._layouts[key] = found
+        return found
+
+    def _weights(self, device: torch.device, n: int) -> torch.Tensor:
+        """The weight of each of the first ``n`` word positions of a row (at least):
+        position ``j``'s table entry times its repetition's odd number, as :meth:`of`
+        applies them."""
+        held = self._long.get(device)
+        if held is None or len(held) < n:
+            size = max(n, 2 * len(held) if held is not None else _PERIOD)
+            periods = -(-size // _PERIOD)
+            odd = _mix(torch.arange(periods, dtype=torch.int64, device=device) + (1 << 40))
+            held = self._long[device] = (self._table(device).repeat(periods)
+                                         * odd.repeat_interleave(_PERIOD))
+        return held
 
     def _table(self, device: torch.device) -> torch.Tensor:
         table = self._tables.get(device)

@@ -86,11 +86,12 @@ class StatsQueue(_Queue):
     """Small CPU sites, measured by one ``block_stats`` per dtype, tolerance and row width
     (in parts of whole sites)."""
 
-    def takes(self, device: torch.device, width: int, single: int) -> bool:
+    def takes(self, device: torch.device, width: int, single: int,
+              widest: int = QUEUE_WIDTH) -> bool:
         """Whether a pair of rows of ``width`` elements on ``device`` is one to queue: a
-        small CPU block that the per-site path would measure in one piece (rows of at most
-        ``single`` elements)."""
-        return device.type == "cpu" and 0 < width <= min(QUEUE_WIDTH, single)
+        CPU block of rows of at most ``widest`` elements that the per-site path would
+        measure in one piece (rows of at most ``single`` elements)."""
+        return device.type == "cpu" and 0 < width <= min(widest, single)
 
     def add(self, b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> Deferred:
         """Queues the pair (see :class:`_Queue`)."""

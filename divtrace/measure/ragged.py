@@ -9,9 +9,11 @@ import torch
 
 from divtrace.align.sites import Site
 from divtrace.align.status import Status, comparable
+from divtrace.measure import fused
 from divtrace.measure.fields import FIELDS
-from divtrace.measure.host import Host
-from divtrace.measure.meter import Measured, Meter
+from divtrace.measure.host import Deferred, Host, Joined
+from divtrace.measure.measured import Measured
+from divtrace.measure.meter import Meter
 from divtrace.measure.scale import WIDE, common
 from divtrace.plan.prompts import Layout
 from divtrace.record.oplineage import per_sample
@@ -19,6 +21,7 @@ from divtrace.record.rows import RowStore
 from divtrace.record.stored import StoredRows
 
 __all__ = ["RaggedMeter"]
+
 
 
 @dataclass
@@ -50,7 +53,7 @@ class RaggedMeter(Meter):
         if prints is not None:
             measured.prints = torch.cat(prints)
             measured.part_shapes = tuple(tuple(p.shape) for p in stored.parts if p is not None)
-        measured.stats = self.host.add(found[0])
+        measured.stats = found[0]
         measured.elements = found[1]
         for watcher in self.site_watchers:  # no stored rows of one shape to hand on
             watcher(measured, usable, usable.new_empty(0))
@@ -69,42 +72,73 @@ class RaggedMeter(Meter):
         return RaggedMeter(store, self.batch, host or self.host, self.rtol, self.atol,
                            lineage=False, views=False, layout=self.layout)
 
-    def _parts_stats(self, tensor: torch.Tensor, parts: list[torch.Tensor | None],
-                     kept: list[torch.Tensor] | None = None,
-                     prints: list[torch.Tensor] | None = None
-                     ) -> tuple[torch.Tensor, tuple[int, ...]] | None:
-        """Per compared prompt: the statistics of its real tokens in ``tensor`` against its
-        recorded part, and their element counts; None if a shape does not line up.
-        ``kept``, ``prints``: also collect copies of the real tokens, their fingerprints."""
+    def _pairs(self, tensor: torch.Tensor, parts: list[torch.Tensor | None]
+               ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Per compared prompt: its real tokens in ``tensor`` and its recorded part, each
+        as one row (views where they can be); None if a shape does not line up."""
         layout = self.layout
         assert layout is not None
-        found, elements = [], []
+        pairs = []
         for slot, sample in enumerate(self.store.samples):
             r = parts[slot]
             assert r is not None
             b = layout.tokens(tensor, sample, tuple(r.shape))
             if b.shape != r.shape:
                 return None
-            if kept is not None:
-                kept.append(b.to(r.device, copy=True))
-            if prints is not None:
-                prints.append(self.fingerprints(b.unsqueeze(0)))
-            if b.numel() == 0:  # no real token there yet (an empty cache): nothing compared
-                found.append(torch.zeros(1, len(FIELDS), dtype=torch.float64, device=b.device))
-            else:
-                found.append(self.pair_stats(b.reshape(1, -1),
-                                             r.to(b.device).reshape(1, -1)))
-            elements.append(b.numel())
-        stats = torch.cat(found)
-        return (common(stats) if tensor.dtype in WIDE else stats), tuple(elements)
+            pairs.append((b, r))
+        return pairs
+
+    def _parts_stats(self, tensor: torch.Tensor, parts: list[torch.Tensor | None],
+                     kept: list[torch.Tensor] | None = None,
+                     prints: list[torch.Tensor] | None = None
+                     ) -> tuple[Deferred, tuple[int, ...]] | None:
+        """Per compared prompt: the statistics of its real tokens in ``tensor`` against its
+        recorded part (on the host after its fetch), and their element counts; None if a
+        shape does not line up. ``kept``, ``prints``: also collect copies of the real
+        tokens, their fingerprints (one sum for every prompt)."""
+        pairs = self._pairs(tensor, parts)
+        if pairs is None:
+            return None
+        if kept is not None:
+            kept.extend(b.to(r.device, copy=True) for b, r in pairs)
+        if prints is not None:
+            prints.append(self.fingerprints([b.unsqueeze(0) for b, _ in pairs]))
+        elements = tuple(b.numel() for b, _ in pairs)
+        rows = [(b.reshape(1, -1), (r if r.device == b.device else r.to(b.device))
+                 .reshape(1, -1)) for b, r in pairs]
+        if tensor.dtype in WIDE:  # every prompt's sums at one scale
+            return self.host.add(common(torch.cat([self._alone(*p) for p in rows]))), elements
+        found: list[Deferred | None] = [self.queued_pair(b, r) if b.shape[1] else None
+                                        for b, r in rows]
+        together = [i for i, (b, r) in enumerate(rows) if found[i] is None
+                    and b.shape[1] > 1 and b.dtype == r.dtype and fused.supports(b)]
+        if len(together) > 1:  # one launch for these prompts, each its own figures
+            placed = fused.fused_many_placed([rows[i] for i in together],
+                                             *self._tolerances(tensor.dtype))
+            for i, (fields, span) in zip(together, placed, strict=True):
+                place = found[i] = self.host.reserve()
+                self.host.put(place, fields, span)
+        return Joined([place if place is not None else self.host.add(self._alone(*rows[i]))
+                       for i, place in enumerate(found)]), elements
+
+    def _alone(self, b: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """One prompt's ``[1, fields]``; a prompt without a real token yet (an empty cache)
+        compares nothing."""
+        if b.numel() == 0:
+            return torch.zeros(1, len(FIELDS), dtype=torch.float64, device=b.device)
+        return self.pair_stats(b, r)
 
     def stats_at(self, key: str, tensor: torch.Tensor) -> torch.Tensor | None:
         stored = self.store.rows.get(key)
         if stored is None or stored.parts is None or (
                 self._status(tensor, stored.dtype) != Status.OK):
             return None
-        found = self._parts_stats(tensor, stored.parts)
-        return None if found is None else found[0]
+        pairs = self._pairs(tensor, stored.parts)
+        if pairs is None:
+            return None
+        stats = torch.cat([self._alone(b.reshape(1, -1), r.to(b.device).reshape(1, -1))
+                           for b, r in pairs])
+        return common(stats) if tensor.dtype in WIDE else stats
 
     def with_reference(self, leaf: torch.Tensor, stored: StoredRows, op: bool
                        ) -> torch.Tensor | None:

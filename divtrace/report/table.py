@@ -21,7 +21,8 @@ from divtrace.explain.registry import PROBES
 from divtrace.measure.elements import ELEMENTWISE
 from divtrace.measure.figures import FIGURES, Figure, many_site_figures
 from divtrace.measure.host import Host
-from divtrace.measure.meter import Measured, Meter
+from divtrace.measure.measured import Measured
+from divtrace.measure.meter import Meter
 from divtrace.plan.make import Plan
 from divtrace.record.rows import RowStore
 from divtrace.report.comparison import Comparison, Origin
