@@ -31,6 +31,8 @@ _PERIOD = 1 << 15
 #: :meth:`Fingerprints.of_many` keeps the weights of row layouts it saw, up to this many
 #: words in all (256 MiB).
 _LAID_OUT = 1 << 25
+#: Rows of more words than this get their fingerprints without a weight per word.
+_LONG_ROWS = 1 << 22
 
 
 def _signed(value: int) -> int:
@@ -110,6 +112,8 @@ class Fingerprints:
         (each word times its weight in its own row; sums modulo 2**64 do not depend on
         the grouping). A few launches for all the blocks, not a few per block."""
         device = blocks[0].device
+        if device.type == "cpu":  # each block's words times their weights, summed: on the
+            return self._summed(blocks)  # CPU cheaper than one running sum over them all
         words, counts = [], []
         for b in blocks:
             if b.numel():
@@ -122,6 +126,19 @@ class Fingerprints:
         weight, ends, starts = self._laid_out(device, tuple(counts))
         summed = torch.cat([total[:1], (flat * weight).cumsum(0)])  # a row's sum: the
         return summed.index_select(0, ends) - summed.index_select(0, starts)  # two ends'
+
+    def _summed(self, blocks: list[torch.Tensor]) -> torch.Tensor:
+        """:meth:`of_many` block by block, each block's words times the weights of their
+        positions, summed along its rows (two operations a block)."""
+        found = []
+        for b in blocks:
+            width = -(-b.numel() // max(b.shape[0], 1) * b.element_size() // 8)  # words
+            if not b.numel() or width > _LONG_ROWS:  # (of: without a weight per word)
+                found.append(self.of(b))
+                continue
+            words = _words(b.reshape(b.shape[0], -1))
+            found.append((words * self._weights(b.device, width)[:words.shape[1]]).sum(1))
+        return torch.cat(found)
 
     def _laid_out(self, device: torch.device, counts: tuple[int, ...]
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
