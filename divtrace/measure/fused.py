@@ -18,6 +18,7 @@ import torch
 
 from divtrace.devices import upload
 from divtrace.measure.fields import FIELDS, INDEX
+from divtrace.measure.graphed import reductions_for
 from divtrace.measure.stats import reduce_blocks
 
 try:  # Triton ships with PyTorch's CUDA builds; without it the eager path is used
@@ -274,7 +275,14 @@ def fused_many_placed(pairs: list[tuple[torch.Tensor, torch.Tensor]], rtol: floa
     for key, (rows, _, blocks) in zip(keys, shapes, strict=True):
         held[key] = (held.get(key, (0, 0))[0] + rows, blocks)
     outs = {key: torch.empty((rows, blocks, len(FIELDS)), dtype=torch.float64,
-                             device=device) for key, (rows, blocks) in held.items()}
+                             device=device) for key, (rows, blocks) in held.items()
+            if key > 0}
+    alone = [key for key in keys if key < 0]  # combined one by one: from a graph where
+    graphed = reductions_for(device, tuple(held[key] for key in alone)) if len(
+        alone) > 1 else None  # several are (the same kernels, one launch)
+    for index, key in enumerate(alone):
+        outs[key] = (graphed.partials[index] if graphed is not None else torch.empty(
+            (*held[key], len(FIELDS)), dtype=torch.float64, device=device))
     taken = dict.fromkeys(outs, 0)
     spans: list[tuple[int, int, int]] = []  # the pair's buffer, its rows in it
     kinds: dict[tuple[bool, ...], list[int]] = {}
@@ -293,9 +301,18 @@ def fused_many_placed(pairs: list[tuple[torch.Tensor, torch.Tensor]], rtol: floa
     for kind, members in kinds.items():
         _launch([records[i] for i in members], [shapes[i][0] * shapes[i][2] for i in members],
                 kind, device, dtype, rtol, atol)
-    fields = {key: out[:, 0] if key == 1 else reduce_blocks(out, 1)
-              for key, out in outs.items()}
+    if graphed is not None:
+        reduced = graphed.replay()
+        placed = dict(zip(alone, graphed.spans, strict=True))
+        return [(reduced, placed[key]) if key < 0 else (
+            out_fields(outs[key], key), (lo, hi)) for key, lo, hi in spans]
+    fields = {key: out_fields(out, key) for key, out in outs.items()}
     return [(fields[key], (lo, hi)) for key, lo, hi in spans]
+
+
+def out_fields(out: torch.Tensor, key: int) -> torch.Tensor:
+    """A buffer's ``[rows, blocks, fields]`` partial blocks combined (one block: as is)."""
+    return out[:, 0] if key == 1 else reduce_blocks(out, 1)
 
 
 def _launch(records: list[tuple[int, ...]], programs: list[int], kind: tuple[bool, ...],

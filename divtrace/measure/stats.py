@@ -75,10 +75,15 @@ def mixed_stats(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> t
     return out
 
 
-def reduce_blocks(stacked: torch.Tensor, dim: int) -> torch.Tensor:
+def reduce_blocks(stacked: torch.Tensor, dim: int, out: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """Combines statistics of column blocks stacked along ``dim`` (the fields last): the
-    sums add up, the maxima take the largest (three ops, whatever the fields)."""
-    return torch.where(_max_mask(stacked.device), stacked.amax(dim), stacked.sum(dim))
+    sums add up, the maxima take the largest (three ops, whatever the fields); into
+    ``out`` when given."""
+    mask = _max_mask(stacked.device)
+    if out is None:
+        return torch.where(mask, stacked.amax(dim), stacked.sum(dim))
+    return torch.where(mask, stacked.amax(dim), stacked.sum(dim), out=out)
 
 
 _MASKS: dict[torch.device, torch.Tensor] = {}
