@@ -39,7 +39,7 @@ print("fused == eager")
 
 PRINTS = r"""
 import torch
-from divtrace.measure import fused as kernels
+from divtrace.measure import printkernels as kernels
 from divtrace.measure.prints import _PERIOD, Fingerprints, _words
 g = torch.Generator().manual_seed(0)
 for shape in [(3, 5), (2, 4096), (2, 70_001), (1, 2 * _PERIOD + 3)]:
@@ -50,6 +50,14 @@ for shape in [(3, 5), (2, 4096), (2, 70_001), (1, 2 * _PERIOD + 3)]:
     changed = rows.clone()
     changed[-1, -1] += 1
     assert not torch.equal(kernels.fused_prints(_words(changed), _PERIOD), eager)
+# many rows, each its own address and length (and empty ones): one launch for all
+blocks = [torch.randn(1, n, generator=g) for n in (3, 17, 1, 40_000, 2 * _PERIOD + 5)]
+blocks += [torch.randn(3, 7, generator=g).to(torch.bfloat16),
+           torch.randn(1, 7001, generator=g)[:, 1:]]
+eager = torch.cat([Fingerprints().of(b) for b in blocks])
+words = [_words(b.reshape(b.shape[0], -1)) for b in blocks]
+many = kernels.fused_many_prints(words + [torch.empty(2, 0, dtype=torch.int64)], _PERIOD)
+assert torch.equal(many[:-2], eager) and not many[-2:].any(), (many, eager)
 print("prints == eager")
 """
 

@@ -27,11 +27,12 @@ try:  # Triton ships with PyTorch's CUDA builds; without it the eager path is us
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 
-__all__ = ["AVAILABLE", "fused_many", "fused_many_placed", "fused_prints", "fused_stats",
-           "supports"]
+__all__ = ["AVAILABLE", "BLOCK", "fused_many", "fused_many_placed", "fused_stats", "supports"]
 
 AVAILABLE = triton is not None
-_BLOCK = 2048
+#: Elements a program of the kernels reads.
+BLOCK = 2048
+_BLOCK = BLOCK
 #: The fields this kernel computes.
 KERNEL_FIELDS = frozenset({"mismatch", "nonfinite", "exceed", "max_abs", "sum_abs", "sq_diff",
                            "sq_ref", "sq_out", "dot", "max_ulp", "scale"})
@@ -164,45 +165,6 @@ if AVAILABLE:
                 n_cols, stride_b, stride_r, n_blocks, rtol, atol, BLOCK, BITS, N_FIELDS,
                 MISMATCH, NONFINITE, EXCEED, MAX_ABS, SUM_ABS, SQ_DIFF, SQ_REF, SQ_OUT, DOT,
                 MAX_ULP, SCALE)
-
-
-if AVAILABLE:
-
-    @triton.jit
-    def _mix(i):
-        """:func:`divtrace.measure.prints._mix`, the same wrapping arithmetic."""
-        x = i * -7046029254386353131 + -4658895280553007687
-        x = (x ^ (x >> 30)) * -7723592293110705685
-        x = (x ^ (x >> 27)) * -4658895280553007687
-        return (x ^ (x >> 31)) | 1
-
-    @triton.jit
-    def _prints_kernel(words_ptr, out_ptr, n_words, stride, n_blocks, BLOCK: tl.constexpr,
-                       PERIOD: tl.constexpr):
-        """Block ``blk`` of row ``row``: its words times their weights, summed (modulo
-        2**64), written to its place in ``out_ptr``."""
-        row = tl.program_id(0)
-        blk = tl.program_id(1)
-        cols = blk * BLOCK + tl.arange(0, BLOCK)
-        inside = cols < n_words
-        word = tl.load(words_ptr + row * stride + cols, mask=inside, other=0)
-        j = cols.to(tl.int64)
-        weight = _mix(j % PERIOD) * _mix(j // PERIOD + (1 << 40))
-        tl.store(out_ptr + row * n_blocks + blk, tl.sum(word * weight, axis=0))
-
-
-def fused_prints(words: torch.Tensor, period: int) -> torch.Tensor:
-    """Fingerprints of ``[rows, words]`` int64 words on a CUDA device (the weights of
-    :mod:`~divtrace.measure.prints`), in two launches."""
-    if words.stride(1) != 1:
-        words = words.contiguous()
-    rows, n = words.shape
-    n_blocks = max(1, triton.cdiv(n, _BLOCK))
-    partial = torch.empty((rows, n_blocks), dtype=torch.int64, device=words.device)
-    with torch.cuda.device(words.device) if words.is_cuda else contextlib.nullcontext():
-        _prints_kernel[(rows, n_blocks)](words, partial, n, words.stride(0), n_blocks,
-                                         BLOCK=_BLOCK, PERIOD=period)
-    return partial.sum(1)
 
 
 #: Triton's names of the dtypes the kernels read.

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from divtrace.devices import upload
-from divtrace.measure import fused
+from divtrace.measure import fused, printkernels
 
 __all__ = ["Fingerprints"]
 
@@ -87,7 +87,7 @@ class Fingerprints:
             return total
         words = _words(rows.reshape(k, -1))
         if words.is_cuda and fused.AVAILABLE:  # one kernel, no temporaries
-            return fused.fused_prints(words, _PERIOD)
+            return printkernels.fused_prints(words, _PERIOD)
         n = words.shape[1]
         step = max(_PERIOD, width // k // _PERIOD * _PERIOD)
         table = self._table(rows.device)
@@ -114,6 +114,11 @@ class Fingerprints:
         device = blocks[0].device
         if device.type == "cpu":  # each block's words times their weights, summed: on the
             return self._summed(blocks)  # CPU cheaper than one running sum over them all
+        if device.type == "cuda" and fused.AVAILABLE:  # one launch for every row
+            return printkernels.fused_many_prints(
+                [_words(b.reshape(b.shape[0], -1)) if b.numel() else torch.empty(
+                    b.shape[0], 0, dtype=torch.int64, device=device) for b in blocks],
+                _PERIOD)
         words, counts = [], []
         for b in blocks:
             if b.numel():
