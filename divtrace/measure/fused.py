@@ -32,7 +32,6 @@ __all__ = ["AVAILABLE", "BLOCK", "fused_many", "fused_many_placed", "fused_stats
 AVAILABLE = triton is not None
 #: Elements a program of the kernels reads.
 BLOCK = 2048
-_BLOCK = BLOCK
 #: The fields this kernel computes.
 KERNEL_FIELDS = frozenset({"mismatch", "nonfinite", "exceed", "max_abs", "sum_abs", "sq_diff",
                            "sq_ref", "sq_out", "dot", "max_ulp", "scale"})
@@ -192,14 +191,14 @@ def fused_stats(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> t
     if r.stride(1) != 1:
         r = r.contiguous()
     rows, cols = b.shape
-    n_blocks = max(1, triton.cdiv(cols, _BLOCK))
+    n_blocks = max(1, triton.cdiv(cols, BLOCK))
     partial = torch.empty((rows, n_blocks, len(FIELDS)), dtype=torch.float64, device=b.device)
     # Triton launches on the current device's stream: make that the tensors' device, or a
     # model sharded over GPUs is read on another GPU's stream, before its data is written
     with torch.cuda.device(b.device) if b.is_cuda else contextlib.nullcontext():
         _stats_kernel[(rows, n_blocks)](
             b, r, partial, cols, b.stride(0), r.stride(0), n_blocks, float(rtol), float(atol),
-            BLOCK=_BLOCK, BITS=_ULP_BITS[b.dtype], N_FIELDS=len(FIELDS), **_LAYOUT)
+            BLOCK=BLOCK, BITS=_ULP_BITS[b.dtype], N_FIELDS=len(FIELDS), **_LAYOUT)
     return partial[:, 0] if n_blocks == 1 else reduce_blocks(partial, 1)
 
 
@@ -229,7 +228,7 @@ def fused_many_placed(pairs: list[tuple[torch.Tensor, torch.Tensor]], rtol: floa
     device, dtype = pairs[0][0].device, pairs[0][0].dtype
     pairs = [(b if b.stride(1) == 1 else b.contiguous(), r if r.stride(1) == 1
               else r.contiguous()) for b, r in pairs]
-    shapes = [(b.shape[0], b.shape[1], max(1, triton.cdiv(b.shape[1], _BLOCK))) for b, _ in pairs]
+    shapes = [(b.shape[0], b.shape[1], max(1, triton.cdiv(b.shape[1], BLOCK))) for b, _ in pairs]
     # each pair's buffer of partial blocks: one per count of blocks, or its own
     keys = [blocks if blocks <= _SHARED_BLOCKS else -index - 1
             for index, (_, _, blocks) in enumerate(shapes)]
@@ -263,18 +262,13 @@ def fused_many_placed(pairs: list[tuple[torch.Tensor, torch.Tensor]], rtol: floa
     for kind, members in kinds.items():
         _launch([records[i] for i in members], [shapes[i][0] * shapes[i][2] for i in members],
                 kind, device, dtype, rtol, atol)
-    if graphed is not None:
+    placed: dict[int, tuple[torch.Tensor, tuple[int, int]]] = {}
+    if graphed is not None:  # every pair combined alone, in one replay
         reduced = graphed.replay()
-        placed = dict(zip(alone, graphed.spans, strict=True))
-        return [(reduced, placed[key]) if key < 0 else (
-            out_fields(outs[key], key), (lo, hi)) for key, lo, hi in spans]
-    fields = {key: out_fields(out, key) for key, out in outs.items()}
-    return [(fields[key], (lo, hi)) for key, lo, hi in spans]
-
-
-def out_fields(out: torch.Tensor, key: int) -> torch.Tensor:
-    """A buffer's ``[rows, blocks, fields]`` partial blocks combined (one block: as is)."""
-    return out[:, 0] if key == 1 else reduce_blocks(out, 1)
+        placed = {key: (reduced, span) for key, span in zip(alone, graphed.spans, strict=True)}
+    fields = {key: out[:, 0] if key == 1 else reduce_blocks(out, 1)
+              for key, out in outs.items() if key not in placed}
+    return [placed[key] if key in placed else (fields[key], (lo, hi)) for key, lo, hi in spans]
 
 
 def _launch(records: list[tuple[int, ...]], programs: list[int], kind: tuple[bool, ...],
@@ -292,6 +286,6 @@ def _launch(records: list[tuple[int, ...]], programs: list[int], kind: tuple[boo
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         _many_kernel[(len(site_of),)](
             table, table[n:], table[n + len(site_of):], float(rtol), float(atol),
-            BLOCK=_BLOCK, BITS=_ULP_BITS[dtype], DTYPE=_TL_DTYPES[dtype], RECORD=_RECORD,
+            BLOCK=BLOCK, BITS=_ULP_BITS[dtype], DTYPE=_TL_DTYPES[dtype], RECORD=_RECORD,
             ALIGNED_B=aligned_b, ALIGNED_R=aligned_r, STRIDE_B16=stride_b16,
             STRIDE_R16=stride_r16, COLS16=cols16, N_FIELDS=len(FIELDS), **_LAYOUT)

@@ -39,8 +39,9 @@ _TEMP_SHARE = 0.05
 _MIN_BLOCK = 1 << 20
 #: On the CPU, blocks of this many elements keep the temporaries in cache.
 _CPU_BLOCK = 1 << 18
-#: Several blocks of at most this many words in all get their fingerprints in one sum
-#: (its temporaries: three int64 tensors as long as the words).
+#: Several blocks of at most this many words in all get their fingerprints together
+#: (:meth:`~divtrace.measure.prints.Fingerprints.of_many`; off CUDA its temporaries are
+#: the weights of the longest row and one block's products).
 _MANY_PRINTS = 1 << 22
 
 

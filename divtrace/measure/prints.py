@@ -15,12 +15,10 @@ counts equal values as equal confirms a difference by comparing the values.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 import torch
 
-from divtrace.devices import upload
 from divtrace.measure import fused, printkernels
 
 __all__ = ["Fingerprints"]
@@ -28,9 +26,6 @@ __all__ = ["Fingerprints"]
 #: The weights repeat their pattern every this many words, each repetition's sum times
 #: another odd number.
 _PERIOD = 1 << 15
-#: :meth:`Fingerprints.of_many` keeps the weights of row layouts it saw, up to this many
-#: words in all (256 MiB).
-_LAID_OUT = 1 << 25
 #: Rows of more words than this get their fingerprints without a weight per word.
 _LONG_ROWS = 1 << 22
 
@@ -73,9 +68,6 @@ class Fingerprints:
 
     _tables: dict[torch.device, torch.Tensor] = field(default_factory=dict)
     _long: dict[torch.device, torch.Tensor] = field(default_factory=dict)
-    _layouts: dict[tuple[torch.device, tuple[int, ...]],
-                   tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
-        default_factory=dict)
 
     def of(self, rows: torch.Tensor, width: int = 1 << 18) -> torch.Tensor:
         """``[k, ...]`` rows → ``[k]`` int64 fingerprints, on the rows' device; ``width``:
@@ -108,33 +100,15 @@ class Fingerprints:
 
     def of_many(self, blocks: list[torch.Tensor]) -> torch.Tensor:
         """The fingerprints of the rows of several ``[k, ...]`` blocks, one after the
-        other: those :meth:`of` gives block by block, from one sum over all their words
-        (each word times its weight in its own row; sums modulo 2**64 do not depend on
-        the grouping). A few launches for all the blocks, not a few per block."""
+        other, as :meth:`of` gives them block by block (sums modulo 2**64 do not depend on
+        the grouping): on CUDA one kernel for every row; elsewhere each block's words times
+        the weights of their positions, summed along its rows (two operations a block)."""
         device = blocks[0].device
-        if device.type == "cpu":  # each block's words times their weights, summed: on the
-            return self._summed(blocks)  # CPU cheaper than one running sum over them all
-        if device.type == "cuda" and fused.AVAILABLE:  # one launch for every row
+        if device.type == "cuda" and fused.AVAILABLE:
             return printkernels.fused_many_prints(
                 [_words(b.reshape(b.shape[0], -1)) if b.numel() else torch.empty(
                     b.shape[0], 0, dtype=torch.int64, device=device) for b in blocks],
                 _PERIOD)
-        words, counts = [], []
-        for b in blocks:
-            if b.numel():
-                words.append(_words(b.reshape(b.shape[0], -1)))
-            counts += [words[-1].shape[1] if b.numel() else 0] * b.shape[0]
-        total = torch.zeros(len(counts), dtype=torch.int64, device=device)
-        if not sum(counts):
-            return total
-        flat = torch.cat([w.reshape(-1) for w in words])
-        weight, ends, starts = self._laid_out(device, tuple(counts))
-        summed = torch.cat([total[:1], (flat * weight).cumsum(0)])  # a row's sum: the
-        return summed.index_select(0, ends) - summed.index_select(0, starts)  # two ends'
-
-    def _summed(self, blocks: list[torch.Tensor]) -> torch.Tensor:
-        """:meth:`of_many` block by block, each block's words times the weights of their
-        positions, summed along its rows (two operations a block)."""
         found = []
         for b in blocks:
             width = -(-b.numel() // max(b.shape[0], 1) * b.element_size() // 8)  # words
@@ -144,23 +118,6 @@ class Fingerprints:
             words = _words(b.reshape(b.shape[0], -1))
             found.append((words * self._weights(b.device, width)[:words.shape[1]]).sum(1))
         return torch.cat(found)
-
-    def _laid_out(self, device: torch.device, counts: tuple[int, ...]
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For rows of ``counts`` words end to end: each word's weight, and where each row
-        ends and starts in the running sum; kept for the next rows alike (the layers of a
-        model repeat their shapes), up to :data:`_LAID_OUT` words in all."""
-        key = (device, counts)
-        found = self._layouts.get(key)
-        if found is None:
-            weights = self._weights(device, max(counts))
-            edges = upload(torch.tensor([0, *itertools.accumulate(counts)],
-                                        dtype=torch.int64), device)
-            found = (torch.cat([weights[:n] for n in counts]), edges[1:], edges[:-1])
-            held = sum(len(w) for w, _, _ in self._layouts.values())
-            if held + len(found[0]) <= _LAID_OUT:
-                self._layouts[key] = found
-        return found
 
     def _weights(self, device: torch.device, n: int) -> torch.Tensor:
         """The weight of each of the first ``n`` word positions of a row (at least):

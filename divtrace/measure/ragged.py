@@ -23,7 +23,6 @@ from divtrace.record.stored import StoredRows
 __all__ = ["RaggedMeter"]
 
 
-
 @dataclass
 class RaggedMeter(Meter):
     """A :class:`Meter` for :class:`~divtrace.Prompts`: the measured run's tensor is cut to

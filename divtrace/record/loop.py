@@ -95,10 +95,12 @@ def _dtype_note(exc: Exception, model: nn.Module, tensors: list[torch.Tensor]) -
 def _train_note(exc: Exception, model: nn.Module, rows: int) -> None:
     """A pass of one row that raised with BatchNorm in train mode (allowed by
     ``allow_train=True``): batch statistics need two rows or more."""
-    norms = [name for name, module in model.named_modules()
-             if module.training and isinstance(module, BATCH_NORM)]
-    if rows == 1 and norms:
-        exc.add_note(f"divtrace: '{norms[0]}' ({type(model.get_submodule(norms[0])).__name__})"
+    if rows != 1:
+        return
+    norm = next(((name, module) for name, module in model.named_modules()
+                 if module.training and isinstance(module, BATCH_NORM)), None)
+    if norm is not None:
+        exc.add_note(f"divtrace: '{norm[0]}' ({type(norm[1]).__name__})"
                      f" is in train mode, where a batch statistic needs two rows or more: "
                      f"split in chunks of 2 or more (a=divtrace.Run(chunk=2)), or call "
                      f"model.eval()")
