@@ -9,6 +9,8 @@ Example:
 """
 
 from divtrace import remedies
+from divtrace.accumulation import compare_backward
+from divtrace.backward.result import Backward
 from divtrace.compare import compare
 from divtrace.errors import (
     BatchMixingError,
@@ -40,6 +42,7 @@ from divtrace.version import __version__
 __all__ = [
     "COLUMNS",
     "EXPLAIN_COLUMNS",
+    "Backward",
     "BatchMixingError",
     "BatchSweep",
     "Comparison",
@@ -62,6 +65,7 @@ __all__ = [
     "Sweep",
     "__version__",
     "compare",
+    "compare_backward",
     "compare_generate",
     "diff",
     "load",

@@ -14,6 +14,7 @@ from divtrace.report.comparison import Comparison
 from divtrace.report.meta import Meta
 
 if TYPE_CHECKING:
+    from divtrace.backward.result import Backward
     from divtrace.generate.result import Generation
     from divtrace.remedies.result import Remedies
     from divtrace.sweep import BatchSweep, Sweep
@@ -50,7 +51,8 @@ def _remedies(doc: dict[str, Any]) -> Remedies:
                     tuple(doc["names"]), doc["reason"], doc["needed"], doc["verdict"])
 
 
-def load(path: str | Path) -> Comparison | Sweep | BatchSweep | Generation | Remedies:
+def load(path: str | Path
+         ) -> Comparison | Sweep | BatchSweep | Generation | Remedies | Backward:
     """Reads a file that ``.save(path)`` wrote: the same table (every column and dtype),
     per-sample figures, meta, summary and plots. Kept tensors and models are not saved:
     ``pair()`` and ``Generation.at()`` need a fresh run.
@@ -78,6 +80,10 @@ def load(path: str | Path) -> Comparison | Sweep | BatchSweep | Generation | Rem
         return BatchSweep(table, saved.frame_from_json(doc["onset"]), comparisons)
     if kind == "remedies":
         return _remedies(doc)
+    if kind == "backward":
+        from divtrace.backward.result import Backward
+
+        return Backward.from_saved(doc, _comparison)
     if kind == "generation":
         from divtrace.generate.result import Generation
 

@@ -13,7 +13,8 @@ import torch
 
 from divtrace.compat import pytree
 
-__all__ = ["DTYPES", "Raised", "UsageError", "checked_device", "load", "placed"]
+__all__ = ["DTYPES", "Raised", "UsageError", "called", "checked_device", "load", "placed",
+           "training"]
 
 
 class UsageError(Exception):
@@ -24,8 +25,8 @@ class Raised(Exception):
     """The target's function or the model raised: exit code 3, after its traceback."""
 
 
-def load(spec: str) -> tuple[torch.nn.Module, Any]:
-    """Calls ``path/to/file.py:function`` or ``package.module:function`` for ``(model, x)``."""
+def called(spec: str) -> Any:
+    """What ``path/to/file.py:function`` or ``package.module:function`` returns."""
     where, _, name = spec.rpartition(":")
     if not where or not name:
         raise UsageError(f"TARGET must be path/to/file.py:function or package.module:function;"
@@ -49,12 +50,29 @@ def load(spec: str) -> tuple[torch.nn.Module, Any]:
     if not callable(function):
         raise UsageError(f"{where} has no function {name!r}")
     try:
-        made = function()
+        return function()
     except Exception as exc:
         raise Raised(f"{spec} raised {type(exc).__name__}: {exc}") from exc
+
+
+def load(spec: str) -> tuple[torch.nn.Module, Any]:
+    """Calls ``path/to/file.py:function`` or ``package.module:function`` for ``(model, x)``."""
+    made = called(spec)
     if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
         raise UsageError(f"{spec} must return (model, x); got {type(made).__name__}")
     return made[0], made[1]
+
+
+def training(spec: str) -> tuple[torch.nn.Module, Any, Any, Any]:
+    """``(model, batch, loss, weight)`` from a function that returns ``(model, batch,
+    loss)`` or ``(model, batch, loss, weight)``."""
+    made = called(spec)
+    if not (isinstance(made, tuple) and len(made) in (3, 4)
+            and isinstance(made[0], torch.nn.Module) and callable(made[2])):
+        raise UsageError(f"{spec} must return (model, batch, loss) or (model, batch, loss, "
+                         f"weight), loss(model, part) a callable; got "
+                         f"{type(made).__name__}")
+    return made[0], made[1], made[2], made[3] if len(made) == 4 else None
 
 
 #: How ``--dtype`` may name the floating dtypes (torch's names, and the usual short ones).

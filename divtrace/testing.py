@@ -1,5 +1,6 @@
-"""Assertions for test suites (pytest, unittest or a plain script): batch invariance, and
-a comparison that still matches a saved one."""
+"""Assertions for test suites (pytest, unittest or a plain script): batch invariance,
+gradient accumulation that matches one backward over the batch, and a comparison that
+still matches a saved one."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ from typing import Any
 
 from torch import nn
 
+from divtrace.accumulation import compare_backward
+from divtrace.backward.result import Backward
 from divtrace.compare import compare
 from divtrace.io import load
 from divtrace.report.comparison import Comparison
 from divtrace.report.diff import diff
 
-__all__ = ["assert_batch_invariant", "assert_matches_saved"]
+__all__ = ["assert_accumulation_matches", "assert_batch_invariant", "assert_matches_saved"]
 
 
 def _offending(result: Comparison) -> str:
@@ -47,6 +50,32 @@ def assert_batch_invariant(model: nn.Module, x: Any, *, exact: bool = False,
     wanted = "bit-identical runs" if exact else "bit-identical runs or rounding"
     raise AssertionError(f"divtrace: expected {wanted}, got {verdict}.\n"
                          f"{result.summary()}{_offending(result)}")
+
+
+def assert_accumulation_matches(model: nn.Module, batch: Any, loss: Any, *, chunk: int,
+                                exact: bool = False, **options: Any) -> Backward:
+    """Compares one backward over ``batch`` with gradient accumulation over chunks of
+    ``chunk`` rows (:func:`divtrace.compare_backward`, which takes ``options``) and passes
+    when the loss and gradients are bit-identical, or — without ``exact`` — when the
+    verdict is *rounding*. Otherwise (a wrong weighting of the chunks' losses, batch
+    mixing) raises ``AssertionError`` whose message is the summary. Returns the result.
+
+    Example:
+        >>> import torch, divtrace.testing
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 2))
+        >>> mse = lambda m, b: (m(b) ** 2).mean()
+        >>> divtrace.testing.assert_accumulation_matches(net, torch.randn(8, 4), mse,
+        ...                                              chunk=4).verdict.kind in (
+        ...     "identical", "rounding")
+        True
+    """
+    options.setdefault("progress", False)
+    result = compare_backward(model, batch, loss, chunk=chunk, **options)
+    kind = result.verdict.kind
+    if kind == "identical" or (kind == "rounding" and not exact):
+        return result
+    wanted = "bit-identical gradients" if exact else "bit-identical gradients or rounding"
+    raise AssertionError(f"divtrace: expected {wanted}, got {kind}.\n{result.summary()}")
 
 
 def assert_matches_saved(result: Comparison, saved: Comparison | str | Path, *,

@@ -1,0 +1,210 @@
+"""The result of ``compare_backward()``: the loss, the output gradients and the
+parameters' gradients of one backward over the batch against gradient accumulation, the
+weights test, the forward comparison, and the verdict on all of them."""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+
+from divtrace.backward.verdict import judge
+from divtrace.backward.weights import Weights
+from divtrace.report.verdict import Verdict
+from divtrace.words import readable, sci
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+    from divtrace.report.comparison import Comparison
+
+__all__ = ["Backward"]
+
+_SHOWN = ("site", "kind", "type", "status", "mismatch", "rel_l2", "max_abs", "max_ulp")
+
+
+@dataclass(frozen=True)
+class Backward:
+    """One backward over the batch (the batched run) against gradient accumulation over
+    chunks (the split run).
+
+    Attributes:
+        table: One row per compared thing, with ``kind``: ``loss`` (the batched loss
+            against the chunks' weighted losses summed), ``grad`` (a module output's
+            gradient, the compared samples' rows, in the order the batched backward
+            reached them) and ``param`` (a parameter's gradient, whole); the figures of
+            :data:`divtrace.COLUMNS` (``mismatch``, ``rel_l2``, ``max_abs``, ``max_ulp``,
+            ...), batched against split.
+        steps: One row per pass: ``run``, ``start``, ``stop``, ``loss``, ``weight``.
+        weights: The weights test (:class:`~divtrace.backward.weights.Weights`).
+        forward: The forward sites, as :func:`divtrace.compare` finds them on the loss's
+            forward pass (None when not compared: ``forward_why`` says why).
+        settings: ``batch_size``, ``chunk``, ``samples``, ``weight`` (how the chunks
+            were weighted), ``batch_dim``.
+    """
+
+    table: pd.DataFrame
+    steps: pd.DataFrame
+    weights: Weights
+    forward: Comparison | None
+    settings: dict[str, Any]
+    forward_why: str | None = None
+    _verdict: list[Verdict] = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def verdict(self) -> Verdict:
+        """identical, rounding or not rounding, and why (see
+        :mod:`divtrace.backward.verdict`)."""
+        if not self._verdict:
+            self._verdict.append(judge(self.table, self.weights, self.forward,
+                                       self.forward_why))
+        return self._verdict[0]
+
+    def of(self, kind: str) -> pd.DataFrame:
+        """The rows of one kind: ``"loss"``, ``"grad"`` or ``"param"``."""
+        return self.table[self.table["kind"] == kind].reset_index(drop=True)
+
+    @property
+    def first_divergence(self) -> pd.Series | None:
+        """The first output gradient, in backward order, that differs (None: none)."""
+        grads = self.of("grad")
+        moved = grads[(grads["status"] == "ok") & (grads["mismatch"] > 0)]
+        return None if moved.empty else moved.iloc[0]
+
+    @property
+    def sites(self) -> pd.DataFrame:
+        """The table, compact and formatted as the sentences are."""
+        return readable(self.table[[c for c in _SHOWN if c in self.table]])
+
+    def summary(self) -> str:
+        """The verdict first, then the loss, the gradients, the weights test and the
+        forward pass, in plain sentences."""
+        s = self.settings
+        chunks = len(self.steps[self.steps["run"] == "split"])
+        weighting = s["weight"]
+        lines = [f"One backward over the batch of {s['batch_size']} against gradient "
+                 f"accumulation over {chunks} chunks of {s['chunk']} (each weighted by "
+                 f"{weighting}); {len(s['samples'])} sample(s) compared.",
+                 self.verdict.sentence]
+        loss = self.of("loss").iloc[0]
+        lines.append(f"The loss: batched {self.steps.iloc[-1]['loss']:.9g}, the weighted "
+                     f"losses summed {self.split_loss:.9g} (rel {sci(loss['rel_l2'])}).")
+        lines.append(self._grads_sentence())
+        if self.forward is not None:
+            first = self.forward.first_divergence
+            lines.append("The forward pass: " + (
+                "every compared site is bit-identical." if first is None else
+                f"the runs part first at {first['site']} (rel_l2 {sci(first['rel_l2'])}); "
+                f"its own summary is Backward.forward.summary()."))
+        return "\n".join(lines)
+
+    def _grads_sentence(self) -> str:
+        grads = self.of("grad")
+        ok = grads[grads["status"] == "ok"]
+        first = self.first_divergence
+        if ok.empty:
+            return "No output gradient could be compared."
+        if first is None:
+            return f"All {len(ok)} compared output gradients are bit-identical."
+        last = ok.iloc[-1]
+        return (f"{int((ok['mismatch'] > 0).sum())} of {len(ok)} output gradients differ; "
+                f"the first the backward pass reached is {first['site']} (rel_l2 "
+                f"{sci(first['rel_l2'])}), the last {last['site']} (rel_l2 "
+                f"{sci(last['rel_l2'])}).")
+
+    @property
+    def split_loss(self) -> float:
+        """The split run's weighted losses summed (float64)."""
+        split = self.steps[self.steps["run"] == "split"]
+        return float((split["loss"] * split["weight"]).sum())
+
+    def plot(self, ax: Axes | None = None, kind: str = "grad") -> Axes:
+        """rel_l2 of the output gradients in backward order (``kind="grad"``) or of the
+        parameters' gradients in the model's order (``"param"``), log scale; bit-identical
+        ones on a lane of their own."""
+        from divtrace.backward.plot import plot_backward
+
+        return plot_backward(self, kind, ax)
+
+    def save(self, path: str | Path) -> Path:
+        """Writes everything but the model as versioned JSON (see :func:`divtrace.load`)."""
+        from divtrace.report import saved
+
+        w = self.weights
+        return saved.write(path, "backward", {
+            "table": saved.frame_to_json(self.table),
+            "steps": saved.frame_to_json(self.steps),
+            "weights": {"site": w.site, "dtype": w.dtype, "limit": w.limit, "why": w.why,
+                        "loss_batched": w.loss_batched,
+                        "table": saved.frame_to_json(w.table)},
+            "forward": None if self.forward is None else saved.comparison_fields(
+                self.forward),
+            "forward_why": self.forward_why, "settings": saved.plain(self.settings)})
+
+    @classmethod
+    def from_saved(cls, doc: dict[str, Any],
+                   comparison: Callable[[dict[str, Any]], Comparison]) -> Backward:
+        """The result of a saved document (``comparison`` reads its forward comparison)."""
+        from divtrace.report import saved
+
+        w = doc["weights"]
+        weights = Weights(w["site"], w["dtype"], saved.number(w["limit"]),
+                          saved.frame_from_json(w["table"]), saved.number(w["loss_batched"]),
+                          w["why"])
+        forward = None if doc["forward"] is None else comparison(doc["forward"])
+        return cls(saved.frame_from_json(doc["table"]), saved.frame_from_json(doc["steps"]),
+                   weights, forward, dict(doc["settings"]), doc["forward_why"])
+
+    def diff(self, other: Backward) -> pd.DataFrame:
+        """``other`` against this result, row by row: rel_l2 and mismatch in each, and
+        ``change`` (rel_l2 apart by more than a factor of 2, or one bit-identical)."""
+        keys = ["kind", "site"]
+        mine = self.table[[*keys, "status", "mismatch", "rel_l2"]]
+        theirs = other.table[[*keys, "status", "mismatch", "rel_l2"]]
+        joined = mine.merge(theirs, on=keys, how="outer", suffixes=("_a", "_b"))
+        ratio = joined["rel_l2_b"] / joined["rel_l2_a"]
+        flipped = (joined["mismatch_a"] > 0) != (joined["mismatch_b"] > 0)
+        joined["change"] = (flipped | (ratio > 2) | (ratio < 0.5)
+                            | (joined["status_a"] != joined["status_b"]))
+        return joined
+
+    def __repr__(self) -> str:
+        grads = self.of("grad")
+        return (f"<divtrace.Backward: B={self.settings['batch_size']} vs chunks of "
+                f"{self.settings['chunk']}, {len(grads)} gradient sites, "
+                f"{len(self.of('param'))} parameters — {self.verdict.kind}>")
+
+    def _repr_html_(self) -> str:
+        words = "".join(f"<p>{html.escape(line)}</p>" for line in self.summary().splitlines())
+        return (f"<div><h4>divtrace backward</h4>{words}"
+                f"{self.sites.to_html(index=False, na_rep='')}</div>")
+
+    def to_html(self, path: str | Path, title: str = "divtrace backward") -> Path:
+        """A self-contained HTML report: the summary, both plots, the weights test and
+        the table."""
+        import matplotlib.pyplot as plt
+
+        from divtrace.report.html import png
+
+        images = []
+        for kind in ("grad", "param"):
+            figure, ax = plt.subplots(figsize=(10, 4))
+            self.plot(ax, kind)
+            images.append(png(figure))
+            plt.close(figure)
+        pictures = "".join(f"<img style='max-width:100%' src='data:image/png;base64,{i}'>"
+                           for i in images)
+        checked = ("" if self.weights.table.empty else
+                   f"<h3>The weights test (at {html.escape(str(self.weights.site))})</h3>"
+                   f"{readable(self.weights.table).to_html(index=False)}")
+        page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>"
+                f"{html.escape(title)}</title></head><body style='font-family:sans-serif'>"
+                f"<h1>{html.escape(title)}</h1>{self._repr_html_()}{pictures}{checked}"
+                f"</body></html>")
+        path = Path(path)
+        path.write_text(page)
+        return path

@@ -1,0 +1,152 @@
+"""The weights test: is the split run's weighted sum of losses the batched loss?
+
+A training step's objective is the loss; gradient accumulation backpropagates
+``weight(part) * loss(model, part)`` for each chunk instead. Whether those are the same
+objective does not depend on the model's rounding, so the test takes rounding out: it
+runs each chunk again with the output of the loss's input module (the last leaf module
+whose output got a gradient; ``lm_head`` in a language model) replaced by the batched
+run's very rows, and compares the gradient the weighted loss sends into it with the one
+the batched loss sent. With the right weights they are the same numbers up to the few
+roundings of the loss's own scaling: each chunk's gradient is the batched one times a
+ratio within :data:`ULPS` units of roundoff of 1, and nothing is left over. A token-mean
+loss accumulated with row weights gives each chunk the ratio (its share of the rows) /
+(its share of the tokens); a loss that mixes samples (a batch statistic, a contrastive
+loss) leaves a residual."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from divtrace.align.sites import flatten_output
+from divtrace.backward.grads import Output
+from divtrace.backward.passes import Loss, Weight, part_of, weighed
+from divtrace.plan.inputs import BatchedInput
+
+__all__ = ["ULPS", "Weights", "check_weights"]
+
+#: How many units of roundoff (of the gradient's dtype) a chunk's ratio and residual may
+#: be from 1 and 0: the weight and the mean's divisor are each rounded once or twice, the
+#: gradient once more where it is cast to the input's dtype.
+ULPS = 8
+
+
+@dataclass(frozen=True)
+class Weights:
+    """What the weights test found.
+
+    Attributes:
+        site: The site whose output was replaced (the loss's input), or None.
+        dtype: Its dtype.
+        limit: How far from 1 a ratio (and from 0 a residual) may be: ``ULPS`` units of
+            roundoff of ``dtype``.
+        table: One row per chunk: ``start``, ``stop``, ``weight``, ``loss`` (on the
+            batched run's rows), ``ratio`` (the chunk's gradient over the batched one's,
+            by least squares), ``residual`` (what the ratio leaves, relative),
+            ``max_ulp`` and ``passed``.
+        loss_batched: The batched loss.
+        why: Why it could not test, or None.
+    """
+
+    site: str | None
+    dtype: str | None
+    limit: float
+    table: pd.DataFrame
+    loss_batched: float
+    why: str | None = None
+
+    @property
+    def passed(self) -> bool | None:
+        """True: the same objective; False: not; None: not tested."""
+        if self.why is not None:
+            return None
+        return bool(self.table["passed"].all())
+
+    @property
+    def loss_split(self) -> float:
+        """The chunks' weighted losses summed, on the batched run's rows."""
+        return float((self.table["weight"] * self.table["loss"]).sum())
+
+    @property
+    def worst(self) -> pd.Series:
+        """The chunk whose ratio is furthest from 1."""
+        return self.table.loc[(self.table["ratio"] - 1).abs().idxmax()]
+
+
+def _replaced(output: Any, path: str, by: torch.Tensor) -> Any:
+    if path == "":
+        return by
+    found = {p: t for p, t, _ in flatten_output(output)}
+    old = found.get(path)
+    return pytree.tree_map(lambda t: by if t is old else t, output)
+
+
+def _compare(a: torch.Tensor, b: torch.Tensor, limit: float) -> dict[str, Any]:
+    from divtrace.measure.stats import ulp_ordered
+
+    a64, b64 = a.double().flatten(), b.double().flatten()
+    norm = float(b64.dot(b64))
+    if norm == 0.0:
+        same = float(a64.abs().max()) == 0.0 if a64.numel() else True
+        return {"ratio": 1.0 if same else float("inf"), "residual": 0.0 if same else 1.0,
+                "max_ulp": 0.0 if same else float("inf"), "passed": same}
+    ratio = float(a64.dot(b64)) / norm
+    residual = float((a64 - ratio * b64).norm()) / norm ** 0.5
+    ulp = float((ulp_ordered(a) - ulp_ordered(b)).abs().max())
+    passed = abs(ratio - 1) <= limit and residual <= limit
+    return {"ratio": ratio, "residual": residual, "max_ulp": ulp, "passed": passed}
+
+
+def _replaced_loss(model: nn.Module, loss: Loss, part: Any, target: nn.Module,
+                   chosen: Output, replacement: torch.Tensor) -> torch.Tensor:
+    """The part's loss with the chosen call's output replaced."""
+    calls = [0]
+
+    def hook(_m: nn.Module, _a: Any, output: Any) -> Any:
+        calls[0] += 1
+        return _replaced(output, chosen.path, replacement) if calls[0] - 1 == chosen.call \
+            else None
+
+    handle = target.register_forward_hook(hook)
+    try:
+        value: torch.Tensor = loss(model, part)
+        return value
+    finally:
+        handle.remove()
+
+
+def check_weights(model: nn.Module, loss: Loss, weight: Weight | None, x: Any,
+                 batch: BatchedInput, chunks: list[tuple[int, int]], chosen: Output | None,
+                 loss_batched: float, advance: Callable[[], None]) -> Weights:
+    """Each chunk again on the batched run's rows at ``chosen`` (see the module's text)."""
+    if chosen is None or chosen.grad is None:
+        return Weights(None, None, float("nan"), pd.DataFrame(), loss_batched,
+                       "no leaf module's output carrying the batch got a gradient")
+    dim = batch.batch_dim
+    rows, grads = chosen.tensor.detach(), chosen.grad
+    limit = ULPS * float(torch.finfo(rows.dtype).eps) / 2
+    target = dict(model.named_modules())[chosen.site.module]
+    found = []
+    for start, stop in chunks:
+        replacement = rows.narrow(dim, start, stop - start).clone().requires_grad_(True)
+        part = part_of(x, *batch.rows(start, stop))
+        value = _replaced_loss(model, loss, part, target, chosen, replacement)
+        w = weighed(weight, part, stop - start, batch.batch_size)
+        (grad,) = torch.autograd.grad(value * w, replacement, allow_unused=True)
+        advance()
+        if grad is None:
+            return Weights(chosen.site.key, None, limit, pd.DataFrame(), loss_batched,
+                           f"the loss did not depend on the output of {chosen.site.key} "
+                           f"when it was replaced")
+        expected = grads.narrow(dim, start, stop - start)
+        found.append({"start": start, "stop": stop, "weight": w,
+                      "loss": float(value.detach().double()),
+                      **_compare(grad, expected, limit)})
+    return Weights(chosen.site.key, str(rows.dtype).removeprefix("torch."), limit,
+                   pd.DataFrame(found), loss_batched)
