@@ -8,6 +8,7 @@ measured in one process, interleaved, as medians:
 - ``sites``: models with hundreds of small sites, with the floor of module hooks;
 - ``parts``: where the time of one ``compare()`` goes, stage by stage;
 - ``lm``: language models — op sites, prompts of different lengths, generation;
+- ``backward``: one backward over the batch against gradient accumulation;
 - ``tables``: no figure changes — every table equal to an older checkout's.
 
 Run ``python -m benchmarks SUITE --help`` for a suite's options.

@@ -5,7 +5,9 @@ from __future__ import annotations
 import importlib
 import sys
 
-SUITES = ("overhead", "sites", "parts", "lm", "tables")
+SUITES = ("overhead", "sites", "parts", "lm", "backward", "tables")
+#: Suites that live in another suite's module: (module, function).
+_ENTRIES = {"parts": ("sites", "parts_main")}
 
 
 def main(argv: list[str]) -> int:
@@ -13,8 +15,9 @@ def main(argv: list[str]) -> int:
         print(f"usage: python -m benchmarks {{{','.join(SUITES)}}} [options]\n"
               f"{importlib.import_module('benchmarks').__doc__}", file=sys.stderr)
         return 2
-    suite = importlib.import_module(f"benchmarks.{argv[0]}")
-    code: int = suite.main(argv[1:])
+    name, entry = _ENTRIES.get(argv[0], (argv[0], "main"))
+    suite = importlib.import_module(f"benchmarks.{name}")
+    code: int = getattr(suite, entry)(argv[1:])
     return code
 
 

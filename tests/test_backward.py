@@ -360,3 +360,31 @@ def test_a_language_model_with_its_own_loss() -> None:
     assert fixed.verdict.kind == "rounding", fixed.verdict.sentence
     assert fixed.forward is not None
     assert "lm_head" in set(fixed.forward.table["site"])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_cuda_the_bug_is_named_and_the_fix_confirmed(dtype: torch.dtype) -> None:
+    batch = {k: v.cuda() for k, v in _tokens_batch([12, 3, 9, 5, 12, 2, 7, 11]).items()}
+    torch.manual_seed(0)
+    model = Tokens().to("cuda", dtype)
+    bug = divtrace.compare_backward(model, batch, _token_mean, chunk=2, progress=False)
+    assert bug.verdict.kind == "not rounding"
+    fixed = divtrace.compare_backward(model, batch, _token_mean, chunk=2,
+                                      weight=_counted(batch), progress=False)
+    assert fixed.verdict.kind in ("rounding", "identical"), fixed.verdict.sentence
+    assert fixed.weights.passed is True
+
+
+@pytest.mark.cuda
+def test_on_cuda_each_parameters_figures_are_an_independent_loops() -> None:
+    model = _mlp().cuda()
+    batch = tuple(t.cuda() for t in _regression(64))
+    found = divtrace.compare_backward(model, batch, _mse, chunk=16, progress=False)
+    whole, accumulated = _by_hand(copy.deepcopy(model), batch, _mse, 16)
+    params = found.of("param").set_index("site")
+    for name, b in whole.items():
+        a = accumulated[name]
+        assert params.loc[name]["max_abs"] == float((a - b).abs().max())
+        assert params.loc[name]["rel_l2"] == pytest.approx(
+            float((a.double() - b.double()).norm() / a.double().norm()), rel=1e-6, abs=0)  # the fused kernel sums in float32

@@ -61,7 +61,9 @@ class GradSites:
                  sink: Callable[[GradSite, torch.Tensor], None]) -> Iterator[None]:
         """Hooks every module while a pass over ``rows`` samples runs: ``sink(site,
         grad_rows)`` gets the gradient of each batch-carrying output, cut to the pass's
-        ``compared`` rows (local indices), in the order the backward pass reaches them."""
+        ``compared`` rows (local indices, ascending), batch dimension first, in the order
+        the backward pass reaches them: a view of the gradient when every row is compared
+        (valid while the sink runs), else a copy."""
         self.order.clear()
         self.outputs = deque(maxlen=self.keep or None)
         calls: dict[str, int] = {}
@@ -70,6 +72,8 @@ class GradSites:
         on_device: dict[torch.device, torch.Tensor] = {}
 
         def rows_of(grad: torch.Tensor) -> torch.Tensor:
+            if len(compared) == rows:  # every row (in order): a view
+                return grad.detach().movedim(self.batch_dim, 0)
             found = on_device.get(grad.device)
             if found is None:
                 found = on_device[grad.device] = index.to(grad.device)

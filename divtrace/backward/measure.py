@@ -39,19 +39,37 @@ def _row(site: str, kind: str, module: str, kind_of: str, status: Status, dtype:
     return row
 
 
+def _fetched(stats: list[torch.Tensor]) -> list[np.ndarray]:
+    """``stats`` (each ``[rows, fields]``) on the host: one transfer per device."""
+    if not stats:
+        return []
+    if len({s.device for s in stats}) > 1:
+        stats = [s.cpu() for s in stats]
+    block = torch.cat(stats).double().cpu().numpy()
+    ends = np.cumsum([len(s) for s in stats])
+    return np.split(block, ends[:-1])
+
+
 @dataclass
 class GradStore:
-    """The split run's output gradients: per site, per compared sample, its row."""
+    """The split run's output gradients: per site, one block of rows per pass (the pass's
+    compared samples, ascending; passes in order, so the blocks joined are the compared
+    samples in order)."""
 
-    rows: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
+    rows: dict[str, list[tuple[list[int], torch.Tensor]]] = field(default_factory=dict)
 
     def sink(self, samples: list[int]) -> Callable[[GradSite, torch.Tensor], None]:
-        """The sink of a pass whose compared rows are ``samples``, in order."""
+        """The sink of a pass whose compared rows are ``samples``."""
         def keep(site: GradSite, rows: torch.Tensor) -> None:
-            kept = self.rows.setdefault(site.key, {})
-            for i, sample in enumerate(samples):
-                kept[sample] = rows.select(0, i).clone()  # batch_dim moved first below
+            self.rows.setdefault(site.key, []).append((samples, rows.clone()))
         return keep
+
+    def joined(self, key: str, samples: list[int]) -> torch.Tensor | None:
+        """The stored rows of ``samples`` at ``key`` (None: not all of them stored)."""
+        blocks = self.rows.get(key, [])
+        if [s for seen, _ in blocks for s in seen] != samples:
+            return None
+        return blocks[0][1] if len(blocks) == 1 else torch.cat([b for _, b in blocks])
 
 
 @dataclass
@@ -68,12 +86,11 @@ class GradMeter:
 
     def sink(self, site: GradSite, rows: torch.Tensor) -> None:
         """Measures one site's compared rows (``[S, ...]``, batch dim first)."""
-        kept = self.store.rows.get(site.key, {})
+        reference = self.store.joined(site.key, self.samples)
         dtype = str(rows.dtype).removeprefix("torch.")
-        if any(s not in kept for s in self.samples):
+        if reference is None:
             self.found.append((site, Status.MISSING_IN_SPLIT, dtype, None, 0))
             return
-        reference = torch.stack([kept[s] for s in self.samples])
         if reference.shape != rows.shape or reference.dtype != rows.dtype:
             status = (Status.SHAPE_MISMATCH if reference.shape != rows.shape
                       else Status.DTYPE_MISMATCH)
@@ -84,30 +101,38 @@ class GradMeter:
                            _fields(rows, reference, self.rtol, self.atol), per_sample))
 
     def rows(self) -> list[dict[str, Any]]:
-        """The table's rows (one host synchronisation per site's statistics)."""
+        """The table's rows (the statistics fetched in one transfer)."""
+        fetched = iter(_fetched([stats for _, _, _, stats, _ in self.found
+                                 if stats is not None]))
         return [_row(site.key, "grad", site.module, site.module_type, status, dtype,
-                     None if stats is None else stats.double().cpu().numpy(), per_sample)
+                     None if stats is None else next(fetched), per_sample)
                 for site, status, dtype, stats, per_sample in self.found]
 
 
 def param_rows(batched: dict[str, torch.Tensor | None], split: dict[str, torch.Tensor | None],
                types: dict[str, str], rtol: float | None, atol: float | None
                ) -> list[dict[str, Any]]:
-    """One row per named parameter: the batched run's gradient against the accumulated one."""
-    found = []
+    """One row per named parameter: the batched run's gradient against the accumulated
+    one (the statistics fetched in one transfer)."""
+    measured: list[tuple[str, torch.Tensor | None, int, str]] = []
     for name, b in batched.items():
         r = split.get(name)
-        module = name.rpartition(".")[0]
         if b is None or r is None:
-            found.append(_row(name, "param", module, types.get(module, ""),
-                              Status.MISSING_IN_SPLIT if r is None and b is not None else (
-                                  Status.MISSING_IN_BATCHED if r is not None else
-                                  Status.UNBATCHED), "", None, 0))
+            measured.append((name, None, 0, "missing_in_split" if b is not None else (
+                "missing_in_batched" if r is not None else "unbatched")))
             continue
-        dtype = str(b.dtype).removeprefix("torch.")
-        stats = _fields(b.reshape(1, -1), r.reshape(1, -1), rtol, atol)
-        found.append(_row(name, "param", module, types.get(module, ""), Status.OK, dtype,
-                          stats.double().cpu().numpy(), b.numel()))
+        measured.append((name, _fields(b.reshape(1, -1), r.reshape(1, -1), rtol, atol),
+                         b.numel(), str(b.dtype).removeprefix("torch.")))
+    fetched = iter(_fetched([s for _, s, _, _ in measured if s is not None]))
+    found = []
+    for name, s, numel, said in measured:
+        module = name.rpartition(".")[0]
+        if s is None:
+            found.append(_row(name, "param", module, types.get(module, ""), Status(said), "",
+                              None, 0))
+        else:
+            found.append(_row(name, "param", module, types.get(module, ""), Status.OK, said,
+                              next(fetched), numel))
     return found
 
 

@@ -92,11 +92,12 @@ def judge(table: pd.DataFrame, weights: Weights, forward: Comparison | None,
                                     f"bit-identical in both runs{end}")
     if weights.passed:
         off = float((weights.table["ratio"] - 1).abs().max())
+        ratio = ("exactly the batched one's" if off == 0 else
+                 f"the batched one's times a ratio at most {sci(off)} from 1, within the "
+                 f"{sci(weights.limit)} a few roundings allow")
         tested = (f"both runs optimise the same objective (weights test: with the batched "
                   f"run's very outputs of '{weights.site}' put into the split run, each "
-                  f"chunk's gradient into them is the batched one's times a ratio at most "
-                  f"{sci(off)} from 1, within the {sci(weights.limit)} a few roundings "
-                  f"allow)")
+                  f"chunk's gradient into them is {ratio})")
     else:
         tested = (f"the weights could not be tested ({weights.why}), so the loss's "
                   f"weighting is not shown to be right")
