@@ -386,5 +386,5 @@ def test_on_cuda_each_parameters_figures_are_an_independent_loops() -> None:
     for name, b in whole.items():
         a = accumulated[name]
         assert params.loc[name]["max_abs"] == float((a - b).abs().max())
-        assert params.loc[name]["rel_l2"] == pytest.approx(
-            float((a.double() - b.double()).norm() / a.double().norm()), rel=1e-6, abs=0)  # the fused kernel sums in float32
+        assert params.loc[name]["rel_l2"] == pytest.approx(  # the fused kernel's float32 sums
+            float((a.double() - b.double()).norm() / a.double().norm()), rel=1e-6, abs=0)
