@@ -11,6 +11,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from divtrace.align.sites import ROOT
 from divtrace.backward.grads import GradSites
 from divtrace.backward.measure import GradMeter, GradStore, loss_row, param_rows
 from divtrace.backward.passes import Loss, Objective, Step, kept_grads, run_step, take_grads
@@ -126,7 +127,7 @@ def compare_backward(
     rows = prepare_samples(samples, size)
     chunks = [(s, min(s + step, size)) for s in range(0, size, step)]
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    types = {name: type(m).__name__ for name, m in model.named_modules()}
+    types = {name or ROOT: type(m).__name__ for name, m in model.named_modules()}
     walk = Walk.of(model)
     devices = cuda_devices((walk,), cut.leaves)
     sites = GradSites(model, batch_dim, keep=_OUTPUTS_KEPT)

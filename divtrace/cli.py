@@ -110,6 +110,7 @@ def _backward(args: argparse.Namespace) -> int:
     import divtrace
 
     model, batch, loss, weight = training(args.target)
+    model, batch = placed(model, batch, args.device, args.dtype)
     samples = [int(s) for s in args.samples.split(",")] if args.samples else None
     try:
         result = divtrace.compare_backward(
@@ -208,6 +209,8 @@ def _backward_parser(commands: Any) -> None:
     back.add_argument("--atol", type=float, help="absolute tolerance of the exceed column")
     back.add_argument("--allow-train", action="store_true",
                       help="compare although the model draws random numbers")
+    back.add_argument("--device", help="move the model and the batch there first")
+    back.add_argument("--dtype", help="cast the model and the batch's floating tensors first")
     back.add_argument("--json", help="save the result as JSON (divtrace show, divtrace.load)")
     back.add_argument("--html", help="write a self-contained HTML report")
     back.add_argument("--fail-on", choices=["divergence", "not-rounding"],

@@ -332,6 +332,9 @@ def test_the_command_line(tmp_path, capsys) -> None:  # type: ignore[no-untyped-
     assert "not rounding" in capsys.readouterr().out
     assert main(["backward", f"{target}:fixed", "--chunk", "2", "--fail-on", "not-rounding",
                  "--no-progress"]) == 0
+    assert main(["backward", f"{target}:fixed", "--chunk", "2", "--dtype", "float64",
+                 "--no-progress"]) == 0
+    assert "float64" in capsys.readouterr().out
     assert main(["backward", f"{target}:nothing", "--chunk", "2"]) == 2
 
 
@@ -388,3 +391,17 @@ def test_on_cuda_each_parameters_figures_are_an_independent_loops() -> None:
         assert params.loc[name]["max_abs"] == float((a - b).abs().max())
         assert params.loc[name]["rel_l2"] == pytest.approx(  # the fused kernel's float32 sums
             float((a.double() - b.double()).norm() / a.double().norm()), rel=1e-6, abs=0)
+
+
+def test_a_model_of_one_layer_is_its_own_loss_input() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(16, 2)
+    found = divtrace.compare_backward(model, _regression(), _mse, chunk=4, progress=False)
+    assert found.weights.site == "(model)"
+    assert found.weights.passed is True
+    assert found.forward is None
+    assert "one module" in str(found.forward_why)
+    assert found.verdict.kind in ("identical", "rounding")
+    if found.verdict.kind == "rounding":
+        assert "the forward pass was not compared" in found.verdict.sentence
+    assert set(found.of("param")["module"]) == {"(model)"}

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from divtrace.align.sites import flatten_output, site_key
+from divtrace.align.sites import ROOT, flatten_output, site_key
 
 __all__ = ["GradSite", "GradSites", "Output"]
 
@@ -112,7 +112,7 @@ class GradSites:
 
         try:
             for name, module in self.model.named_modules():
-                handles.append(module.register_forward_hook(hook_for(name, module)))
+                handles.append(module.register_forward_hook(hook_for(name or ROOT, module)))
             yield
         finally:
             for handle in handles:

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from divtrace.align.sites import ROOT
 from divtrace.align.status import Status
 from divtrace.backward.grads import GradSite
 from divtrace.measure.figures import site_figures
@@ -126,7 +127,7 @@ def param_rows(batched: dict[str, torch.Tensor | None], split: dict[str, torch.T
     fetched = iter(_fetched([s for _, s, _, _ in measured if s is not None]))
     found = []
     for name, s, numel, said in measured:
-        module = name.rpartition(".")[0]
+        module = name.rpartition(".")[0] or ROOT
         if s is None:
             found.append(_row(name, "param", module, types.get(module, ""), Status(said), "",
                               None, 0))

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Backward"]
 
-_SHOWN = ("site", "kind", "type", "status", "mismatch", "rel_l2", "max_abs", "max_ulp")
+_SHOWN = ("site", "kind", "type", "dtype", "status", "mismatch", "rel_l2", "max_abs", "max_ulp")
 
 
 @dataclass(frozen=True)

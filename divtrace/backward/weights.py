@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from divtrace.align.sites import flatten_output
+from divtrace.align.sites import ROOT, flatten_output
 from divtrace.backward.grads import Output
 from divtrace.backward.passes import Loss, Weight, part_of, weighed
 from divtrace.plan.inputs import BatchedInput
@@ -140,7 +140,8 @@ def check_weights(model: nn.Module, loss: Loss, weight: Weight | None, x: Any,
     dim = batch.batch_dim
     rows, grads = chosen.tensor.detach(), chosen.grad
     limit = ULPS * float(torch.finfo(rows.dtype).eps) / 2
-    target = dict(model.named_modules())[chosen.site.module]
+    name = chosen.site.module
+    target = model if name == ROOT else dict(model.named_modules())[name]
     found = []
     for start, stop in chunks:
         replacement = rows.narrow(dim, start, stop - start).clone().requires_grad_(True)
