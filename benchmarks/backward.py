@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import divtrace
-from benchmarks.common import environment, timed, use_seed_settings
+from benchmarks.common import environment, llama, timed, use_seed_settings
 
 #: Per device: the Llama shape, the batch, its longest prompt, the chunk.
 CASES: dict[str, dict[str, Any]] = {
@@ -32,25 +32,6 @@ CASES: dict[str, dict[str, Any]] = {
     "cuda": {"hidden": 2048, "layers": 16, "heads": 16, "kv_heads": 8, "mlp": 5632,
              "vocab": 32000, "batch": 16, "tokens": 512, "chunk": 4},
 }
-
-
-def llama(case: dict[str, Any], device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """A Llama of ``case``'s shape with random weights, made on ``device`` in ``dtype``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(hidden_size=case["hidden"], intermediate_size=case["mlp"],
-                         num_hidden_layers=case["layers"], num_attention_heads=case["heads"],
-                         num_key_value_heads=case["kv_heads"], vocab_size=case["vocab"],
-                         max_position_embeddings=max(2048, case["tokens"]))
-    torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with device:
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.eval()
 
 
 def batch_of(case: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:

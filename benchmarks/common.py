@@ -213,3 +213,22 @@ def stored_bytes(result: Any) -> int:
 def environment(device: torch.device) -> dict[str, Any]:
     return {"torch": torch.__version__, "threads": torch.get_num_threads(),
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
+
+
+def llama(case: dict[str, Any], device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """A Llama of ``case``'s shape with random weights, made on ``device`` in ``dtype``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=case["hidden"], intermediate_size=case["mlp"],
+                         num_hidden_layers=case["layers"], num_attention_heads=case["heads"],
+                         num_key_value_heads=case["kv_heads"], vocab_size=case["vocab"],
+                         max_position_embeddings=max(2048, case.get("tokens", 0)))
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()

@@ -34,6 +34,7 @@ import divtrace
 from benchmarks.common import (
     bare_passes,
     environment,
+    llama,
     load_old,
     peak,
     timed,
@@ -203,20 +204,7 @@ def generation(device: torch.device, repeats: int) -> dict[str, Any]:
 
 def _llama(case: dict[str, Any], device: torch.device) -> nn.Module:
     """A Llama of ``case``'s shape with random weights, made on ``device`` in its dtype."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(hidden_size=case["hidden"], intermediate_size=case["mlp"],
-                         num_hidden_layers=case["layers"], num_attention_heads=case["heads"],
-                         num_key_value_heads=case["kv_heads"], vocab_size=case["vocab"])
-    torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(getattr(torch, case["dtype"]))  # made in it, never in float32
-    try:
-        with device:
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.eval()
+    return llama(case, device, getattr(torch, case["dtype"]))  # made in it, never float32
 
 
 def prompts(device: torch.device, repeats: int, old: Any = None) -> dict[str, Any]:

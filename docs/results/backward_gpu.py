@@ -27,8 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import divtrace
-from benchmarks.backward import CASES, batch_of, by_tokens, llama, measure, model_loss
-from benchmarks.common import environment
+from benchmarks.backward import CASES, batch_of, by_tokens, measure, model_loss
+from benchmarks.common import environment, llama
 from divtrace.words import sci
 
 
