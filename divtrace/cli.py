@@ -167,8 +167,17 @@ def _diff(args: argparse.Namespace) -> int:
     import divtrace
 
     a, b = _load(args.a), _load(args.b)
+    if isinstance(a, divtrace.Backward) and isinstance(b, divtrace.Backward):
+        moved = a.diff(b)
+        moved = moved[moved["change"]]
+        print(f"{len(moved)} row(s) changed (rel_l2 apart by more than 2×, a status, or "
+              f"bit-identical in one only)")
+        if not moved.empty:
+            print(readable(moved if args.all else moved.head(20)).to_string(index=False))
+        return 1 if args.fail_on_change and not moved.empty else 0
     if not isinstance(a, divtrace.Comparison) or not isinstance(b, divtrace.Comparison):
-        raise UsageError("diff takes two saved comparisons (Comparison.save)")
+        raise UsageError("diff takes two saved comparisons (Comparison.save) or two saved "
+                         "backward comparisons (Backward.save)")
     found = divtrace.diff(a, b)
     print(found.summary())
     changed = found.changed

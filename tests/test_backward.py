@@ -87,7 +87,7 @@ def test_each_parameters_figures_are_those_of_an_independent_accumulation_loop()
     model, batch = _mlp(), _regression()
     found = divtrace.compare_backward(model, batch, _mse, chunk=4, progress=False)
     whole, accumulated = _by_hand(copy.deepcopy(model), batch, _mse, 4)
-    params = found.of("param").set_index("site")
+    params = found.parameters.set_index("site")
     assert list(params.index) == list(whole)
     for name, b in whole.items():
         a = accumulated[name]
@@ -330,6 +330,8 @@ def test_the_command_line(tmp_path, capsys) -> None:  # type: ignore[no-untyped-
     assert "Verdict: not rounding" in capsys.readouterr().out
     assert main(["show", str(out)]) == 0
     assert "not rounding" in capsys.readouterr().out
+    assert main(["diff", str(out), str(out), "--fail-on-change"]) == 0
+    assert "0 row(s) changed" in capsys.readouterr().out
     assert main(["backward", f"{target}:fixed", "--chunk", "2", "--fail-on", "not-rounding",
                  "--no-progress"]) == 0
     assert main(["backward", f"{target}:fixed", "--chunk", "2", "--dtype", "float64",

@@ -69,6 +69,16 @@ class Backward:
         return self.table[self.table["kind"] == kind].reset_index(drop=True)
 
     @property
+    def parameters(self) -> pd.DataFrame:
+        """One row per named parameter: its gradient, batched against accumulated."""
+        return self.of("param")
+
+    @property
+    def gradients(self) -> pd.DataFrame:
+        """The output gradients, per compared sample, in backward order."""
+        return self.of("grad")
+
+    @property
     def first_divergence(self) -> pd.Series | None:
         """The first output gradient, in backward order, that differs (None: none)."""
         grads = self.of("grad")
