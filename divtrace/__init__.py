@@ -37,6 +37,7 @@ from divtrace.report.diff import Diff, diff
 from divtrace.report.plot import overlay
 from divtrace.report.table import COLUMNS
 from divtrace.sweep import BatchSweep, Sweep, sweep, sweep_batch
+from divtrace.two_models import compare_models
 from divtrace.version import __version__
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "compare",
     "compare_backward",
     "compare_generate",
+    "compare_models",
     "diff",
     "load",
     "overlay",

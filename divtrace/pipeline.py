@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -166,7 +167,9 @@ def execute(plan: Plan, model: nn.Module, parts: Parts | None = None,
     host = Host()
     probes = copy.deepcopy(parts.probes)  # fresh ones: this run's findings are their own
     devices = cuda_devices((walk, reference.model, compared.model), plan.batch.leaves)
-    with Progress(parts.passes(plan), plan.progress) as progress, untouched(walk, devices):
+    theirs = compared.model is not model and not plan.b.changes_model  # another model
+    with Progress(parts.passes(plan), plan.progress) as progress, untouched(walk, devices), (
+            untouched(Walk.of(compared.model), []) if theirs else nullcontext()):
         draws = RandomDraws(devices)
         ctx = Context(plan, model, reference, compared, host, progress,
                       check=_random_check(plan, draws, (reference, compared)),

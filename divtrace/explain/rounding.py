@@ -11,11 +11,14 @@ import torch
 if TYPE_CHECKING:
     from divtrace.explain.probe import Settings
 
-__all__ = ["CHECK", "budget", "reduced"]
+__all__ = ["CHECK", "MODELS", "budget", "reduced", "two_models"]
 
 _OPERAND_ROUNDINGS = 8
 _SUM_STEPS = 2.0**10  # sqrt(2**20): a reordered sum of up to a million terms
 _TF32, _BF16 = 2.0**-11, 2.0**-8
+#: What a two-model comparison's error beyond rounding points at.
+MODELS = ("The two models compute differently there: other weights, another "
+          "implementation of the layer, or lower precision than their settings say.")
 CHECK = ("Check for a layer that mixes samples in eval mode (a statistic over the batch), "
           "a wrong batch_dim, random numbers, or padding that is not masked.")
 
@@ -26,6 +29,11 @@ def _unit(name: str | None) -> float | None:
     if not isinstance(dtype, torch.dtype) or not (dtype.is_floating_point or dtype.is_complex):
         return None
     return float(torch.finfo(dtype).eps) / 2
+
+
+def two_models(meta: Settings) -> bool:
+    """Whether run b ran another model (``compare_models``)."""
+    return "model" in meta.settings.get("b", {})
 
 
 def reduced(meta: Settings) -> list[tuple[float, str]]:

@@ -144,6 +144,10 @@ class Run:
             mine = torch.compile(mine, backend=backend)  # type: ignore[assignment]
         return mine
 
+    def renamed(self, modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
+        """The observed modules under the names their sites take (their own)."""
+        return modules
+
     def tensor(self, value: Any) -> Any:
         """One input leaf as this run feeds it (moved, cast, reformatted)."""
         if not isinstance(value, torch.Tensor):

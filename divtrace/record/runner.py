@@ -58,6 +58,7 @@ class Runner:
             return cls(run, mine, beside.modules, beside.recorder, name)
         walked = walk.named if walk is not None and walk.model is mine else None
         selected = {ROOT: mine} if output_only else select_modules(mine, modules, walked)
+        selected = run.renamed(selected)
         return cls(run, mine, selected, recorder(mine, selected), name)
 
     def feed(self, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -36,6 +36,9 @@ def run_settings(run: Run, model: nn.Module) -> dict[str, Any]:
     with run.flags():
         flags = backend_flags()
     first = next(itertools.chain(model.parameters(), model.buffers()), None)
-    return {"label": run.label(), "device": None if first is None else str(first.device),
-            "dtype": None if first is None else str(first.dtype).removeprefix("torch."),
-            **flags}
+    found = {"label": run.label(), "device": None if first is None else str(first.device),
+             "dtype": None if first is None else str(first.dtype).removeprefix("torch."),
+             **flags}
+    if getattr(run, "other", None) is not None:  # a run of another model
+        found["model"] = type(model).__name__
+    return found

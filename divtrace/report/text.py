@@ -81,7 +81,8 @@ def _elementwise(view: dict[str, float], out: pd.Series, rtol: float, atol: floa
     norm-based figure says."""
     beyond, finite = int(view["beyond"]), int(view["finite"])
     near, largest = int(view["beyond_near_zero"]), view["largest"]
-    head = (f"Element by element (as torch.allclose(batched, split, rtol={rtol:.3g}, "
+    pair = "batched, split" if names == ("split run", "batched run") else "b, a"
+    head = (f"Element by element (as torch.allclose({pair}, rtol={rtol:.3g}, "
             f"atol={atol:.3g}) judges), {beyond} of {finite} elements are beyond the "
             f"tolerance")
     if beyond and near == beyond:
@@ -92,8 +93,8 @@ def _elementwise(view: dict[str, float], out: pd.Series, rtol: float, atol: floa
                  f"output's largest, {sci(largest)}), where relative error has no meaning")
     rel = view["max_rel"]
     worst = (f"The largest element-wise relative difference is {rel:.3g} ({percent(rel)}), "
-             f"where the {names[0]} has {view['a_value']:.8g} and the "
-             f"{names[1]} {view['b_value']:.8g}"
+             f"where {_the(names[0])} has {view['a_value']:.8g} and "
+             f"{_the(names[1])} {view['b_value']:.8g}"
              + (" (near zero)" if abs(view["a_value"]) <= NEAR_ZERO * largest else "")
              if rel > 0 else
              "No element differs relative to a non-zero value")
@@ -151,7 +152,9 @@ def summary(result: Comparison, probes: Sequence[type[Probe]] = ()) -> str:
     first = result.first_divergence
     if first is None and not ok.empty:
         every = "The 1 compared site is" if len(ok) == 1 else f"All {len(ok)} compared sites are"
-        lines.append(f"{every} bit-identical: the batched and split runs agree exactly.")
+        agree = ("the batched and split runs agree" if meta.names == ("split run", "batched run")
+                 else "the two runs agree")
+        lines.append(f"{every} bit-identical: {agree} exactly.")
     elif first is not None:
         position = int((ok.index < first.name).sum())
         before = ("at the first compared site" if position == 0 else
@@ -181,6 +184,11 @@ def summary(result: Comparison, probes: Sequence[type[Probe]] = ()) -> str:
         lines.append(f"{len(skipped)} site(s) could not be compared: {listed}{more}. "
                      + _statuses(skipped, meta, ok.empty))
     return "\n".join(lines)
+
+
+def _the(name: str) -> str:
+    """A run's name in a sentence: "the split run", "run a (…)"."""
+    return name if name.startswith("run ") else f"the {name}"
 
 
 def _statuses(skipped: pd.DataFrame, meta: Meta, none_ok: bool) -> str:

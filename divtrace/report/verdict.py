@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pandas as pd
 
 from divtrace.align.sites import ROOT
-from divtrace.explain.rounding import CHECK, budget
+from divtrace.explain.rounding import CHECK, MODELS, budget, two_models
 from divtrace.words import sci
 
 if TYPE_CHECKING:
@@ -208,7 +208,7 @@ def judge(table: pd.DataFrame, meta: Meta, probes: Probes = ()) -> Verdict:
         return _unmeasurable(tested)
     share, (row, error, seen, limit, u_op, name) = worst
     if share > 1:
-        hint = CHECK if tested != "independent" else (
+        hint = MODELS if two_models(meta) else CHECK if tested != "independent" else (
             "No compared row moved when only the other samples changed (independence "
             "test), so look for a kernel that is wrong at one of the two batch sizes, or "
             "for lower precision than the runs' settings say.")
@@ -223,6 +223,7 @@ def judge(table: pd.DataFrame, meta: Meta, probes: Probes = ()) -> Verdict:
     row, error, seen = entries[0]  # where the error enters first: a source, or the first
     limit, u_op, name = budget(row["dtype"], meta)  # divergent site
     cause = ("the batch size changes the order of operations" if not meta.runs
+             else "the two models round differently" if two_models(meta)
              else "the two configurations round differently")
     ending = {
         "independent": f"No compared row moved when only the other samples changed "
