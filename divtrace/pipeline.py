@@ -31,8 +31,10 @@ from divtrace.record.graphs import GraphedRun
 from divtrace.record.guard import RandomDraws, SeededOps, cuda_devices, untouched
 from divtrace.record.loop import InputCopies
 from divtrace.record.ragged import row_store
+from divtrace.record.recorder import Sink
 from divtrace.record.rows import RowStore
 from divtrace.record.runner import Runner
+from divtrace.record.sharded import Reassembled
 from divtrace.report.comparison import Comparison, Origin
 from divtrace.report.environment import environment, run_settings
 from divtrace.report.meta import Meta
@@ -71,9 +73,18 @@ def _measure(ctx: Context, meter: Meter) -> None:
         compare_stores(meter, record(ctx, compared, plan.b_chunks), size)
         return
     ctx.progress.stage(compared.name)
+    sink: Sink = meter
+    if getattr(plan.b, "sharded", False):  # another model, sharded over ranks
+        sink = Reassembled(meter, partial(_shape, ctx.store))
     ctx.output_type = compared.execute(
-        meter, plan.batch, [(0, size)], lambda _s, _e: f"{compared.name} (B={size})",
+        sink, plan.batch, [(0, size)], lambda _s, _e: f"{compared.name} (B={size})",
         ctx.progress.advance, ctx.check, ctx.copies)
+
+
+def _shape(store: RowStore, key: str) -> tuple[int, ...] | None:
+    """The shape run a gave at site ``key`` (None: it has none)."""
+    stored = store.rows.get(store.aliases.get(key, key))
+    return None if stored is None else tuple(stored.shape)
 
 
 def _random_check(plan: Plan, draws: RandomDraws, runners: tuple[Runner, Runner]

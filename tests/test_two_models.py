@@ -110,3 +110,42 @@ def test_bad_arguments_name_the_fix() -> None:
                                 progress=False)
     with pytest.raises(divtrace.DivtraceTypeError, match=r"b must be a torch\.nn\.Module"):
         divtrace.compare_models(_net(), "net", _x(), progress=False)  # type: ignore[arg-type]
+
+
+def _torchrun(case: str, out) -> list[dict]:  # type: ignore[no-untyped-def]
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "distributed" / "tp_compare.py"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--standalone", str(script), str(out), case],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads((out / f"{case}{rank}.json").read_text()) for rank in (0, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
+@pytest.mark.parametrize("case", ["mlp", "llama"])
+def test_tensor_parallel_against_its_unsharded_self(case: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    if case == "llama":
+        pytest.importorskip("transformers")
+    ranks = _torchrun(case, tmp_path)
+    first, second = ranks
+    assert first["table"] == second["table"]  # every rank, the same result
+    assert first["summary"] == second["summary"]
+    assert all(r["hooks_left"] == 0 for r in ranks)
+    table = first["table"]
+    statuses = dict(zip(table["site"], table["status"], strict=True))
+    assert "shape_mismatch" not in statuses.values()
+    rel = dict(zip(table["site"], table["rel_l2"], strict=True))
+    for site, by_hand in first["by_hand"].items():  # the shards gathered by hand
+        assert rel[site] == pytest.approx(by_hand, rel=1e-9, abs=0)
+    row_parallel = {"mlp": "0.down", "llama": "model.layers.0.self_attn.o_proj"}[case]
+    assert first["first"] == row_parallel  # where the first all-reduce sums partial results
+    roles = dict(zip(table["site"], table["role"], strict=True))
+    assert roles[row_parallel] == "source"
+    assert first["verdict"] == "rounding"

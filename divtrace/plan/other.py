@@ -35,10 +35,13 @@ class OtherModel(Run):
         other: The model run b runs.
         names: ``{prefix in other: prefix in run a's model}``: other's modules named as
             run a's, so that their sites align.
+        sharded: ``other`` is split over the ranks of ``torch.distributed`` (tensor
+            parallel): each site's output is reassembled before it is measured.
     """
 
     other: nn.Module | None = field(default=None, repr=False)
     names: tuple[tuple[str, str], ...] = ()
+    sharded: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -56,6 +56,17 @@ class Tracker:
         if self.lineage:
             self._made[id(tensor)] = (weakref.ref(tensor), key, version(tensor))
 
+    def sharing(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """A site's output in this pass, unchanged since, that is ``tensor`` under another
+        name: the same memory, shape, strides and dtype (a DTensor's local view of it)."""
+        for ref, _key, seen in self._made.values():
+            made = ref()
+            if (made is not None and made.data_ptr() == tensor.data_ptr()
+                    and made.shape == tensor.shape and made.stride() == tensor.stride()
+                    and made.dtype == tensor.dtype and version(made) == seen):
+                return made
+        return None
+
     def writes_to(self, tensor: torch.Tensor) -> int:
         """How many in-place writes to ``tensor``'s memory the recorder saw in this pass
         (those its version counter may miss, made through an alias); 0 when not counted."""
