@@ -17,27 +17,15 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-import pandas as pd
 import torch
 
+from divtrace.commands import add_command, compact
 from divtrace.errors import DivtraceError
-from divtrace.target import Raised, UsageError, load, placed, training
+from divtrace.target import Raised, UsageError, load, placed
 from divtrace.version import __version__
 from divtrace.words import readable
 
 __all__ = ["main"]
-
-_COMPACT = ["site", "module_type", "status", "mismatch", "rel_l2", "role"]
-
-
-def _compact(table: pd.DataFrame, limit: int = 15) -> str:
-    diverged = table[(table["status"] == "ok") & (table["mismatch"] > 0)]
-    if diverged.empty:
-        return "(no divergent site)"
-    shown = diverged[[c for c in _COMPACT if c in diverged]].head(limit)
-    more = "" if len(diverged) <= limit else f"\n... and {len(diverged) - limit} more"
-    return readable(shown).to_string(index=False) + more
-
 
 def _value(text: str) -> Any:
     """A value of ``--a``/``--b``: a number, true/false/none, a torch dtype, or text."""
@@ -98,38 +86,11 @@ def _compare(args: argparse.Namespace) -> int:
             write(getattr(args, suffix))
     print(result.summary())
     print()
-    print(_compact(result.table))
+    print(compact(result.table))
     if args.remedies:
         _remedies(result, not args.no_progress)
     failed = (args.fail_on == "divergence" and result.verdict != "identical") or (
         args.fail_on == "not-rounding" and result.verdict == "not rounding")
-    return 1 if failed else 0
-
-
-def _backward(args: argparse.Namespace) -> int:
-    import divtrace
-
-    model, batch, loss, weight = training(args.target)
-    model, batch = placed(model, batch, args.device, args.dtype)
-    samples = [int(s) for s in args.samples.split(",")] if args.samples else None
-    try:
-        result = divtrace.compare_backward(
-            model, batch, loss, chunk=args.chunk, samples=samples, weight=weight,
-            batch_dim=args.batch_dim, forward=not args.no_forward, rtol=args.rtol,
-            atol=args.atol, allow_train=args.allow_train, progress=not args.no_progress)
-    except (UsageError, DivtraceError):
-        raise
-    except Exception as exc:
-        raise Raised(f"the model or the loss raised {type(exc).__name__}: {exc}") from exc
-    for suffix, write in (("json", result.save), ("html", result.to_html)):
-        if getattr(args, suffix):
-            write(getattr(args, suffix))
-    print(result.summary())
-    print()
-    print(result.sites.to_string(index=False))
-    kind = result.verdict.kind
-    failed = (args.fail_on == "divergence" and kind != "identical") or (
-        args.fail_on == "not-rounding" and kind == "not rounding")
     return 1 if failed else 0
 
 
@@ -159,7 +120,7 @@ def _show(args: argparse.Namespace) -> int:
     print(found.summary() if hasattr(found, "summary") else found.table.to_string(index=False))
     if hasattr(found, "table") and "mismatch" in found.table and "site" in found.table:
         print()
-        print(_compact(found.table))
+        print(compact(found.table))
     return 0
 
 
@@ -197,36 +158,6 @@ def _env(args: argparse.Namespace) -> int:
 
     print(json.dumps(environment(), indent=1))
     return 0
-
-
-def _backward_parser(commands: Any) -> None:
-    """The ``backward`` command's arguments."""
-    back = commands.add_parser(
-        "backward", help="one backward over the batch against gradient accumulation",
-        description="Compare one backward over the batch with gradient accumulation over "
-                    "chunks, as divtrace.compare_backward does. TARGET is "
-                    "path/to/file.py:function or package.module:function; the function "
-                    "returns (model, batch, loss) or (model, batch, loss, weight).")
-    back.add_argument("target", metavar="TARGET")
-    back.add_argument("--chunk", type=int, required=True, help="rows per micro-batch")
-    back.add_argument("--samples", help="comma-separated rows whose output gradients are "
-                      "compared (default: all)")
-    back.add_argument("--batch-dim", type=int, default=0, help="the batch dimension")
-    back.add_argument("--no-forward", action="store_true",
-                      help="leave the forward sites out (fewer passes)")
-    back.add_argument("--rtol", type=float, help="relative tolerance of the exceed column")
-    back.add_argument("--atol", type=float, help="absolute tolerance of the exceed column")
-    back.add_argument("--allow-train", action="store_true",
-                      help="compare although the model draws random numbers")
-    back.add_argument("--device", help="move the model and the batch there first")
-    back.add_argument("--dtype", help="cast the model and the batch's floating tensors first")
-    back.add_argument("--json", help="save the result as JSON (divtrace show, divtrace.load)")
-    back.add_argument("--html", help="write a self-contained HTML report")
-    back.add_argument("--fail-on", choices=["divergence", "not-rounding"],
-                      help="exit 1 when the gradients are not bit-identical (divergence) or "
-                           "when the verdict is not rounding")
-    back.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    back.set_defaults(handle=_backward)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -281,7 +212,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     run.set_defaults(handle=_compare)
 
-    _backward_parser(commands)
+    add_command(commands, "backward")
+    add_command(commands, "compare-models")
 
     show = commands.add_parser("show", help="summary and divergent sites of a saved file")
     show.add_argument("file", metavar="FILE")

@@ -308,7 +308,7 @@ def test_op_sites_paired_across_kernel_paths_do_not_decide_the_size() -> None:
 
 
 def test_a_row_and_the_command_line_print_figures_that_are_not_zero_as_such() -> None:
-    from divtrace.cli import _compact
+    from divtrace.commands import compact
 
     result = run(models.variant_mlp(), torch.randn(8, 16))
     first = result.first_divergence
@@ -318,7 +318,7 @@ def test_a_row_and_the_command_line_print_figures_that_are_not_zero_as_such() ->
     assert f"{first['rel_l2']:.2e}" in text
     assert "rel_l2                         0.0" not in text
     assert f"{first['cosine']:.16g}" in text  # all the digits 1 - cos needs
-    shown = _compact(result.table)
+    shown = compact(result.table)
     assert f"{first['rel_l2']:.2e}" in shown
     assert f"{first['mismatch'] * 100:.1f}%" in shown
 

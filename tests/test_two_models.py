@@ -149,3 +149,35 @@ def test_tensor_parallel_against_its_unsharded_self(case: str, tmp_path) -> None
     roles = dict(zip(table["site"], table["role"], strict=True))
     assert roles[row_parallel] == "source"
     assert first["verdict"] == "rounding"
+
+
+def test_the_command_line(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import textwrap
+
+    from divtrace.cli import main
+
+    target = tmp_path / "pair.py"
+    target.write_text(textwrap.dedent("""
+        import copy
+        import torch
+
+        def original():
+            torch.manual_seed(0)
+            net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+                                      torch.nn.Linear(8, 2)).eval()
+            return net, torch.randn(6, 4)
+
+        def perturbed():
+            net = copy.deepcopy(original()[0])
+            with torch.no_grad():
+                net[2].bias += 1e-3
+            return net
+        """))
+    out = tmp_path / "m.json"
+    assert main(["compare-models", f"{target}:original", f"{target}:original",
+                 "--no-progress", "--fail-on", "divergence"]) == 0
+    assert "Verdict: identical" in capsys.readouterr().out
+    assert main(["compare-models", f"{target}:original", f"{target}:perturbed",
+                 "--no-progress", "--fail-on", "not-rounding", "--json", str(out)]) == 1
+    assert "'2' (Linear)" in capsys.readouterr().out
+    assert main(["show", str(out)]) == 0
