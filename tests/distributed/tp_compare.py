@@ -100,9 +100,9 @@ def main() -> None:
     single, plan, x = {"mlp": mlp, "llama": llama}[case]()
     sharded = copy.deepcopy(single)
     parallelize_module(sharded, init_device_mesh("cpu", (world,)), plan)
-    before = _hooks(sharded)
+    before = _hooks(sharded) + _hooks(single)
     found = divtrace.compare_models(single, sharded, x, progress=False)
-    left = _hooks(sharded) - before
+    left = _hooks(sharded) + _hooks(single) - before
     sites = ({"0.up": -1, "0.act": -1, "0.down": None, "1.up": -1} if case == "mlp" else
              {"model.layers.0.mlp.up_proj": -1, "model.layers.0.mlp.down_proj": None})
     first = found.first_divergence
