@@ -45,6 +45,8 @@ def test_a_copy_with_one_layer_perturbed_parts_exactly_there() -> None:
     assert list(found.sources["site"]) == ["2"]
     assert found.verdict == "not rounding"
     assert MODELS in found.summary()
+    with pytest.raises(divtrace.DivtraceValueError, match="two models"):
+        found.remedies(progress=False)
     assert "batch" not in found.summary().splitlines()[0]
     local = divtrace.compare_models(net, twin, _x(), explain=["local"], progress=False)
     adds = local.table.set_index("site")["adds_error"]

@@ -201,6 +201,11 @@ def _row(remedy: Remedy, found: Comparison | None, before: float, note: str
 
 
 def _refused(plan: Plan) -> None:
+    if getattr(plan.b, "other", None) is not None:
+        raise DivtraceValueError(
+            "remedies() looks for a setting that makes two runs of one model agree; this "
+            "comparison ran two models (compare_models), whose difference no setting of "
+            "one of them removes")
     changed = [w for w, run in (("a", plan.a), ("b", plan.b)) if run.changes_model]
     if changed:
         raise DivtraceValueError(
