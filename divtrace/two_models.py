@@ -14,21 +14,10 @@ from divtrace.explain.registry import Explain
 from divtrace.plan.other import OtherModel, names_checked
 from divtrace.plan.runs import Resources, Run
 from divtrace.plan.selection import ModuleSpec, mixing_modules
+from divtrace.record.sharded import sharded
 from divtrace.report.comparison import Comparison
 
 __all__ = ["compare_models"]
-
-
-def _sharded(model: nn.Module) -> bool:
-    """Whether ``model`` runs over several ranks (DTensor parameters, or a tensor-parallel
-    plan applied under a process group of more than one rank)."""
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def compare_models(
@@ -92,7 +81,7 @@ def compare_models(
     if explain is None:
         explain = ["-independence"]
     other = OtherModel(other=b, names=names_checked(names), name="model b",
-                       sharded=_sharded(b))
+                       sharded=sharded(b))
     return compare(a, x, samples=samples, batch_dim=batch_dim, modules=modules, ops=ops,
                    explain=explain, rtol=rtol, atol=atol, allow_train=allow_train,
                    a=Run(name="model a"), b=other, resources=resources, progress=progress)

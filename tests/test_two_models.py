@@ -183,3 +183,19 @@ def test_the_command_line(tmp_path, capsys) -> None:  # type: ignore[no-untyped-
                  "--no-progress", "--fail-on", "not-rounding", "--json", str(out)]) == 1
     assert "'2' (Linear)" in capsys.readouterr().out
     assert main(["show", str(out)]) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
+def test_batched_against_split_on_the_tensor_parallel_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    first, second = _torchrun("split", tmp_path)
+    assert first["table"] == second["table"]
+    assert first["summary"] == second["summary"]
+    assert first["hooks_left"] == second["hooks_left"] == 0
+    table = first["table"]
+    assert set(table["status"]) == {"ok"}
+    rel = dict(zip(table["site"], table["rel_l2"], strict=True))
+    for site, by_hand in first["by_hand"].items():  # every rank's shards stacked by hand
+        assert rel[site] == pytest.approx(by_hand, rel=1e-9, abs=0)
+    assert first["verdict"] in ("identical", "rounding")
+    assert "independence test" in first["summary"]

@@ -19,6 +19,7 @@ from divtrace.record.hooks import ModuleHooks
 from divtrace.record.loop import InputCopies, drive
 from divtrace.record.recorder import Recorder, Sink
 from divtrace.record.rows import RowStore
+from divtrace.record.sharded import Stacked, sharded
 
 __all__ = ["RecorderFactory", "Runner", "module_hooks"]
 
@@ -42,6 +43,9 @@ class Runner:
     modules: dict[str, nn.Module]
     recorder: Recorder
     name: str
+    #: the model is sharded over ranks and compared with itself: every rank's parts of
+    #: each tensor are measured (:class:`~divtrace.record.sharded.Stacked`)
+    stacked: bool = False
 
     @classmethod
     def of(cls, run: Run, model: nn.Module, modules: Any, output_only: bool, name: str,
@@ -54,12 +58,13 @@ class Runner:
         ``walk``: a walk of ``model`` already made (used when the run runs ``model``).
         """
         mine = run.model(model)
+        stack = not getattr(run, "sharded", False) and sharded(mine)
         if beside is not None and beside.model is mine:
-            return cls(run, mine, beside.modules, beside.recorder, name)
+            return cls(run, mine, beside.modules, beside.recorder, name, stack)
         walked = walk.named if walk is not None and walk.model is mine else None
         selected = {ROOT: mine} if output_only else select_modules(mine, modules, walked)
         selected = run.renamed(selected)
-        return cls(run, mine, selected, recorder(mine, selected), name)
+        return cls(run, mine, selected, recorder(mine, selected), name, stack)
 
     def feed(self, args: tuple[Any, ...], kwargs: dict[str, Any]
              ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -81,6 +86,8 @@ class Runner:
         ``graphs``: replays passes from a CUDA graph where it can (``sink`` is then a row
         store; ``unsuitable`` says why it cannot, when that is known beforehand).
         """
+        if self.stacked:
+            sink = Stacked(sink)
         with self.run.flags():
             feed = self.run.tensor if self.run.changes_inputs else None
             if graphs is not None and isinstance(sink, RowStore):

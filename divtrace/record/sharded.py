@@ -1,5 +1,7 @@
-"""A tensor-parallel model's site outputs, reassembled into the whole tensors of the
-unsharded model before they are measured.
+"""A tensor-parallel model's site outputs, made comparable on every rank: reassembled
+into the whole tensors of the unsharded model (:class:`Reassembled`, for
+``compare_models``), or every rank's parts stacked (:class:`Stacked`, for the model
+compared with itself, batched against split).
 
 Under ``torchrun`` every rank runs the same forward pass, so every rank reaches the same
 sites in the same order: each reassembly is a collective that all ranks make together. A
@@ -26,7 +28,7 @@ from divtrace.align.sites import Site, input_site
 from divtrace.compat import pytree
 from divtrace.record.recorder import Sink, Tracker
 
-__all__ = ["Reassembled", "whole"]
+__all__ = ["Reassembled", "Stacked", "sharded", "stacked", "whole"]
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -53,12 +55,42 @@ def whole(tensor: torch.Tensor, expected: tuple[int, ...] | None) -> torch.Tenso
     return torch.cat(parts, dim=dims[0])
 
 
-class Reassembled(Sink):
-    """A sink that hands ``sink`` every site's tensor reassembled (``expected``: the
-    unsharded run's shape at a site key, None where it has none)."""
+def sharded(model: nn.Module) -> bool:
+    """Whether ``model`` runs over several ranks: DTensor parameters under a process group
+    of more than one rank."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return False
+    return any(_is_dtensor(p) for p in model.parameters())
 
-    def __init__(self, sink: Sink, expected: Callable[[str], tuple[int, ...] | None]) -> None:
-        self.sink, self.expected = sink, expected
+
+def stacked(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's local part of ``tensor``, stacked along a new last dimension (rank
+    order), so that each rank measures all of them; as it is when the ranks' parts differ
+    in shape (each rank then measures its own)."""
+    if _is_dtensor(tensor):
+        tensor = tensor.to_local()  # type: ignore[attr-defined]
+    world = dist.get_world_size()
+    shape = torch.tensor([tensor.dim(), *tensor.shape, *[0] * (8 - tensor.dim())],
+                         dtype=torch.int64, device=tensor.device) if tensor.dim() <= 8 else None
+    if shape is None:
+        return tensor
+    shapes = [torch.empty_like(shape) for _ in range(world)]
+    dist.all_gather(shapes, shape)
+    if any(not torch.equal(other, shape) for other in shapes):
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(world)]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.stack(parts, dim=-1)
+
+
+class _Traced(Sink):
+    """A sink that hands ``sink`` every site's tensor and every leaf's inputs changed by
+    ``change`` (its key, its tensor), a parallel style's DTensor around a site's output
+    traced back to that output first."""
+
+    def __init__(self, sink: Sink, change: Callable[[str, torch.Tensor], torch.Tensor]
+                 ) -> None:
+        self.sink, self.change = sink, change
 
     def begin_chunk(self, start: int, stop: int, tracker: Tracker) -> None:
         self.sink.begin_chunk(start, stop, tracker)
@@ -68,8 +100,7 @@ class Reassembled(Sink):
 
     def on_call(self, call: Site, module: nn.Module, args: tuple[Any, ...],
                 kwargs: dict[str, Any], output: Any, tracker: Tracker) -> None:
-        """The call, its DTensor inputs (a parallel style's wrappers) as the site outputs
-        they wrap, or else as their local tensors."""
+        """The call, its inputs changed; a DTensor around a site's output is that output."""
         index = [0]
 
         def local(value: Any) -> Any:
@@ -83,14 +114,31 @@ class Reassembled(Sink):
                 if made is not None:
                     return made
                 value = mine
-            expected = self.expected(key)
-            return value if expected is None else whole(value, expected)
+            return self.change(key, value)
 
         args, kwargs = pytree.tree_map(local, (args, kwargs))
         self.sink.on_call(call, module, args, kwargs, output, tracker)
 
     def on_tensor(self, site: Site, tensor: torch.Tensor) -> None:
-        self.sink.on_tensor(site, whole(tensor, self.expected(site.key)))
+        self.sink.on_tensor(site, self.change(site.key, tensor))
 
     def end_chunk(self) -> bool:
         return self.sink.end_chunk()
+
+
+class Stacked(_Traced):
+    """A sink that hands ``sink`` every rank's part of each tensor (:func:`stacked`): a
+    sharded model compared with itself (batched against split), every rank the same
+    figures."""
+
+    def __init__(self, sink: Sink) -> None:
+        super().__init__(sink, lambda _key, tensor: stacked(tensor))
+
+
+class Reassembled(_Traced):
+    """A sink that hands ``sink`` every site's tensor (and leaf input) reassembled into
+    the unsharded run's whole tensor (``expected``: that run's shape at a key, None where
+    it has none; see :func:`whole`)."""
+
+    def __init__(self, sink: Sink, expected: Callable[[str], tuple[int, ...] | None]) -> None:
+        super().__init__(sink, lambda key, tensor: whole(tensor, expected(key)))

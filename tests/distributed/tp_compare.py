@@ -93,9 +93,47 @@ def _by_hand(single: nn.Module, sharded: nn.Module, x: Any, sites: dict[str, int
     return found
 
 
+def _stacked_by_hand(sharded: nn.Module, x: torch.Tensor, name: str, chunk: int) -> float:
+    """rel_l2 at ``name`` of the batched pass against passes of ``chunk`` rows, every
+    rank's local output stacked by hand."""
+    seen: list[torch.Tensor] = []
+    handle = sharded.get_submodule(name).register_forward_hook(
+        lambda _m, _i, out: seen.append(out.detach().clone()))
+    with torch.no_grad():
+        sharded(x)
+        for start in range(0, len(x), chunk):
+            sharded(x[start:start + chunk])
+    handle.remove()
+    runs = []
+    for local in (seen[0], torch.cat(seen[1:])):
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, local.contiguous())
+        runs.append(torch.stack(parts, dim=-1).double())
+    return float((runs[0] - runs[1]).norm() / runs[1].norm())
+
+
+def split(out: Path) -> None:
+    """Batched against split on the tensor-parallel model itself."""
+    model, plan, x = mlp()
+    parallelize_module(model, init_device_mesh("cpu", (dist.get_world_size(),)), plan)
+    before = _hooks(model)
+    found = divtrace.compare(model, x, progress=False)  # per sample
+    first = found.first_divergence
+    (out / f"split{dist.get_rank()}.json").write_text(json.dumps({
+        "table": found.table[["site", "status", "role", "mismatch", "rel_l2"]].to_dict("list"),
+        "verdict": found.verdict, "summary": found.summary(),
+        "by_hand": {name: _stacked_by_hand(model, x, name, 1) for name in ("0.up", "1.down")},
+        "first": None if first is None else first["site"], "hooks_left": _hooks(model) - before}))
+
+
 def main() -> None:
     out, case = Path(sys.argv[1]), sys.argv[2]
     dist.init_process_group("gloo")
+    if case == "split":
+        split(out)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     world = dist.get_world_size()
     single, plan, x = {"mlp": mlp, "llama": llama}[case]()
     sharded = copy.deepcopy(single)
