@@ -131,7 +131,7 @@ def _torchrun(case: str, out) -> list[dict]:  # type: ignore[no-untyped-def]
 
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
-@pytest.mark.parametrize("case", ["mlp", "llama"])
+@pytest.mark.parametrize("case", ["mlp", "llama", "sequence"])
 def test_tensor_parallel_against_its_unsharded_self(case: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     if case == "llama":
         pytest.importorskip("transformers")
@@ -146,7 +146,8 @@ def test_tensor_parallel_against_its_unsharded_self(case: str, tmp_path) -> None
     rel = dict(zip(table["site"], table["rel_l2"], strict=True))
     for site, by_hand in first["by_hand"].items():  # the shards gathered by hand
         assert rel[site] == pytest.approx(by_hand, rel=1e-9, abs=0)
-    row_parallel = {"mlp": "0.down", "llama": "model.layers.0.self_attn.o_proj"}[case]
+    row_parallel = {"mlp": "0.down", "llama": "model.layers.0.self_attn.o_proj",
+                    "sequence": "down"}[case]
     assert first["first"] == row_parallel  # where the first all-reduce sums partial results
     roles = dict(zip(table["site"], table["role"], strict=True))
     assert roles[row_parallel] == "source"

@@ -1,6 +1,7 @@
 """Run under torchrun by the tests (two processes, gloo): tensor-parallel models against
-the same models unsharded, through compare_models. Each rank writes what it found as JSON
-to the folder given as the first argument; the second names the case (mlp, llama)."""
+the same models unsharded, through compare_models, and one against itself (batched
+against split, through compare). Each rank writes what it found as JSON to the folder
+given as the first argument; the second names the case (mlp, llama, sequence, split)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    PrepareModuleInput,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -65,6 +69,33 @@ def llama() -> tuple[nn.Module, dict[str, Any], Any]:
     return model, plan, torch.randint(0, 100, (4, 12))
 
 
+class Sequence(nn.Module):
+    """A norm, an MLP and a norm over a residual stream sharded along the sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entry = nn.Identity()
+        self.norm = nn.LayerNorm(32)
+        self.up = nn.Linear(32, 64)
+        self.act = nn.GELU()
+        self.down = nn.Linear(64, 32)
+        self.out = nn.LayerNorm(32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.entry(x))
+        return self.out(h + self.down(self.act(self.up(h))))
+
+
+def sequence() -> tuple[nn.Module, dict[str, Any], Any]:
+    torch.manual_seed(0)
+    plan = {"entry": PrepareModuleInput(input_layouts=Replicate(), use_local_output=False,
+                                        desired_input_layouts=Shard(1)),
+            "norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+            "down": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            "out": SequenceParallel()}
+    return Sequence().eval(), plan, torch.randn(4, 8, 32)
+
+
 def _hooks(model: nn.Module) -> int:
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
@@ -84,7 +115,9 @@ def _by_hand(single: nn.Module, sharded: nn.Module, x: Any, sites: dict[str, int
                 model(x)
             handle.remove()
         b = seen["b"].pop()
-        if dim is not None:
+        if isinstance(b, DTensor):
+            b = b.full_tensor()
+        elif dim is not None:
             parts = [torch.empty_like(b) for _ in range(dist.get_world_size())]
             dist.all_gather(parts, b.contiguous())
             b = torch.cat(parts, dim=dim)
@@ -135,14 +168,15 @@ def main() -> None:
         dist.destroy_process_group()
         return
     world = dist.get_world_size()
-    single, plan, x = {"mlp": mlp, "llama": llama}[case]()
+    single, plan, x = {"mlp": mlp, "llama": llama, "sequence": sequence}[case]()
     sharded = copy.deepcopy(single)
     parallelize_module(sharded, init_device_mesh("cpu", (world,)), plan)
     before = _hooks(sharded) + _hooks(single)
     found = divtrace.compare_models(single, sharded, x, progress=False)
     left = _hooks(sharded) + _hooks(single) - before
-    sites = ({"0.up": -1, "0.act": -1, "0.down": None, "1.up": -1} if case == "mlp" else
-             {"model.layers.0.mlp.up_proj": -1, "model.layers.0.mlp.down_proj": None})
+    sites = {"mlp": {"0.up": -1, "0.act": -1, "0.down": None, "1.up": -1},
+             "llama": {"model.layers.0.mlp.up_proj": -1, "model.layers.0.mlp.down_proj": None},
+             "sequence": {"norm": None, "up": -1, "down": None}}[case]
     first = found.first_divergence
     (out / f"{case}{dist.get_rank()}.json").write_text(json.dumps({
         "table": found.table[["site", "status", "role", "mismatch", "rel_l2"]].to_dict("list"),
