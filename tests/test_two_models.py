@@ -114,7 +114,7 @@ def test_bad_arguments_name_the_fix() -> None:
         divtrace.compare_models(_net(), "net", _x(), progress=False)  # type: ignore[arg-type]
 
 
-def _torchrun(case: str, out) -> list[dict]:  # type: ignore[no-untyped-def]
+def _torchrun(case: str, out, ranks: int = 2) -> list[dict]:  # type: ignore[no-untyped-def]
     import json
     import subprocess
     import sys
@@ -122,23 +122,24 @@ def _torchrun(case: str, out) -> list[dict]:  # type: ignore[no-untyped-def]
 
     script = Path(__file__).parent / "distributed" / "tp_compare.py"
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
          "--standalone", str(script), str(out), case],
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads((out / f"{case}{rank}.json").read_text()) for rank in (0, 1)]
+    return [json.loads((out / f"{case}{rank}.json").read_text()) for rank in range(ranks)]
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
-@pytest.mark.parametrize("case", ["mlp", "llama", "sequence"])
-def test_tensor_parallel_against_its_unsharded_self(case: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(("case", "count"), [("mlp", 2), ("llama", 2), ("sequence", 2),
+                                             ("mlp", 4)])
+def test_tensor_parallel_against_its_unsharded_self(case: str, count: int, tmp_path) -> None:  # type: ignore[no-untyped-def]
     if case == "llama":
         pytest.importorskip("transformers")
-    ranks = _torchrun(case, tmp_path)
-    first, second = ranks
-    assert first["table"] == second["table"]  # every rank, the same result
-    assert first["summary"] == second["summary"]
+    ranks = _torchrun(case, tmp_path, count)
+    first = ranks[0]
+    assert all(r["table"] == first["table"] for r in ranks)  # every rank, the same result
+    assert all(r["summary"] == first["summary"] for r in ranks)
     assert all(r["hooks_left"] == 0 for r in ranks)
     table = first["table"]
     statuses = dict(zip(table["site"], table["status"], strict=True))
