@@ -5,6 +5,7 @@ models on one input); the compact table every command prints."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
@@ -28,26 +29,33 @@ def compact(table: pd.DataFrame, limit: int = 15) -> str:
     return readable(shown).to_string(index=False) + more
 
 
+def _reported(args: argparse.Namespace, who: str, make: Callable[[], Any]) -> Any:
+    """``make()``'s result, saved as the arguments ask and its summary printed; what the
+    user's code raised is exit code 3."""
+    try:
+        result = make()
+    except (UsageError, DivtraceError):
+        raise
+    except Exception as exc:
+        raise Raised(f"{who} raised {type(exc).__name__}: {exc}") from exc
+    for suffix, write in (("json", result.save), ("html", result.to_html)):
+        if getattr(args, suffix):
+            write(getattr(args, suffix))
+    print(result.summary())
+    print()
+    return result
+
+
 def _backward(args: argparse.Namespace) -> int:
     import divtrace
 
     model, batch, loss, weight = training(args.target)
     model, batch = placed(model, batch, args.device, args.dtype)
     samples = [int(s) for s in args.samples.split(",")] if args.samples else None
-    try:
-        result = divtrace.compare_backward(
-            model, batch, loss, chunk=args.chunk, samples=samples, weight=weight,
-            batch_dim=args.batch_dim, forward=not args.no_forward, rtol=args.rtol,
-            atol=args.atol, allow_train=args.allow_train, progress=not args.no_progress)
-    except (UsageError, DivtraceError):
-        raise
-    except Exception as exc:
-        raise Raised(f"the model or the loss raised {type(exc).__name__}: {exc}") from exc
-    for suffix, write in (("json", result.save), ("html", result.to_html)):
-        if getattr(args, suffix):
-            write(getattr(args, suffix))
-    print(result.summary())
-    print()
+    result = _reported(args, "the model or the loss", lambda: divtrace.compare_backward(
+        model, batch, loss, chunk=args.chunk, samples=samples, weight=weight,
+        batch_dim=args.batch_dim, forward=not args.no_forward, rtol=args.rtol,
+        atol=args.atol, allow_train=args.allow_train, progress=not args.no_progress))
     print(result.sites.to_string(index=False))
     kind = result.verdict.kind
     failed = (args.fail_on == "divergence" and kind != "identical") or (
@@ -69,18 +77,9 @@ def _models(args: argparse.Namespace) -> int:
                          f"{type(b).__name__}")
     b, _ = placed(b, x, args.device, args.dtype)
     explain = [name for name in (args.explain or "").split(",") if name] or None
-    try:
-        result = divtrace.compare_models(a, b, x, explain=explain, rtol=args.rtol,
-                                         atol=args.atol, progress=not args.no_progress)
-    except (UsageError, DivtraceError):
-        raise
-    except Exception as exc:
-        raise Raised(f"a model raised {type(exc).__name__}: {exc}") from exc
-    for suffix, write in (("json", result.save), ("html", result.to_html)):
-        if getattr(args, suffix):
-            write(getattr(args, suffix))
-    print(result.summary())
-    print()
+    result = _reported(args, "a model", lambda: divtrace.compare_models(
+        a, b, x, explain=explain, rtol=args.rtol, atol=args.atol,
+        progress=not args.no_progress))
     print(compact(result.table))
     failed = (args.fail_on == "divergence" and result.verdict != "identical") or (
         args.fail_on == "not-rounding" and result.verdict == "not rounding")
