@@ -19,10 +19,11 @@ from divtrace.backward.result import Backward
 from divtrace.backward.weights import check_weights
 from divtrace.compare import compare
 from divtrace.errors import BatchMixingError, DivtraceTypeError
+from divtrace.measure.host import Host
 from divtrace.plan.inputs import prepare_input
 from divtrace.plan.runs import Resources, Run
-from divtrace.plan.samples import check_chunk, prepare_samples
-from divtrace.plan.selection import mixing_modules
+from divtrace.plan.samples import check_chunk, chunks_for, prepare_samples
+from divtrace.plan.selection import refuse_mixing
 from divtrace.plan.walk import Walk
 from divtrace.progress import Progress
 from divtrace.record.guard import RandomDraws, cuda_devices, untouched
@@ -44,14 +45,9 @@ def _checked(model: Any, loss: Any, weight: Any, allow_train: bool) -> None:
         raise DivtraceTypeError(
             f"weight must be a callable weight(part) -> number (e.g. lambda part: "
             f"tokens in part / tokens in the batch); got {type(weight).__name__}")
-    mixing = mixing_modules(model.named_modules())
-    if mixing and not allow_train:
-        raise BatchMixingError(
-            f"the model is in train mode and these modules mix samples or draw random "
-            f"numbers there: {', '.join(mixing)}; one backward over the batch and "
-            f"accumulation would differ for reasons that are not numerical. Call "
-            f"model.eval() first (gradients flow in eval mode too), or pass "
-            f"allow_train=True to compare anyway")
+    refuse_mixing(model.named_modules(), allow_train,
+                  apart="one backward over the batch and accumulation would differ",
+                  fix="Call model.eval() first (gradients flow in eval mode too)")
 
 
 def _steps(split: list[Step], batched: Step) -> pd.DataFrame:
@@ -125,14 +121,15 @@ def compare_backward(
     size = cut.batch_size
     step = check_chunk(chunk, size)
     rows = prepare_samples(samples, size)
-    chunks = [(s, min(s + step, size)) for s in range(0, size, step)]
+    chunks = chunks_for(list(range(size)), step, size)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     types = {name or ROOT: type(m).__name__ for name, m in model.named_modules()}
     walk = Walk.of(model)
     devices = cuda_devices((walk,), cut.leaves)
     sites = GradSites(model, batch_dim, keep=_OUTPUTS_KEPT)
     store = GradStore()
-    meter = GradMeter(store, rows, batch_dim, rtol, atol)
+    host = Host()
+    meter = GradMeter(store, rows, host, rtol, atol)
     with Progress(2 * len(chunks) + 1, progress) as bar:
         with untouched(walk, devices), kept_grads(params), torch.enable_grad():
             draws = RandomDraws(devices)
@@ -157,13 +154,14 @@ def compare_backward(
             whole = take_grads(params)
             chosen = next((o for o in reversed(sites.outputs) if o.grad is not None), None)
             bar.stage("weights test")
-            weights = check_weights(model, loss, weight, batch, cut, chunks, chosen,
-                                   batched.loss, bar.advance)
+            weights = check_weights(model, loss, batch, cut,
+                                    [(s.start, s.stop, s.weight) for s in split], chosen,
+                                    bar.advance)
         sites.outputs.clear()
+        pending = [*meter.found, *param_rows(whole, accumulated, types, host, rtol, atol)]
+        host.fetch()  # the one host synchronisation of the figures
         table = pd.DataFrame([loss_row(batched.loss, sum(s.loss * s.weight for s in split),
-                                       batched.dtype),
-                              *meter.rows(), *param_rows(whole, accumulated, types, rtol,
-                                                         atol)])
+                                       batched.dtype), *(p.row() for p in pending)])
     seen, why = _forward(model, loss, batch, rows, batch_dim, step, forward, rtol, atol,
                          allow_train, progress)
     said = "rows in part / rows in batch" if weight is None else "weight(part)"

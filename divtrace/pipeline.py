@@ -34,7 +34,7 @@ from divtrace.record.ragged import row_store
 from divtrace.record.recorder import Sink
 from divtrace.record.rows import RowStore
 from divtrace.record.runner import Runner
-from divtrace.record.sharded import Reassembled
+from divtrace.record.sharded import Reassembled, sharded
 from divtrace.report.comparison import Comparison, Origin
 from divtrace.report.environment import environment, run_settings
 from divtrace.report.meta import Meta
@@ -74,7 +74,8 @@ def _measure(ctx: Context, meter: Meter) -> None:
         return
     ctx.progress.stage(compared.name)
     sink: Sink = meter
-    if getattr(plan.b, "sharded", False):  # another model, sharded over ranks
+    other = plan.b.other_model
+    if other is not None and sharded(other):  # reassembled into run a's whole tensors
         sink = Reassembled(meter, partial(_shape, ctx.store))
     ctx.output_type = compared.execute(
         sink, plan.batch, [(0, size)], lambda _s, _e: f"{compared.name} (B={size})",
@@ -178,7 +179,7 @@ def execute(plan: Plan, model: nn.Module, parts: Parts | None = None,
     host = Host()
     probes = copy.deepcopy(parts.probes)  # fresh ones: this run's findings are their own
     devices = cuda_devices((walk, reference.model, compared.model), plan.batch.leaves)
-    theirs = compared.model is not model and not plan.b.changes_model  # another model
+    theirs = plan.b.other_model is not None and plan.b.other_model is not model
     with Progress(parts.passes(plan), plan.progress) as progress, untouched(walk, devices), (
             untouched(Walk.of(compared.model), []) if theirs else nullcontext()):
         draws = RandomDraws(devices)

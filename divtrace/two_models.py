@@ -9,12 +9,11 @@ from typing import Any
 from torch import nn
 
 from divtrace.compare import compare
-from divtrace.errors import BatchMixingError, DivtraceTypeError
+from divtrace.errors import DivtraceTypeError
 from divtrace.explain.registry import Explain
 from divtrace.plan.other import OtherModel, names_checked
 from divtrace.plan.runs import Resources, Run
-from divtrace.plan.selection import ModuleSpec, mixing_modules
-from divtrace.record.sharded import sharded
+from divtrace.plan.selection import ModuleSpec, refuse_mixing
 from divtrace.report.comparison import Comparison
 
 __all__ = ["compare_models"]
@@ -72,16 +71,11 @@ def compare_models(
         if not isinstance(model, nn.Module):
             raise DivtraceTypeError(f"{name} must be a torch.nn.Module; got "
                                     f"{type(model).__name__}")
-    mixing = mixing_modules(b.named_modules())
-    if mixing and not allow_train:
-        raise BatchMixingError(
-            f"model b is in train mode and these modules mix samples or draw random "
-            f"numbers there: {', '.join(mixing)}. Call b.eval() first, or pass "
-            f"allow_train=True to compare anyway")
+    refuse_mixing(b.named_modules(), allow_train, who="model b",
+                  apart="its runs would differ", fix="Call b.eval() first")
     if explain is None:
         explain = ["-independence"]
-    other = OtherModel(other=b, names=names_checked(names), name="model b",
-                       sharded=sharded(b))
+    other = OtherModel(other=b, names=names_checked(names), name="model b")
     return compare(a, x, samples=samples, batch_dim=batch_dim, modules=modules, ops=ops,
                    explain=explain, rtol=rtol, atol=atol, allow_train=allow_train,
                    a=Run(name="model a"), b=other, resources=resources, progress=progress)

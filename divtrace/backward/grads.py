@@ -25,7 +25,6 @@ class GradSite:
     key: str
     module: str
     module_type: str
-    leaf: bool
 
 
 @dataclass
@@ -53,7 +52,6 @@ class GradSites:
     model: nn.Module
     batch_dim: int
     keep: int = 0
-    order: list[GradSite] = field(default_factory=list)
     outputs: deque[Output] = field(default_factory=deque)
 
     @contextmanager
@@ -64,7 +62,6 @@ class GradSites:
         ``compared`` rows (local indices, ascending), batch dimension first, in the order
         the backward pass reaches them: a view of the gradient when every row is compared
         (valid while the sink runs), else a copy."""
-        self.order.clear()
         self.outputs = deque(maxlen=self.keep or None)
         calls: dict[str, int] = {}
         handles: list[Any] = []
@@ -80,7 +77,6 @@ class GradSites:
             return grad.detach().index_select(self.batch_dim, found).movedim(self.batch_dim, 0)
 
         def arrived(site: GradSite, seen: Output | None, grad: torch.Tensor) -> None:
-            self.order.append(site)
             if seen is not None:
                 seen.grad = grad.detach()
             if compared:
@@ -99,8 +95,7 @@ class GradSites:
                             or tensor.dim() <= self.batch_dim
                             or tensor.shape[self.batch_dim] != rows):
                         continue
-                    site = GradSite(site_key(name, call, path), name,
-                                    type(module).__name__, leaf)
+                    site = GradSite(site_key(name, call, path), name, type(module).__name__)
                     seen = None
                     if leaf and self.keep:
                         seen = Output(site, call, path, tensor)

@@ -15,14 +15,13 @@ from divtrace.align.sites import ROOT
 from divtrace.align.status import Status
 from divtrace.backward.grads import GradSite
 from divtrace.measure.figures import site_figures
+from divtrace.measure.host import Deferred, Host
 from divtrace.measure.pair import pair_fields
 from divtrace.measure.stats import tolerances
 
-__all__ = ["GradMeter", "GradStore", "loss_row", "param_rows"]
+__all__ = ["GradMeter", "GradStore", "Pending", "loss_row", "param_rows"]
 
 _WIDTH = 1 << 18
-#: The columns of a gradient's row besides its figures.
-KEYS = ("site", "kind", "module", "type", "status", "dtype")
 
 
 def _fields(b: torch.Tensor, r: torch.Tensor, rtol: float | None, atol: float | None
@@ -40,15 +39,23 @@ def _row(site: str, kind: str, module: str, kind_of: str, status: Status, dtype:
     return row
 
 
-def _fetched(stats: list[torch.Tensor]) -> list[np.ndarray]:
-    """``stats`` (each ``[rows, fields]``) on the host: one transfer per device."""
-    if not stats:
-        return []
-    if len({s.device for s in stats}) > 1:
-        stats = [s.cpu() for s in stats]
-    block = torch.cat(stats).double().cpu().numpy()
-    ends = np.cumsum([len(s) for s in stats])
-    return np.split(block, ends[:-1])
+@dataclass(frozen=True)
+class Pending:
+    """A row of the table whose statistics arrive with the host's one fetch."""
+
+    site: str
+    kind: str
+    module: str
+    type: str
+    status: Status
+    dtype: str
+    stats: Deferred | None = None
+    per_sample: int = 0
+
+    def row(self) -> dict[str, Any]:
+        """The row (after :meth:`Host.fetch`)."""
+        return _row(self.site, self.kind, self.module, self.type, self.status, self.dtype,
+                    None if self.stats is None else self.stats.get(), self.per_sample)
 
 
 @dataclass
@@ -79,67 +86,53 @@ class GradMeter:
 
     store: GradStore
     samples: list[int]
-    batch_dim: int
+    host: Host
     rtol: float | None
     atol: float | None
-    found: list[tuple[GradSite, Status, str, torch.Tensor | None, int]] = field(
-        default_factory=list)
+    found: list[Pending] = field(default_factory=list)
 
     def sink(self, site: GradSite, rows: torch.Tensor) -> None:
         """Measures one site's compared rows (``[S, ...]``, batch dim first)."""
         reference = self.store.joined(site.key, self.samples)
         dtype = str(rows.dtype).removeprefix("torch.")
+        status, stats, per_sample = Status.OK, None, 0
         if reference is None:
-            self.found.append((site, Status.MISSING_IN_SPLIT, dtype, None, 0))
-            return
-        if reference.shape != rows.shape or reference.dtype != rows.dtype:
-            status = (Status.SHAPE_MISMATCH if reference.shape != rows.shape
-                      else Status.DTYPE_MISMATCH)
-            self.found.append((site, status, dtype, None, 0))
-            return
-        per_sample = rows[0].numel() if len(rows) else 0
-        self.found.append((site, Status.OK, dtype,
-                           _fields(rows, reference, self.rtol, self.atol), per_sample))
-
-    def rows(self) -> list[dict[str, Any]]:
-        """The table's rows (the statistics fetched in one transfer)."""
-        fetched = iter(_fetched([stats for _, _, _, stats, _ in self.found
-                                 if stats is not None]))
-        return [_row(site.key, "grad", site.module, site.module_type, status, dtype,
-                     None if stats is None else next(fetched), per_sample)
-                for site, status, dtype, stats, per_sample in self.found]
+            status = Status.MISSING_IN_SPLIT
+        elif reference.shape != rows.shape:
+            status = Status.SHAPE_MISMATCH
+        elif reference.dtype != rows.dtype:
+            status = Status.DTYPE_MISMATCH
+        else:
+            stats = self.host.add(_fields(rows, reference, self.rtol, self.atol))
+            per_sample = rows[0].numel() if len(rows) else 0
+        self.found.append(Pending(site.key, "grad", site.module, site.module_type, status,
+                                  dtype, stats, per_sample))
 
 
 def param_rows(batched: dict[str, torch.Tensor | None], split: dict[str, torch.Tensor | None],
-               types: dict[str, str], rtol: float | None, atol: float | None
-               ) -> list[dict[str, Any]]:
+               types: dict[str, str], host: Host, rtol: float | None, atol: float | None
+               ) -> list[Pending]:
     """One row per named parameter: the batched run's gradient against the accumulated
-    one (the statistics fetched in one transfer)."""
-    measured: list[tuple[str, torch.Tensor | None, int, str]] = []
+    one."""
+    found = []
     for name, b in batched.items():
         r = split.get(name)
-        if b is None or r is None:
-            measured.append((name, None, 0, "missing_in_split" if b is not None else (
-                "missing_in_batched" if r is not None else "unbatched")))
-            continue
-        measured.append((name, _fields(b.reshape(1, -1), r.reshape(1, -1), rtol, atol),
-                         b.numel(), str(b.dtype).removeprefix("torch.")))
-    fetched = iter(_fetched([s for _, s, _, _ in measured if s is not None]))
-    found = []
-    for name, s, numel, said in measured:
         module = name.rpartition(".")[0] or ROOT
-        if s is None:
-            found.append(_row(name, "param", module, types.get(module, ""), Status(said), "",
-                              None, 0))
-        else:
-            found.append(_row(name, "param", module, types.get(module, ""), Status.OK, said,
-                              next(fetched), numel))
+        kind_of = types.get(module, "")
+        if b is None or r is None:
+            status = (Status.MISSING_IN_SPLIT if b is not None else
+                      Status.MISSING_IN_BATCHED if r is not None else Status.UNBATCHED)
+            found.append(Pending(name, "param", module, kind_of, status, ""))
+            continue
+        stats = host.add(_fields(b.reshape(1, -1), r.reshape(1, -1), rtol, atol))
+        found.append(Pending(name, "param", module, kind_of, Status.OK,
+                             str(b.dtype).removeprefix("torch."), stats, b.numel()))
     return found
 
 
 def loss_row(batched: float, split: float, dtype: str) -> dict[str, Any]:
     """The loss: the batched run's against the split run's weighted losses summed (in
-    float64, each weighted loss as the run backpropagated it)."""
+    float64, from each chunk's loss and weight)."""
     cast = getattr(torch, dtype)
     b, s = torch.tensor([[batched]], dtype=cast), torch.tensor([[split]], dtype=cast)
     row = _row("loss", "loss", "", "", Status.OK, dtype,

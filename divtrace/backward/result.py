@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import html
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,16 +54,12 @@ class Backward:
     forward: Comparison | None
     settings: dict[str, Any]
     forward_why: str | None = None
-    _verdict: list[Verdict] = field(default_factory=list, repr=False, compare=False)
 
-    @property
+    @cached_property
     def verdict(self) -> Verdict:
         """identical, rounding or not rounding, and why (see
         :mod:`divtrace.backward.verdict`)."""
-        if not self._verdict:
-            self._verdict.append(judge(self.table, self.weights, self.forward,
-                                       self.forward_why))
-        return self._verdict[0]
+        return judge(self.table, self.weights, self.forward, self.forward_why)
 
     def of(self, kind: str) -> pd.DataFrame:
         """The rows of one kind: ``"loss"``, ``"grad"`` or ``"param"``."""
@@ -149,7 +146,6 @@ class Backward:
             "table": saved.frame_to_json(self.table),
             "steps": saved.frame_to_json(self.steps),
             "weights": {"site": w.site, "dtype": w.dtype, "limit": w.limit, "why": w.why,
-                        "loss_batched": w.loss_batched,
                         "table": saved.frame_to_json(w.table)},
             "forward": None if self.forward is None else saved.comparison_fields(
                 self.forward),
@@ -163,8 +159,7 @@ class Backward:
 
         w = doc["weights"]
         weights = Weights(w["site"], w["dtype"], saved.number(w["limit"]),
-                          saved.frame_from_json(w["table"]), saved.number(w["loss_batched"]),
-                          w["why"])
+                          saved.frame_from_json(w["table"]), w["why"])
         forward = None if doc["forward"] is None else comparison(doc["forward"])
         return cls(saved.frame_from_json(doc["table"]), saved.frame_from_json(doc["steps"]),
                    weights, forward, dict(doc["settings"]), doc["forward_why"])

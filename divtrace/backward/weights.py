@@ -22,11 +22,11 @@ from typing import Any
 import pandas as pd
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from divtrace.align.sites import ROOT, flatten_output
 from divtrace.backward.grads import Output
-from divtrace.backward.passes import Loss, Weight, part_of, weighed
+from divtrace.backward.passes import Loss, part_of
+from divtrace.compat import pytree
 from divtrace.plan.inputs import BatchedInput
 
 __all__ = ["ULPS", "Weights", "check_weights"]
@@ -50,7 +50,6 @@ class Weights:
             batched run's rows), ``ratio`` (the chunk's gradient over the batched one's,
             by least squares), ``residual`` (what the ratio leaves, relative),
             ``max_ulp`` and ``passed``.
-        loss_batched: The batched loss.
         why: Why it could not test, or None.
     """
 
@@ -58,7 +57,6 @@ class Weights:
     dtype: str | None
     limit: float
     table: pd.DataFrame
-    loss_batched: float
     why: str | None = None
 
     @property
@@ -67,11 +65,6 @@ class Weights:
         if self.why is not None:
             return None
         return bool(self.table["passed"].all())
-
-    @property
-    def loss_split(self) -> float:
-        """The chunks' weighted losses summed, on the batched run's rows."""
-        return float((self.table["weight"] * self.table["loss"]).sum())
 
     @property
     def worst(self) -> pd.Series:
@@ -90,7 +83,7 @@ def _replaced(output: Any, path: str, by: torch.Tensor) -> Any:
 def _compare(a: torch.Tensor, b: torch.Tensor, limit: float) -> dict[str, Any]:
     from divtrace.measure.stats import ulp_ordered
 
-    a64, b64 = a.flatten().double(), b.flatten().double()
+    a64, b64 = a.flatten().to(torch.float64, copy=True), b.flatten().double()
     norm = float(b64.dot(b64))
     if norm == 0.0:
         same = float(a64.abs().max()) == 0.0 if a64.numel() else True
@@ -100,8 +93,6 @@ def _compare(a: torch.Tensor, b: torch.Tensor, limit: float) -> dict[str, Any]:
     ulp = float((ulp_ordered(a[apart]) - ulp_ordered(b[apart])).abs().max()) if bool(
         apart.any()) else 0.0
     ratio = float(a64.dot(b64)) / norm
-    if a64.data_ptr() == a.data_ptr():  # float64 already: a64 is ``a`` itself
-        a64 = a64.clone()
     residual = float(a64.sub_(b64, alpha=ratio).norm()) / norm ** 0.5
     passed = abs(ratio - 1) <= limit and residual <= limit
     return {"ratio": ratio, "residual": residual, "max_ulp": ulp, "passed": passed}
@@ -130,12 +121,13 @@ def _replaced_loss(model: nn.Module, loss: Loss, part: Any, target: nn.Module,
         handle.remove()
 
 
-def check_weights(model: nn.Module, loss: Loss, weight: Weight | None, x: Any,
-                 batch: BatchedInput, chunks: list[tuple[int, int]], chosen: Output | None,
-                 loss_batched: float, advance: Callable[[], None]) -> Weights:
-    """Each chunk again on the batched run's rows at ``chosen`` (see the module's text)."""
+def check_weights(model: nn.Module, loss: Loss, x: Any, batch: BatchedInput,
+                  chunks: list[tuple[int, int, float]], chosen: Output | None,
+                  advance: Callable[[], None]) -> Weights:
+    """Each chunk (``start``, ``stop``, the weight the split run gave it) again on the
+    batched run's rows at ``chosen`` (see the module's text)."""
     if chosen is None or chosen.grad is None:
-        return Weights(None, None, float("nan"), pd.DataFrame(), loss_batched,
+        return Weights(None, None, float("nan"), pd.DataFrame(),
                        "no leaf module's output carrying the batch got a gradient")
     dim = batch.batch_dim
     rows, grads = chosen.tensor.detach(), chosen.grad
@@ -143,15 +135,14 @@ def check_weights(model: nn.Module, loss: Loss, weight: Weight | None, x: Any,
     name = chosen.site.module
     target = model if name == ROOT else dict(model.named_modules())[name]
     found = []
-    for start, stop in chunks:
+    for start, stop, w in chunks:
         replacement = rows.narrow(dim, start, stop - start).clone().requires_grad_(True)
         part = part_of(x, *batch.rows(start, stop))
         value = _replaced_loss(model, loss, part, target, chosen, replacement)
-        w = weighed(weight, part, stop - start, batch.batch_size)
         (grad,) = torch.autograd.grad(value * w, replacement, allow_unused=True)
         advance()
         if grad is None:
-            return Weights(chosen.site.key, None, limit, pd.DataFrame(), loss_batched,
+            return Weights(chosen.site.key, None, limit, pd.DataFrame(),
                            f"the loss did not depend on the output of {chosen.site.key} "
                            f"when it was replaced")
         expected = grads.narrow(dim, start, stop - start)
@@ -159,4 +150,4 @@ def check_weights(model: nn.Module, loss: Loss, weight: Weight | None, x: Any,
                       "loss": float(value.detach().double()),
                       **_compare(grad, expected, limit)})
     return Weights(chosen.site.key, str(rows.dtype).removeprefix("torch."), limit,
-                   pd.DataFrame(found), loss_batched)
+                   pd.DataFrame(found))

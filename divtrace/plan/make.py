@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from divtrace.errors import (
-    BatchMixingError,
     DivtraceTypeError,
     DivtraceValueError,
     DivtraceWarning,
@@ -21,7 +20,7 @@ from divtrace.plan.inputs import BatchDim, BatchedInput, prepare_input
 from divtrace.plan.prompts import Prompts, RaggedInput, ragged_input
 from divtrace.plan.runs import Resources, Run
 from divtrace.plan.samples import chunks_for, prepare_samples
-from divtrace.plan.selection import ModuleSpec, check_modules, mixing_modules, unobservable
+from divtrace.plan.selection import ModuleSpec, check_modules, refuse_mixing, unobservable
 from divtrace.plan.walk import Walk
 
 __all__ = ["Plan", "make_plan"]
@@ -127,19 +126,6 @@ def _resources(resources: Any) -> Resources:
             f"resources must be a divtrace.Resources (e.g. divtrace.Resources(keep=True)); "
             f"got {type(resources).__name__}")
     return resources
-
-
-def _check_train_mode(named: Iterable[tuple[str, nn.Module]], allow_train: bool
-                      ) -> tuple[str, ...]:
-    mixing = mixing_modules(named)
-    if mixing and not allow_train:
-        raise BatchMixingError(
-            f"the model is in train mode and these modules mix samples or draw random "
-            f"numbers there: {', '.join(mixing)}; batched and split runs would differ for "
-            f"reasons that are not numerical. Call model.eval() first, or pass "
-            f"allow_train=True to compare anyway"
-        )
-    return tuple(mixing)
 
 
 def _prompts_input(x: Prompts | RaggedInput, batch_dim: Any) -> BatchedInput:
@@ -288,7 +274,7 @@ def make_plan(model: nn.Module, x: Any, *, samples: Iterable[int] | None = None,
         raise DivtraceValueError(
             "with Prompts, run b must take the whole batch in one pass (its padding is "
             "the layout the prompts are measured in); give a chunk to run a only")
-    train_mode = _check_train_mode(walk.named, allow_train)
+    train_mode = refuse_mixing(walk.named, allow_train)
     output_only = bool(ref.compile or test.compile)
     ops = _check_ops(ops, (ref, test))
     graphs = check_graphs(resources.graphs)

@@ -35,13 +35,10 @@ class OtherModel(Run):
         other: The model run b runs.
         names: ``{prefix in other: prefix in run a's model}``: other's modules named as
             run a's, so that their sites align.
-        sharded: ``other`` is split over the ranks of ``torch.distributed`` (tensor
-            parallel): each site's output is reassembled before it is measured.
     """
 
     other: nn.Module | None = field(default=None, repr=False)
     names: tuple[tuple[str, str], ...] = ()
-    sharded: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -65,6 +62,11 @@ class OtherModel(Run):
     def model(self, model: nn.Module) -> nn.Module:
         """The other model, as it is (never a copy)."""
         assert self.other is not None
+        return self.other
+
+    @property
+    def other_model(self) -> nn.Module | None:
+        """The other model."""
         return self.other
 
     def renamed(self, modules: dict[str, nn.Module]) -> dict[str, nn.Module]:

@@ -148,6 +148,11 @@ class Run:
         """The observed modules under the names their sites take (their own)."""
         return modules
 
+    @property
+    def other_model(self) -> nn.Module | None:
+        """The model this run runs instead of the compared one (``compare_models``)."""
+        return None
+
     def tensor(self, value: Any) -> Any:
         """One input leaf as this run feeds it (moved, cast, reformatted)."""
         if not isinstance(value, torch.Tensor):

@@ -10,10 +10,10 @@ from torch import nn
 
 from divtrace.align.sites import ROOT
 from divtrace.compat import BATCH_NORM, DROPOUT, is_compiled
-from divtrace.errors import DivtraceTypeError, DivtraceValueError
+from divtrace.errors import BatchMixingError, DivtraceTypeError, DivtraceValueError
 from divtrace.plan.walk import holders
 
-__all__ = ["ModuleSpec", "check_modules", "mixing_modules", "select_modules"]
+__all__ = ["ModuleSpec", "check_modules", "mixing_modules", "refuse_mixing", "select_modules"]
 
 #: What ``modules=`` takes: glob patterns on qualified names and/or module types.
 ModuleSpec = str | type | Iterable[str | type] | None
@@ -113,3 +113,18 @@ def mixing_modules(named: Iterable[tuple[str, nn.Module]]) -> list[str]:
             continue
         found.append(f"{name or 'the model'} ({type(module).__name__})")
     return found
+
+
+def refuse_mixing(named: Iterable[tuple[str, nn.Module]], allow_train: bool, *,
+                  who: str = "the model",
+                  apart: str = "batched and split runs would differ",
+                  fix: str = "Call model.eval() first") -> tuple[str, ...]:
+    """The modules among ``named`` that mix samples or draw random numbers in train mode;
+    refused (naming them, what would differ and the fix) unless ``allow_train``."""
+    mixing = mixing_modules(named)
+    if mixing and not allow_train:
+        raise BatchMixingError(
+            f"{who} is in train mode and these modules mix samples or draw random numbers "
+            f"there: {', '.join(mixing)}; {apart} for reasons that are not numerical. "
+            f"{fix}, or pass allow_train=True to compare anyway")
+    return tuple(mixing)

@@ -58,7 +58,7 @@ class Runner:
         ``walk``: a walk of ``model`` already made (used when the run runs ``model``).
         """
         mine = run.model(model)
-        stack = not getattr(run, "sharded", False) and sharded(mine)
+        stack = run.other_model is None and sharded(mine)  # (another one: reassembled)
         if beside is not None and beside.model is mine:
             return cls(run, mine, beside.modules, beside.recorder, name, stack)
         walked = walk.named if walk is not None and walk.model is mine else None

@@ -26,9 +26,12 @@ from torch import nn
 
 from divtrace.align.sites import Site, input_site
 from divtrace.compat import pytree
+from divtrace.record.lineage import InputPart
 from divtrace.record.recorder import Sink, Tracker
 
 __all__ = ["Reassembled", "Stacked", "sharded", "stacked", "whole"]
+
+_DIMS = 8  # tensors of more dimensions are measured as each rank holds them
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -47,8 +50,7 @@ def whole(tensor: torch.Tensor, expected: tuple[int, ...] | None) -> torch.Tenso
         return tensor
     dims = [d for d, (mine, full) in enumerate(zip(tensor.shape, expected, strict=True))
             if mine != full]
-    if len(dims) != 1 or expected[dims[0]] % world or (
-            tensor.shape[dims[0]] * world != expected[dims[0]]):
+    if len(dims) != 1 or tensor.shape[dims[0]] * world != expected[dims[0]]:
         return tensor  # not an even shard along one dimension: measured as it is
     parts = [torch.empty_like(tensor) for _ in range(world)]
     dist.all_gather(parts, tensor.contiguous())
@@ -69,14 +71,15 @@ def stacked(tensor: torch.Tensor) -> torch.Tensor:
     in shape (each rank then measures its own)."""
     if _is_dtensor(tensor):
         tensor = tensor.to_local()  # type: ignore[attr-defined]
-    world = dist.get_world_size()
-    shape = torch.tensor([tensor.dim(), *tensor.shape, *[0] * (8 - tensor.dim())],
-                         dtype=torch.int64, device=tensor.device) if tensor.dim() <= 8 else None
-    if shape is None:
+    if tensor.dim() > _DIMS:
         return tensor
-    shapes = [torch.empty_like(shape) for _ in range(world)]
-    dist.all_gather(shapes, shape)
-    if any(not torch.equal(other, shape) for other in shapes):
+    world = dist.get_world_size()
+    shape = torch.zeros(_DIMS + 1, dtype=torch.int64, device=tensor.device)
+    shape[0] = tensor.dim()
+    shape[1:tensor.dim() + 1] = torch.tensor(tensor.shape)
+    shapes = torch.empty(world * (_DIMS + 1), dtype=torch.int64, device=tensor.device)
+    dist.all_gather_into_tensor(shapes, shape)
+    if not bool((shapes.view(world, -1) == shape).all()):  # one host synchronisation
         return tensor
     parts = [torch.empty_like(tensor) for _ in range(world)]
     dist.all_gather(parts, tensor.contiguous())
@@ -100,7 +103,8 @@ class _Traced(Sink):
 
     def on_call(self, call: Site, module: nn.Module, args: tuple[Any, ...],
                 kwargs: dict[str, Any], output: Any, tracker: Tracker) -> None:
-        """The call, its inputs changed; a DTensor around a site's output is that output."""
+        """The call, its inputs that no site made changed (they are measured as inputs); a
+        DTensor around a site's output is that output."""
         index = [0]
 
         def local(value: Any) -> Any:
@@ -114,10 +118,16 @@ class _Traced(Sink):
                 if made is not None:
                     return made
                 value = mine
+            if tracker.producer(value) is not None:  # a site's output: known by identity
+                return value
             return self.change(key, value)
 
         args, kwargs = pytree.tree_map(local, (args, kwargs))
         self.sink.on_call(call, module, args, kwargs, output, tracker)
+
+    def on_op(self, call: Site, op: Callable[..., Any], args: tuple[Any, ...],
+              kwargs: dict[str, Any], parts: list[InputPart], tracker: Tracker) -> None:
+        self.sink.on_op(call, op, args, kwargs, parts, tracker)
 
     def on_tensor(self, site: Site, tensor: torch.Tensor) -> None:
         self.sink.on_tensor(site, self.change(site.key, tensor))

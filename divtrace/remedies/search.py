@@ -201,7 +201,7 @@ def _row(remedy: Remedy, found: Comparison | None, before: float, note: str
 
 
 def _refused(plan: Plan) -> None:
-    if getattr(plan.b, "other", None) is not None:
+    if plan.b.other_model is not None:
         raise DivtraceValueError(
             "remedies() looks for a setting that makes two runs of one model agree; this "
             "comparison ran two models (compare_models), whose difference no setting of "

@@ -39,6 +39,6 @@ def run_settings(run: Run, model: nn.Module) -> dict[str, Any]:
     found = {"label": run.label(), "device": None if first is None else str(first.device),
              "dtype": None if first is None else str(first.dtype).removeprefix("torch."),
              **flags}
-    if getattr(run, "other", None) is not None:  # a run of another model
+    if run.other_model is not None:
         found["model"] = type(model).__name__
     return found
