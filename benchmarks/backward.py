@@ -4,7 +4,8 @@ chunk's forward and weighted backward — for a Llama-shaped model with a token-
 over prompts of different lengths (right padded, the padding's labels ignored), each
 chunk weighted by its tokens. Medians of interleaved repeats in one process, the first
 call of each (cold) besides; ``compare_backward`` with the forward comparison (the
-default) and without (``forward=False``).
+default) and without (``forward=False``), and the bare passes with the passes of the
+verdict's tests (the floor of the default).
 
     python -m benchmarks backward [--device cuda] [--dtype bfloat16] [--repeats 5]
         [--json out.json]
@@ -75,6 +76,19 @@ def bare(model: nn.Module, batch: dict[str, torch.Tensor], chunk: int) -> None:
     model.zero_grad(set_to_none=True)
 
 
+def floor(model: nn.Module, batch: dict[str, torch.Tensor], chunk: int) -> None:
+    """The bare passes and the passes the verdict's tests make, without divtrace: the
+    independence test's two forward passes over the batch (autograd on, as in the
+    training passes) and the weights test's (autograd off; its loss's own backward is
+    left out, so this is a lower bound)."""
+    bare(model, batch, chunk)
+    for _ in range(2):
+        with torch.enable_grad():
+            model_loss(model, batch).detach()
+    with torch.no_grad():
+        model_loss(model, batch)
+
+
 def measure(device: torch.device, dtype: torch.dtype, repeats: int,
             case: dict[str, Any] | None = None) -> dict[str, Any]:
     """The bare passes, ``compare_backward`` and ``forward=False``, interleaved."""
@@ -86,6 +100,7 @@ def measure(device: torch.device, dtype: torch.dtype, repeats: int,
     weight = by_tokens(batch)
     ways = {
         "bare passes": lambda: bare(model, batch, chunk),
+        "bare and the tests' passes": lambda: floor(model, batch, chunk),
         "compare_backward": lambda: divtrace.compare_backward(
             model, batch, model_loss, chunk=chunk, weight=weight, progress=False),
         "forward=False": lambda: divtrace.compare_backward(

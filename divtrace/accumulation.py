@@ -5,6 +5,7 @@ gradient, the weights test, and the forward sites."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 import pandas as pd
@@ -14,23 +15,26 @@ from torch import nn
 from divtrace.align.sites import ROOT
 from divtrace.backward.grads import GradSites
 from divtrace.backward.measure import GradMeter, GradStore, loss_row, param_rows
-from divtrace.backward.passes import Loss, Objective, Step, kept_grads, run_step, take_grads
+from divtrace.backward.passes import Loss, Objective, Step, kept_grads
 from divtrace.backward.result import Backward
+from divtrace.backward.training import Passes, Training
 from divtrace.backward.weights import check_weights
-from divtrace.compare import compare
 from divtrace.errors import BatchMixingError, DivtraceTypeError
 from divtrace.measure.host import Host
+from divtrace.pipeline import execute
 from divtrace.plan.inputs import prepare_input
+from divtrace.plan.make import make_plan
 from divtrace.plan.runs import Resources, Run
 from divtrace.plan.samples import check_chunk, chunks_for, prepare_samples
 from divtrace.plan.selection import refuse_mixing
 from divtrace.plan.walk import Walk
 from divtrace.progress import Progress
 from divtrace.record.guard import RandomDraws, cuda_devices, untouched
+from divtrace.report.comparison import Comparison
 
 __all__ = ["compare_backward"]
 
-_OUTPUTS_KEPT = 8  # the last leaf outputs a batched pass keeps for the weights test
+_OUTPUTS_KEPT = 8  # the last leaf outputs a pass keeps, for the weights test
 
 
 def _checked(model: Any, loss: Any, weight: Any, allow_train: bool) -> None:
@@ -80,8 +84,9 @@ def compare_backward(
     weighted losses summed), each module output's gradient for the compared samples, each
     parameter's gradient, and with ``forward`` the forward sites (as
     :func:`divtrace.compare` finds them, with the independence test, on the loss's forward
-    pass). The weights test runs each chunk's loss again on the batched run's very
-    outputs, to tell a wrong weighting (not rounding) from rounding. The parameters, their
+    pass, recorded in the training passes themselves). The weights test runs the batched
+    loss again on the split run's very outputs of the loss's input, to tell a wrong
+    weighting (not rounding) from rounding. The parameters, their
     ``.grad`` (None stays None), buffers, training flags and random state come back as
     they were; no optimizer is used.
 
@@ -97,7 +102,8 @@ def compare_backward(
             part / rows in the batch, right for a mean over rows; for a mean over tokens,
             tokens in the part / tokens in the batch).
         batch_dim: The batch dimension of the inputs and of the modules' outputs.
-        forward: Also compare the forward sites (three or four forward passes more).
+        forward: Also compare the forward sites, recorded in the training passes (the
+            independence test's two forward passes more).
         rtol, atol: Tolerances of the ``exceed`` column (as for ``compare()``).
         allow_train: Compare a model that draws random numbers or mixes samples anyway.
         progress: Show a progress bar on stderr.
@@ -126,58 +132,74 @@ def compare_backward(
     types = {name or ROOT: type(m).__name__ for name, m in model.named_modules()}
     walk = Walk.of(model)
     devices = cuda_devices((walk,), cut.leaves)
-    sites = GradSites(model, batch_dim, keep=_OUTPUTS_KEPT)
-    store = GradStore()
     host = Host()
-    meter = GradMeter(store, rows, host, rtol, atol)
-    with Progress(2 * len(chunks) + 1, progress) as bar:
-        with untouched(walk, devices), kept_grads(params), torch.enable_grad():
-            draws = RandomDraws(devices)
-            bar.stage("split run (accumulation)")
-            split = []
-            for start, stop in chunks:
-                inside = [s for s in rows if start <= s < stop]
-                with sites.watching(stop - start, [s - start for s in inside],
-                                    store.sink(inside)):
-                    split.append(run_step(model, loss, weight, batch, cut, start, stop))
-                bar.advance()
-            accumulated = take_grads(params)
-            bar.stage("batched run")
-            with sites.watching(size, rows, meter.sink):
-                batched = run_step(model, loss, weight, batch, cut, 0, size)
-            if draws.drew() and not allow_train:
-                raise BatchMixingError(
-                    "the model drew random numbers in its training passes (dropout in "
-                    "train mode, torch.rand, ...): the two runs would differ for reasons "
-                    "that are not numerical. Call model.eval(), or pass allow_train=True")
-            bar.advance()
-            whole = take_grads(params)
-            chosen = next((o for o in reversed(sites.outputs) if o.grad is not None), None)
+    store = GradStore()
+    passes = Passes(GradSites(model, batch_dim, keep=_OUTPUTS_KEPT), store,
+                    GradMeter(store, rows, host, rtol, atol), params, weight, batch, cut,
+                    rows)
+    why = ("forward=False" if not forward else "the model is one module: its output is "
+           "the loss's input" if next(model.children(), None) is None else None)
+    with untouched(walk, devices), kept_grads(params):
+        if why is None:
+            seen = _compared(model, loss, batch, passes, chunks, rtol, atol, allow_train,
+                             progress)
+        else:
+            seen = None
+            _trained(model, loss, passes, chunks, allow_train, devices, progress)
+        with Progress(1, progress) as bar, torch.enable_grad():
             bar.stage("weights test")
             weights = check_weights(model, loss, batch, cut,
-                                    [(s.start, s.stop, s.weight) for s in split], chosen,
-                                    bar.advance)
-        sites.outputs.clear()
-        pending = [*meter.found, *param_rows(whole, accumulated, types, host, rtol, atol)]
+                                    [(s.start, s.stop, s.weight) for s in passes.split],
+                                    passes.kept)
+            bar.advance()
+        passes.kept.clear()
+        pending = [*passes.meter.found,
+                   *param_rows(passes.whole, passes.accumulated, types, host, rtol, atol)]
         host.fetch()  # the one host synchronisation of the figures
-        table = pd.DataFrame([loss_row(batched.loss, sum(s.loss * s.weight for s in split),
+        batched = passes.batched
+        assert batched is not None
+        table = pd.DataFrame([loss_row(batched.loss, sum(s.loss * s.weight
+                                                         for s in passes.split),
                                        batched.dtype), *(p.row() for p in pending)])
-    seen, why = _forward(model, loss, batch, rows, batch_dim, step, forward, rtol, atol,
-                         allow_train, progress)
     said = "rows in part / rows in batch" if weight is None else "weight(part)"
     settings = {"batch_size": size, "chunk": step, "samples": rows, "weight": said,
                 "batch_dim": batch_dim}
-    return Backward(table, _steps(split, batched), weights, seen, settings, why)
+    return Backward(table, _steps(passes.split, batched), weights, seen, settings, why)
 
 
-def _forward(model: nn.Module, loss: Loss, batch: Any, rows: list[int], batch_dim: int,
-             chunk: int, wanted: bool, rtol: float | None, atol: float | None,
-             allow_train: bool, progress: bool) -> tuple[Any, str | None]:
-    if not wanted:
-        return None, "forward=False"
-    if next(model.children(), None) is None:
-        return None, "the model is one module: its output is the loss's input"
-    found = compare(Objective(model, loss, batch), batch, samples=rows, batch_dim=batch_dim,
-                    a=Run(chunk=chunk), rtol=rtol, atol=atol, allow_train=allow_train,
-                    resources=Resources(graphs=False), progress=progress)
-    return found, None
+def _trained(model: nn.Module, loss: Loss, passes: Passes, chunks: list[tuple[int, int]],
+             allow_train: bool, devices: Any, progress: bool) -> None:
+    """The training passes alone (no forward site compared): the split run's, then the
+    batched run's."""
+    with Progress(len(chunks) + 1, progress) as bar, torch.enable_grad():
+        draws = RandomDraws(devices)
+        bar.stage("split run (accumulation)")
+        for start, stop in chunks:
+            passes.train(start, stop, lambda part: loss(model, part))
+            bar.advance()
+        bar.stage("batched run")
+        passes.train(0, passes.batch.batch_size, lambda part: loss(model, part))
+        bar.advance()
+    if draws.drew() and not allow_train:
+        raise BatchMixingError(
+            "the model drew random numbers in its training passes (dropout in train mode, "
+            "torch.rand, ...): the two runs would differ for reasons that are not "
+            "numerical. Call model.eval(), or pass allow_train=True")
+
+
+def _compared(model: nn.Module, loss: Loss, x: Any, passes: Passes,
+              chunks: list[tuple[int, int]], rtol: float | None, atol: float | None,
+              allow_train: bool, progress: bool) -> Comparison:
+    """The training passes run by the comparison of the loss's forward pass, whose hooks
+    record the forward sites in them (see :mod:`divtrace.backward.training`): every
+    chunk of the split run, then the batched run, then the independence test's forward
+    passes. The observer check is left out: a training pass takes no fast path that hooks
+    could turn off (PyTorch's are for passes without autograd)."""
+    objective = Objective(model, loss, x)
+    plan = make_plan(objective, x, samples=passes.samples, batch_dim=passes.batch.batch_dim,
+                     a=Run(chunk=chunks[0][1]), explain=["-observer"], rtol=rtol, atol=atol,
+                     allow_train=allow_train, resources=Resources(graphs=False),
+                     progress=progress)
+    driver = Training(passes, passes.samples, passes.batch.batch_size)
+    plan = replace(plan, batch=replace(plan.batch, driver=driver), a_chunks=tuple(chunks))
+    return execute(plan, objective)

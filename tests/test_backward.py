@@ -407,3 +407,83 @@ def test_a_model_of_one_layer_is_its_own_loss_input() -> None:
     if found.verdict.kind == "rounding":
         assert "the forward pass was not compared" in found.verdict.sentence
     assert set(found.of("param")["module"]) == {"(model)"}
+
+
+def _variant_loss(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.mse_loss(m(b[0]), b[1])
+
+
+def test_the_forward_sites_are_compare_on_the_loss_and_every_chunk_is_trained() -> None:
+    from divtrace.backward.passes import Objective
+    from tests.models import variant_mlp
+
+    torch.manual_seed(3)
+    batch = (torch.randn(8, 16), torch.randn(8, 8))
+    model = variant_mlp(variant_from=3)  # chunks of 2 sum one way, the batch the other
+    found = divtrace.compare_backward(model, batch, _variant_loss, chunk=2, samples=[5],
+                                      progress=False)
+    alone = divtrace.compare(Objective(model, _variant_loss, batch), batch, samples=[5],
+                             a=divtrace.Run(chunk=2), progress=False)
+    shown = ["site", "status", "mismatch", "rel_l2", "max_abs", "max_ulp", "role",
+             "depends_on_others"]
+    assert found.forward is not None
+    assert found.forward.first_divergence is not None  # the layer that sums the other way
+    assert found.forward.first_divergence["site"] == "3"
+    assert found.forward.table[shown].equals(alone.table[shown])
+    # with one sample compared, the split run still trains on every chunk, in order
+    assert found.steps["start"].tolist() == [0, 2, 4, 6, 0]
+    whole, accumulated = _by_hand(copy.deepcopy(model), batch, _variant_loss, 2)
+    params = found.parameters.set_index("site")
+    for name, b in whole.items():
+        a = accumulated[name]
+        assert params.loc[name, "max_abs"] == float((a - b).abs().max())
+    assert found.verdict.kind == "rounding", found.verdict.sentence
+
+
+class GradModeBranch(nn.Module):
+    """Adds a different tiny amount with autograd on and off: a kernel or fast path chosen
+    by whether a gradient is wanted."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + (1e-3 if torch.is_grad_enabled() else 2e-3)
+
+
+def test_the_independence_test_runs_as_the_training_passes_do() -> None:
+    from tests.models import OrderedLinear
+
+    model = nn.Sequential(OrderedLinear(16, 32), OrderedLinear(32, 32, variant_from=3),
+                          GradModeBranch(), OrderedLinear(32, 2)).eval()
+    found = divtrace.compare_backward(model, _regression(8), _mse, chunk=2, progress=False)
+    assert found.forward is not None
+    tested = found.forward.table["depends_on_others"].dropna()
+    assert len(tested) >= 2  # the test ran at the source and before it
+    assert not tested.astype(bool).any()  # and nothing moved
+    assert found.verdict.kind == "rounding", found.verdict.sentence
+    assert "inconclusive" not in found.verdict.sentence  # its repeat agreed with the run
+
+
+def test_a_pass_asked_for_again_is_not_backpropagated_twice() -> None:
+    from divtrace.backward.training import Training
+
+    trained: list[tuple[int, int]] = []
+
+    class Counted:
+        def train(self, start, stop, value):  # type: ignore[no-untyped-def]
+            trained.append((start, stop))
+            value(None)
+            return type("S", (), {"loss": 0.0})()
+
+    driver = Training(Counted(), samples=[1], size=4)  # type: ignore[arg-type]
+    ran: list[bool] = []
+
+    def model(*_a):  # type: ignore[no-untyped-def]
+        ran.append(torch.is_grad_enabled())
+        return torch.zeros(())
+
+    for chunk in [(0, 2), (0, 2), (2, 4), (0, 4), (0, 4)]:  # a rerun, then a probe's pass
+        told = driver.begin(*chunk)
+        assert told == (chunk != (2, 4))  # rows 2:4 hold no compared sample
+        with torch.no_grad():
+            driver.run(model, (), {}, None)  # type: ignore[arg-type]
+    assert trained == [(0, 2), (2, 4), (0, 4)]
+    assert ran == [True] * 5  # autograd on in every pass, as in training

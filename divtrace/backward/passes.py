@@ -16,7 +16,8 @@ from torch import nn
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
 from divtrace.plan.inputs import BatchedInput
 
-__all__ = ["Objective", "Step", "kept_grads", "part_of", "weighed"]
+__all__ = ["Objective", "Step", "backprop", "kept_grads", "part_of", "run_step", "take_grads",
+           "weighed"]
 
 Loss = Callable[[nn.Module, Any], torch.Tensor]
 Weight = Callable[[Any], float]
@@ -79,18 +80,24 @@ def run_step(model: nn.Module, loss: Loss, weight: Weight | None, x: Any,
              batch: BatchedInput, start: int, stop: int) -> Step:
     """``weight(part) * loss(model, part)`` for rows ``start:stop``, backpropagated."""
     part = part_of(x, *batch.rows(start, stop))
+    return backprop(lambda: loss(model, part), weight, part, start, stop, batch.batch_size)
+
+
+def backprop(value: Callable[[], Any], weight: Weight | None, part: Any, start: int,
+             stop: int, size: int) -> Step:
+    """``weight(part) * value()`` backpropagated, ``value()`` being the loss of rows
+    ``start:stop`` of a batch of ``size`` (weight 1 for the whole batch)."""
     where = f"for rows {start}:{stop}"
-    value = _scalar(loss(model, part), where)
-    if not value.requires_grad:
+    found = _scalar(value(), where)
+    if not found.requires_grad:
         raise DivtraceValueError(
             f"loss(model, part) returned a tensor without a gradient {where}: nothing to "
             f"backpropagate (no parameter requires grad, or the loss was computed under "
             f"torch.no_grad())")
-    size = batch.batch_size
     w = 1.0 if stop - start == size else weighed(weight, part, stop - start, size)
-    (value * w if w != 1.0 else value).backward()
-    return Step(start, stop, float(value.detach().double()), w,
-                str(value.dtype).removeprefix("torch."))
+    (found * w if w != 1.0 else found).backward()
+    return Step(start, stop, float(found.detach().double()), w,
+                str(found.dtype).removeprefix("torch."))
 
 
 @contextmanager
@@ -131,4 +138,5 @@ class Objective(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         model, loss, x = self.__dict__["_objective"]
-        return _scalar(loss(model, part_of(x, args, kwargs)), "in the forward comparison")
+        value: torch.Tensor = loss(model, part_of(x, args, kwargs))  # checked by backprop
+        return value

@@ -40,8 +40,8 @@ def _weights_failed(weights: Weights) -> Verdict:
     rows = f"rows {int(worst['start'])}:{int(worst['stop'])}"
     scaled = worst["residual"] <= weights.limit
     said = (f"Verdict: not rounding — the chunks' weighted losses are not the batched "
-            f"loss. With the batched run's very outputs of '{weights.site}' put into "
-            f"the split run, the gradient that the weighted loss of {rows} (weight "
+            f"loss. With the split run's very outputs of '{weights.site}' put into "
+            f"the batched run, the gradient that the weighted loss of {rows} (weight "
             f"{worst['weight']:.4g}) sends into them is {worst['ratio']:.6g}× the batched "
             f"loss's")
     if scaled:
@@ -95,8 +95,8 @@ def judge(table: pd.DataFrame, weights: Weights, forward: Comparison | None,
         ratio = ("exactly the batched one's" if off == 0 else
                  f"the batched one's times a ratio at most {sci(off)} from 1, within the "
                  f"{sci(weights.limit)} a few roundings allow")
-        tested = (f"both runs optimise the same objective (weights test: with the batched "
-                  f"run's very outputs of '{weights.site}' put into the split run, each "
+        tested = (f"both runs optimise the same objective (weights test: with the split "
+                  f"run's very outputs of '{weights.site}' put into the batched run, each "
                   f"chunk's gradient into them is {ratio})")
     else:
         tested = (f"the weights could not be tested ({weights.why}), so the loss's "

@@ -3,19 +3,19 @@
 A training step's objective is the loss; gradient accumulation backpropagates
 ``weight(part) * loss(model, part)`` for each chunk instead. Whether those are the same
 objective does not depend on the model's rounding, so the test takes rounding out: it
-runs each chunk again with the output of the loss's input module (the last leaf module
-whose output got a gradient; ``lm_head`` in a language model) replaced by the batched
-run's very rows, and compares the gradient the weighted loss sends into it with the one
-the batched loss sent. With the right weights they are the same numbers up to the few
-roundings of the loss's own scaling: each chunk's gradient is the batched one times a
-ratio within :data:`ULPS` units of roundoff of 1, and nothing is left over. A token-mean
+runs the batched loss once more with the output of the loss's input module (the last leaf
+module whose output got a gradient; ``lm_head`` in a language model) replaced by the split
+run's very rows, and compares the gradient it sends into each chunk's rows with the one
+that chunk's weighted loss sent into them in the split run. With the right weights they
+are the same numbers up to the few roundings of the loss's own scaling: each chunk's
+gradient is the batched one times a ratio within :data:`ULPS` units of roundoff of 1, and
+nothing is left over. A token-mean
 loss accumulated with row weights gives each chunk the ratio (its share of the rows) /
 (its share of the tokens); a loss that mixes samples (a batch statistic, a contrastive
 loss) leaves a residual."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,10 +46,9 @@ class Weights:
         dtype: Its dtype.
         limit: How far from 1 a ratio (and from 0 a residual) may be: ``ULPS`` units of
             roundoff of ``dtype``.
-        table: One row per chunk: ``start``, ``stop``, ``weight``, ``loss`` (on the
-            batched run's rows), ``ratio`` (the chunk's gradient over the batched one's,
-            by least squares), ``residual`` (what the ratio leaves, relative),
-            ``max_ulp`` and ``passed``.
+        table: One row per chunk: ``start``, ``stop``, ``weight``, ``ratio`` (the
+            chunk's gradient over the batched one's, by least squares), ``residual`` (what
+            the ratio leaves, relative), ``max_ulp`` and ``passed``.
         why: Why it could not test, or None.
     """
 
@@ -121,33 +120,47 @@ def _replaced_loss(model: nn.Module, loss: Loss, part: Any, target: nn.Module,
         handle.remove()
 
 
+def _unusable(kept: list[Output | None], size: int, dim: int) -> str | None:
+    """Why the split run's kept outputs cannot be put together into the batch's."""
+    if not kept or any(k is None or k.grad is None for k in kept):
+        return "no leaf module's output carrying the batch got a gradient in every chunk"
+    first = kept[0]
+    assert first is not None
+    if any(k is not None and (k.site.key, k.call, k.path) != (first.site.key, first.call,
+                                                              first.path) for k in kept):
+        return "the loss's input was not the output of the same module in every chunk"
+    if sum(k.tensor.shape[dim] for k in kept if k is not None) != size:
+        return "the chunks' outputs of the loss's input do not make up the batch"
+    return None
+
+
 def check_weights(model: nn.Module, loss: Loss, x: Any, batch: BatchedInput,
-                  chunks: list[tuple[int, int, float]], chosen: Output | None,
-                  advance: Callable[[], None]) -> Weights:
-    """Each chunk (``start``, ``stop``, the weight the split run gave it) again on the
-    batched run's rows at ``chosen`` (see the module's text)."""
-    if chosen is None or chosen.grad is None:
-        return Weights(None, None, float("nan"), pd.DataFrame(),
-                       "no leaf module's output carrying the batch got a gradient")
+                  chunks: list[tuple[int, int, float]], kept: list[Output | None]
+                  ) -> Weights:
+    """The batched loss on the split run's outputs of the loss's input, against each
+    chunk (``start``, ``stop``, the weight the split run gave it) and the gradient it sent
+    into them (``kept``, per chunk; see the module's text)."""
     dim = batch.batch_dim
-    rows, grads = chosen.tensor.detach(), chosen.grad
+    why = _unusable(kept, batch.batch_size, dim)
+    chosen = next((k for k in kept if k is not None), None)
+    if why is not None or chosen is None:
+        return Weights(None if chosen is None else chosen.site.key, None, float("nan"),
+                       pd.DataFrame(), why)
+    parts = [k for k in kept if k is not None]
+    rows = torch.cat([k.tensor.detach() for k in parts], dim).requires_grad_(True)
     limit = ULPS * float(torch.finfo(rows.dtype).eps) / 2
     name = chosen.site.module
     target = model if name == ROOT else dict(model.named_modules())[name]
+    value = _replaced_loss(model, loss, part_of(x, *batch.whole()), target, chosen, rows)
+    (grad,) = torch.autograd.grad(value, rows, allow_unused=True)
+    if grad is None:
+        return Weights(chosen.site.key, None, limit, pd.DataFrame(),
+                       f"the loss did not depend on the output of {chosen.site.key} "
+                       f"when it was replaced")
     found = []
-    for start, stop, w in chunks:
-        replacement = rows.narrow(dim, start, stop - start).clone().requires_grad_(True)
-        part = part_of(x, *batch.rows(start, stop))
-        value = _replaced_loss(model, loss, part, target, chosen, replacement)
-        (grad,) = torch.autograd.grad(value * w, replacement, allow_unused=True)
-        advance()
-        if grad is None:
-            return Weights(chosen.site.key, None, limit, pd.DataFrame(),
-                           f"the loss did not depend on the output of {chosen.site.key} "
-                           f"when it was replaced")
-        expected = grads.narrow(dim, start, stop - start)
+    for (start, stop, w), k in zip(chunks, parts, strict=True):
+        assert k.grad is not None
         found.append({"start": start, "stop": stop, "weight": w,
-                      "loss": float(value.detach().double()),
-                      **_compare(grad, expected, limit)})
+                      **_compare(k.grad, grad.narrow(dim, start, stop - start), limit)})
     return Weights(chosen.site.key, str(rows.dtype).removeprefix("torch."), limit,
                    pd.DataFrame(found))

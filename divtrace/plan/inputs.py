@@ -66,6 +66,8 @@ class BatchedInput:
         batch_size: B, the size of the batch dimension.
         batch_dim: The batch dimension of the observed outputs (that of the first cut
             input tensor, as the user gave it).
+        driver: How a pass runs the model when it is not one forward call (None: one
+            forward call).
     """
 
     leaves: tuple[Any, ...]
@@ -74,6 +76,7 @@ class BatchedInput:
     names: tuple[str, ...]
     batch_size: int
     batch_dim: int
+    driver: Driver | None = None
 
     def row_leaves(self, start: int, stop: int, copy: bool = False) -> list[Any]:
         """The leaves holding rows ``start:stop`` of every cut tensor: views (the inputs as

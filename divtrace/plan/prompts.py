@@ -140,8 +140,6 @@ class RaggedInput(BatchedInput):
     its own rows (:func:`pad`); :meth:`layout` says where the real tokens lie."""
 
     prompts: Prompts | None = None
-    #: how a pass runs the model (e.g. ``generate()`` up to a step); None: one forward call
-    driver: Driver | None = None
     #: the generation step whose forward call is observed (0: the prefill); None: no
     #: generation
     step: int | None = None
@@ -194,4 +192,4 @@ def ragged_input(prompts: Prompts, driver: Driver | None = None,
     leaves, spec = pytree.tree_flatten(((), inputs))
     return RaggedInput(tuple(leaves), spec, (0,) * len(leaves),
                        tuple(f"x[{name!r}]" for name in inputs), len(prompts), 0,
-                       prompts=prompts, driver=driver, step=step)
+                       driver=driver, prompts=prompts, step=step)

@@ -134,7 +134,7 @@ def drive(model: nn.Module, recorder: Recorder, sink: Sink, batch: BatchedInput,
     """
     copies = copies or InputCopies(batch)
     kind = None
-    driver: Driver | None = getattr(batch, "driver", None)
+    driver = batch.driver
     if driver is not None:
         sink = driver.observed(sink)
     with recorder.observe(sink) as tracker:
