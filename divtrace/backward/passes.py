@@ -14,10 +14,8 @@ import torch
 from torch import nn
 
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
-from divtrace.plan.inputs import BatchedInput
 
-__all__ = ["Objective", "Step", "backprop", "kept_grads", "part_of", "run_step", "take_grads",
-           "weighed"]
+__all__ = ["Objective", "Step", "backprop", "kept_grads", "part_of", "take_grads", "weighed"]
 
 Loss = Callable[[nn.Module, Any], torch.Tensor]
 Weight = Callable[[Any], float]
@@ -74,13 +72,6 @@ class Step:
     loss: float
     weight: float
     dtype: str
-
-
-def run_step(model: nn.Module, loss: Loss, weight: Weight | None, x: Any,
-             batch: BatchedInput, start: int, stop: int) -> Step:
-    """``weight(part) * loss(model, part)`` for rows ``start:stop``, backpropagated."""
-    part = part_of(x, *batch.rows(start, stop))
-    return backprop(lambda: loss(model, part), weight, part, start, stop, batch.batch_size)
 
 
 def backprop(value: Callable[[], Any], weight: Weight | None, part: Any, start: int,
