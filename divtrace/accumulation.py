@@ -55,8 +55,8 @@ def _checked(model: Any, loss: Any, weight: Any, allow_train: bool) -> None:
 
 
 def _steps(split: list[Step], batched: Step) -> pd.DataFrame:
-    rows = [{"run": "split", **vars(s)} for s in split]
-    rows.append({"run": "batched", **vars(batched)})
+    rows = [{"run": "split", **s.row()} for s in split]
+    rows.append({"run": "batched", **batched.row()})
     return pd.DataFrame(rows)
 
 

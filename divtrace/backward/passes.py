@@ -65,13 +65,25 @@ def weighed(weight: Weight | None, part: Any, rows: int, batch: int) -> float:
 @dataclass(frozen=True)
 class Step:
     """One pass: rows ``start:stop``, its loss and weight (``weight * loss`` was
-    backpropagated)."""
+    backpropagated). The loss stays where it was computed (``value``) until it is read:
+    reading it waits for the pass, which a GPU would otherwise still run while the next
+    one is queued."""
 
     start: int
     stop: int
-    loss: float
+    value: torch.Tensor
     weight: float
     dtype: str
+
+    @property
+    def loss(self) -> float:
+        """The loss, on the host."""
+        return float(self.value.double())
+
+    def row(self) -> dict[str, Any]:
+        """The pass as a row of ``Backward.steps``."""
+        return {"start": self.start, "stop": self.stop, "loss": self.loss,
+                "weight": self.weight, "dtype": self.dtype}
 
 
 def backprop(value: Callable[[], Any], weight: Weight | None, part: Any, start: int,
@@ -87,8 +99,7 @@ def backprop(value: Callable[[], Any], weight: Weight | None, part: Any, start: 
             f"torch.no_grad())")
     w = 1.0 if stop - start == size else weighed(weight, part, stop - start, size)
     (found * w if w != 1.0 else found).backward()
-    return Step(start, stop, float(found.detach().double()), w,
-                str(found.dtype).removeprefix("torch."))
+    return Step(start, stop, found.detach(), w, str(found.dtype).removeprefix("torch."))
 
 
 @contextmanager

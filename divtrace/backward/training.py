@@ -148,4 +148,4 @@ class Training:
         self._current = None
         with torch.enable_grad():
             step = self.passes.train(start, stop, lambda _part: model(*args, **kwargs))
-        return torch.tensor(step.loss)
+        return step.value
