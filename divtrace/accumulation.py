@@ -148,9 +148,7 @@ def compare_backward(
             _trained(model, loss, passes, chunks, allow_train, devices, progress)
         with Progress(1, progress) as bar, torch.enable_grad():
             bar.stage("weights test")
-            weights = check_weights(model, loss, batch, cut,
-                                    [(s.start, s.stop, s.weight) for s in passes.split],
-                                    passes.kept)
+            weights = check_weights(model, loss, batch, cut, passes.split, passes.kept)
             bar.advance()
         passes.kept.clear()
         pending = [*passes.meter.found,
@@ -200,6 +198,6 @@ def _compared(model: nn.Module, loss: Loss, x: Any, passes: Passes,
                      a=Run(chunk=chunks[0][1]), explain=["-observer"], rtol=rtol, atol=atol,
                      allow_train=allow_train, resources=Resources(graphs=False),
                      progress=progress)
-    driver = Training(passes, passes.samples, passes.batch.batch_size)
+    driver = Training(passes)
     plan = replace(plan, batch=replace(plan.batch, driver=driver), a_chunks=tuple(chunks))
     return execute(plan, objective)

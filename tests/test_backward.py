@@ -468,12 +468,15 @@ def test_a_pass_asked_for_again_is_not_backpropagated_twice() -> None:
     trained: list[tuple[int, int]] = []
 
     class Counted:
+        samples = (1,)
+        batch = type("B", (), {"batch_size": 4})()
+
         def train(self, start, stop, value):  # type: ignore[no-untyped-def]
             trained.append((start, stop))
             value(None)
             return type("S", (), {"value": torch.zeros(())})()
 
-    driver = Training(Counted(), samples=[1], size=4)  # type: ignore[arg-type]
+    driver = Training(Counted())  # type: ignore[arg-type]
     ran: list[bool] = []
 
     def model(*_a):  # type: ignore[no-untyped-def]

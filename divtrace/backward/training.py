@@ -23,7 +23,7 @@ from divtrace.backward.grads import GradSites, Output
 from divtrace.backward.measure import GradMeter, GradStore
 from divtrace.backward.passes import Step, Weight, backprop, part_of, take_grads
 from divtrace.plan.inputs import BatchedInput
-from divtrace.record.recorder import Sink, Tracker
+from divtrace.record.recorder import Gate, Sink, Tracker
 
 __all__ = ["Passes", "Training"]
 
@@ -67,50 +67,39 @@ class Passes:
         part = part_of(self.x, *self.batch.rows(start, stop))
         with self.sites.watching(stop - start, [s - start for s in inside], sink):
             step = backprop(lambda: value(part), self.weight, part, start, stop, size)
-        chosen = next((o for o in reversed(self.sites.outputs) if o.grad is not None), None)
-        self.sites.outputs.clear()
         if whole:
             self.batched = step
             self.whole = take_grads(self.params)
         else:
             self.split.append(step)
-            self.kept.append(chosen)
+            self.kept.append(next((o for o in reversed(self.sites.outputs)
+                                   if o.grad is not None), None))
+        self.sites.outputs.clear()
         return step
 
 
 @dataclass
-class _Pass(Sink):
+class _Pass(Gate):
     """The comparison's sink, told of a pass only where it holds compared samples (the
     split run runs every chunk, the comparison keeps only theirs), and told of tensors
     without autograd (its copies and figures stay out of the training graph)."""
 
-    sink: Sink
-    training: Training
-    active: bool = True
+    training: Training | None = None
 
     def begin_chunk(self, start: int, stop: int, tracker: Tracker) -> None:
+        assert self.training is not None
         self.active = self.training.begin(start, stop)
         if self.active:
             self.sink.begin_chunk(start, stop, tracker)
 
-    def pass_rows(self, start: int, stop: int) -> int:
-        return self.sink.pass_rows(start, stop)
-
     def on_call(self, call: Any, module: nn.Module, args: tuple[Any, ...],
                 kwargs: dict[str, Any], output: Any, tracker: Tracker) -> None:
-        if self.active:
-            with torch.no_grad():
-                self.sink.on_call(call, module, args, kwargs, output, tracker)
-
-    def on_op(self, call: Any, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-              parts: list[Any], tracker: Tracker) -> None:
-        if self.active:
-            self.sink.on_op(call, op, args, kwargs, parts, tracker)
+        with torch.no_grad():
+            super().on_call(call, module, args, kwargs, output, tracker)
 
     def on_tensor(self, site: Any, tensor: torch.Tensor) -> None:
-        if self.active:
-            with torch.no_grad():
-                self.sink.on_tensor(site, tensor)
+        with torch.no_grad():
+            super().on_tensor(site, tensor)
 
     def end_chunk(self) -> bool:
         return self.sink.end_chunk() if self.active else True
@@ -125,19 +114,18 @@ class Training:
     chosen by whether a gradient is wanted)."""
 
     passes: Passes
-    samples: list[int]
-    size: int
     _trained: set[tuple[int, int]] = field(default_factory=set)
     _current: tuple[int, int] | None = None
 
     def observed(self, sink: Sink) -> Sink:
-        return _Pass(sink, self)
+        return _Pass(sink, training=self)
 
     def begin(self, start: int, stop: int) -> bool:
         """A pass over ``start:stop`` begins; whether the comparison is told of it."""
         self._current = None if (start, stop) in self._trained else (start, stop)
         self._trained.add((start, stop))
-        return stop - start == self.size or any(start <= s < stop for s in self.samples)
+        return (stop - start == self.passes.batch.batch_size
+                or any(start <= s < stop for s in self.passes.samples))
 
     def run(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             tracker: Tracker) -> Any:

@@ -25,7 +25,7 @@ from torch import nn
 
 from divtrace.align.sites import ROOT, flatten_output
 from divtrace.backward.grads import Output
-from divtrace.backward.passes import Loss, part_of
+from divtrace.backward.passes import Loss, Step, part_of
 from divtrace.compat import pytree
 from divtrace.plan.inputs import BatchedInput
 
@@ -120,33 +120,26 @@ def _replaced_loss(model: nn.Module, loss: Loss, part: Any, target: nn.Module,
         handle.remove()
 
 
-def _unusable(kept: list[Output | None], size: int, dim: int) -> str | None:
+def _unusable(kept: list[Output | None]) -> str | None:
     """Why the split run's kept outputs cannot be put together into the batch's."""
     if not kept or any(k is None or k.grad is None for k in kept):
         return "no leaf module's output carrying the batch got a gradient in every chunk"
-    first = kept[0]
-    assert first is not None
-    if any(k is not None and (k.site.key, k.call, k.path) != (first.site.key, first.call,
-                                                              first.path) for k in kept):
+    if len({(k.site.key, k.call, k.path) for k in kept if k is not None}) > 1:
         return "the loss's input was not the output of the same module in every chunk"
-    if sum(k.tensor.shape[dim] for k in kept if k is not None) != size:
-        return "the chunks' outputs of the loss's input do not make up the batch"
     return None
 
 
 def check_weights(model: nn.Module, loss: Loss, x: Any, batch: BatchedInput,
-                  chunks: list[tuple[int, int, float]], kept: list[Output | None]
-                  ) -> Weights:
+                  steps: list[Step], kept: list[Output | None]) -> Weights:
     """The batched loss on the split run's outputs of the loss's input, against each
-    chunk (``start``, ``stop``, the weight the split run gave it) and the gradient it sent
-    into them (``kept``, per chunk; see the module's text)."""
-    dim = batch.batch_dim
-    why = _unusable(kept, batch.batch_size, dim)
-    chosen = next((k for k in kept if k is not None), None)
-    if why is not None or chosen is None:
-        return Weights(None if chosen is None else chosen.site.key, None, float("nan"),
-                       pd.DataFrame(), why)
-    parts = [k for k in kept if k is not None]
+    split pass (``steps``: its rows and the weight it was given) and the gradient it sent
+    into them (``kept``, per pass; see the module's text)."""
+    why = _unusable(kept)
+    if why is not None:
+        site = next((k.site.key for k in kept if k is not None), None)
+        return Weights(site, None, float("nan"), pd.DataFrame(), why)
+    parts = [k for k in kept if k is not None]  # all of them, by now
+    chosen, dim = parts[0], batch.batch_dim
     rows = torch.cat([k.tensor.detach() for k in parts], dim).requires_grad_(True)
     limit = ULPS * float(torch.finfo(rows.dtype).eps) / 2
     name = chosen.site.module
@@ -158,9 +151,10 @@ def check_weights(model: nn.Module, loss: Loss, x: Any, batch: BatchedInput,
                        f"the loss did not depend on the output of {chosen.site.key} "
                        f"when it was replaced")
     found = []
-    for (start, stop, w), k in zip(chunks, parts, strict=True):
+    for step, k in zip(steps, parts, strict=True):
         assert k.grad is not None
-        found.append({"start": start, "stop": stop, "weight": w,
-                      **_compare(k.grad, grad.narrow(dim, start, stop - start), limit)})
+        found.append({"start": step.start, "stop": step.stop, "weight": step.weight,
+                      **_compare(k.grad, grad.narrow(dim, step.start, step.stop - step.start),
+                                 limit)})
     return Weights(chosen.site.key, str(rows.dtype).removeprefix("torch."), limit,
                    pd.DataFrame(found))

@@ -9,9 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from divtrace.align.sites import Site
-from divtrace.record.lineage import InputPart
-from divtrace.record.recorder import Sink, Tracker
+from divtrace.record.recorder import Gate, Sink, Tracker
 
 __all__ = ["GenerationStep", "generate"]
 
@@ -25,34 +23,6 @@ def generate(model: nn.Module, inputs: dict[str, torch.Tensor], new_tokens: int,
 
 
 @dataclass
-class _Gate(Sink):
-    """Hands on only what the recorder observes while ``active``."""
-
-    sink: Sink
-    active: bool = False
-
-    def begin_chunk(self, start: int, stop: int, tracker: Tracker) -> None:
-        self.sink.begin_chunk(start, stop, tracker)
-
-    def end_chunk(self) -> bool:
-        return self.sink.end_chunk()
-
-    def on_call(self, call: Site, module: nn.Module, args: tuple[Any, ...],
-                kwargs: dict[str, Any], output: Any, tracker: Tracker) -> None:
-        if self.active:
-            self.sink.on_call(call, module, args, kwargs, output, tracker)
-
-    def on_op(self, call: Site, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-              parts: list[InputPart], tracker: Tracker) -> None:
-        if self.active:
-            self.sink.on_op(call, op, args, kwargs, parts, tracker)
-
-    def on_tensor(self, site: Site, tensor: torch.Tensor) -> None:
-        if self.active:
-            self.sink.on_tensor(site, tensor)
-
-
-@dataclass
 class GenerationStep:
     """Runs ``generate()`` for ``step + 1`` tokens and observes the forward call of step
     ``step`` (0: the prefill) only; ``settings`` go to ``generate()``."""
@@ -61,10 +31,10 @@ class GenerationStep:
     settings: dict[str, Any] = field(default_factory=dict)
     #: per pass, in order: the tokens each row generated before the observed step
     generated: list[torch.Tensor] = field(default_factory=list)
-    _gates: list[_Gate] = field(default_factory=list)
+    _gates: list[Gate] = field(default_factory=list)
 
     def observed(self, sink: Sink) -> Sink:
-        gate = _Gate(sink)
+        gate = Gate(sink)
         self._gates.append(gate)
         return gate
 

@@ -25,7 +25,7 @@ from divtrace.compat import version
 if TYPE_CHECKING:
     from divtrace.record.lineage import InputPart
 
-__all__ = ["OP_RANGE", "Recorder", "Sink", "Tracker", "writes"]
+__all__ = ["OP_RANGE", "Gate", "Recorder", "Sink", "Tracker", "writes"]
 
 #: Between the prefix and the key in the name of an op call's profiler range (an op
 #: runs inside its module call's range; the kernels it launches count for both).
@@ -118,6 +118,38 @@ class Sink:
     def end_chunk(self) -> bool:
         """The pass ended. False asks for the same pass again (see the row store)."""
         return True
+
+
+@dataclass
+class Gate(Sink):
+    """Hands another sink what the recorder observes while ``active`` (a driver's pass
+    that is not all observed); the pass's beginning and end always."""
+
+    sink: Sink
+    active: bool = False
+
+    def begin_chunk(self, start: int, stop: int, tracker: Tracker) -> None:
+        self.sink.begin_chunk(start, stop, tracker)
+
+    def pass_rows(self, start: int, stop: int) -> int:
+        return self.sink.pass_rows(start, stop)
+
+    def on_call(self, call: Site, module: nn.Module, args: tuple[Any, ...],
+                kwargs: dict[str, Any], output: Any, tracker: Tracker) -> None:
+        if self.active:
+            self.sink.on_call(call, module, args, kwargs, output, tracker)
+
+    def on_op(self, call: Site, op: Callable[..., Any], args: tuple[Any, ...],
+              kwargs: dict[str, Any], parts: list[InputPart], tracker: Tracker) -> None:
+        if self.active:
+            self.sink.on_op(call, op, args, kwargs, parts, tracker)
+
+    def on_tensor(self, site: Site, tensor: torch.Tensor) -> None:
+        if self.active:
+            self.sink.on_tensor(site, tensor)
+
+    def end_chunk(self) -> bool:
+        return self.sink.end_chunk()
 
 
 class Recorder(ABC):

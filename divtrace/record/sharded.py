@@ -26,8 +26,7 @@ from torch import nn
 
 from divtrace.align.sites import Site, input_site
 from divtrace.compat import pytree
-from divtrace.record.lineage import InputPart
-from divtrace.record.recorder import Sink, Tracker
+from divtrace.record.recorder import Gate, Sink, Tracker
 
 __all__ = ["Reassembled", "Stacked", "sharded", "stacked", "whole"]
 
@@ -86,20 +85,15 @@ def stacked(tensor: torch.Tensor) -> torch.Tensor:
     return torch.stack(parts, dim=-1)
 
 
-class _Traced(Sink):
+class _Traced(Gate):
     """A sink that hands ``sink`` every site's tensor and every leaf's inputs changed by
     ``change`` (its key, its tensor), a parallel style's DTensor around a site's output
     traced back to that output first."""
 
     def __init__(self, sink: Sink, change: Callable[[str, torch.Tensor], torch.Tensor]
                  ) -> None:
-        self.sink, self.change = sink, change
-
-    def begin_chunk(self, start: int, stop: int, tracker: Tracker) -> None:
-        self.sink.begin_chunk(start, stop, tracker)
-
-    def pass_rows(self, start: int, stop: int) -> int:
-        return self.sink.pass_rows(start, stop)
+        super().__init__(sink, active=True)
+        self.change = change
 
     def on_call(self, call: Site, module: nn.Module, args: tuple[Any, ...],
                 kwargs: dict[str, Any], output: Any, tracker: Tracker) -> None:
@@ -125,15 +119,8 @@ class _Traced(Sink):
         args, kwargs = pytree.tree_map(local, (args, kwargs))
         self.sink.on_call(call, module, args, kwargs, output, tracker)
 
-    def on_op(self, call: Site, op: Callable[..., Any], args: tuple[Any, ...],
-              kwargs: dict[str, Any], parts: list[InputPart], tracker: Tracker) -> None:
-        self.sink.on_op(call, op, args, kwargs, parts, tracker)
-
     def on_tensor(self, site: Site, tensor: torch.Tensor) -> None:
         self.sink.on_tensor(site, self.change(site.key, tensor))
-
-    def end_chunk(self) -> bool:
-        return self.sink.end_chunk()
 
 
 class Stacked(_Traced):
