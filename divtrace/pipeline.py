@@ -185,7 +185,8 @@ def execute(plan: Plan, model: nn.Module, parts: Parts | None = None,
         draws = RandomDraws(devices)
         ctx = Context(plan, model, reference, compared, host, progress,
                       check=_random_check(plan, draws, (reference, compared)),
-                      copies=InputCopies(plan.batch), recorder=parts.recorder)
+                      copies=InputCopies(plan.batch), recorder=parts.recorder,
+                      probes=probes)
         for probe in probes:
             probe.before(ctx)
         ctx.store = record(ctx, reference, plan.a_chunks)

@@ -43,7 +43,7 @@ def percent(fraction: float) -> str:
 FRACTIONS = frozenset({"mismatch", "exceed", "input_mismatch", "noise_mismatch",
                        "mismatch_a", "mismatch_b"})
 ERRORS = frozenset({"max_abs", "mean_abs", "rel_l2", "others_rel_l2", "local_rel_l2",
-                    "local_max_abs", "b_err_fp64", "a_err_fp64", "noise_rel_l2",
+                    "local_max_abs", "b_err_fp64", "a_err_fp64", "fp64_rel_l2", "noise_rel_l2",
                     "rel_l2_a", "rel_l2_b", "logits_rel_l2", "logits_max_abs",
                     "output_rel_l2", "output_change"})
 #: Columns that hold how many times one figure is another (shown as ``2.07×``).

@@ -126,7 +126,8 @@ def test_an_inplace_op_seen_in_the_first_chunk_costs_no_pass() -> None:
     handle = model.register_forward_pre_hook(lambda m, a: passes.append(a[0].shape[0]))
     x = torch.randn(6, 16)
     try:
-        result = run(model, x, explain=["-independence"], resources=divtrace.Resources(keep=True))
+        result = run(model, x, explain=["-independence", "-precision"],
+                     resources=divtrace.Resources(keep=True))
     finally:
         handle.remove()
     # the first chunk copies every site at once and sees that ReLU(inplace=True) changes
@@ -163,7 +164,8 @@ def test_an_inplace_op_found_late_reruns_that_chunk_once() -> None:
     passes: list[int] = []
     handle = model.register_forward_pre_hook(lambda m, a: passes.append(a[0].shape[0]))
     try:
-        result = run(model, x, explain=["-independence"], resources=divtrace.Resources(keep=True))
+        result = run(model, x, explain=["-independence", "-precision"],
+                     resources=divtrace.Resources(keep=True))
     finally:
         handle.remove()
     assert passes == [1, 1, 1, 1, 1, 4]  # the third chunk ran twice

@@ -303,8 +303,13 @@ def test_op_sites_paired_across_kernel_paths_do_not_decide_the_size() -> None:
     # sums of two orders, which say nothing about rounding once every sample is shown
     # independent
     assert run(models.variant_mlp(), torch.randn(8, 16), ops=True).verdict == "rounding"
-    said = run(models.variant_mlp(), torch.randn(8, 16), ops=True, explain=["-independence"])
+    said = run(models.variant_mlp(), torch.randn(8, 16), ops=True,
+               explain=["-independence", "-precision"])
     assert said.verdict == "not rounding"  # by size alone, as before
+    shrunk = run(models.variant_mlp(), torch.randn(8, 16), ops=True, explain=["-independence"])
+    assert shrunk.verdict == "rounding"  # the precision test decides on the module sites
+    assert "a dependence on the other samples' values is not ruled out" in (
+        shrunk.summary().splitlines()[0])
 
 
 def test_a_row_and_the_command_line_print_figures_that_are_not_zero_as_such() -> None:

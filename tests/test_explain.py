@@ -71,8 +71,8 @@ def test_local_replay_leaves_the_table_and_the_model_alone(chain: nn.Sequential)
     calls: list[int] = []
     handle = chain[3].register_forward_hook(lambda m, a, o: calls.append(o.shape[0]))
     try:
-        plain = run(chain, torch.randn(8, 16), explain=["-independence"])
-        replayed = run(chain, torch.randn(8, 16), explain=["-independence", "local"])
+        plain = run(chain, torch.randn(8, 16), explain=["-independence", "-precision"])
+        replayed = run(chain, torch.randn(8, 16), explain=["-independence", "-precision", "local"])
     finally:
         handle.remove()
     assert list(plain.table["site"]) == list(replayed.table["site"])
@@ -182,7 +182,7 @@ def test_option_columns_only_with_their_option(chain: nn.Sequential) -> None:
 
 @pytest.mark.parametrize(("option", "message"), [
     ({"explain": ["fp32"]}, "explain= has no probe 'fp32'; the probes are independence, "
-     "local, fp64"),
+     "precision, local, fp64"),
     ({"explain": ["-local"]}, "turns off a default probe, but 'local' runs only when named"),
     ({"explain": ["local", divtrace.Local()]}, "explain= names 'local' twice"),
     ({"explain": ["-independence", "independence"]}, "names 'independence' twice"),

@@ -88,8 +88,8 @@ def test_a_probe_adds_its_column_and_its_sentence() -> None:
     result = divtrace.compare(model, x, samples=[1, 6], explain=["local", probe],
                               resources=divtrace.Resources(keep=True), progress=False)
     assert list(result.table.columns)[-1] == "b_norm"
-    assert result.meta.explain == {"independence": {}, "local": {"skip": []},
-                                   "BatchedNorm": {}}
+    assert result.meta.explain == {"independence": {}, "precision": {},
+                                   "local": {"skip": []}, "BatchedNorm": {}}
     table = result.table.set_index("site")
     for site in table.index:
         _, batched = result.pair(site)

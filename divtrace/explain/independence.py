@@ -19,10 +19,12 @@ kept rows, for how far the rows moved (``others_rel_l2``).
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, ClassVar
 
 import pandas as pd
+import torch
 
 from divtrace.align.status import Status
 from divtrace.explain.mixed import first_dependent, through_shared, unmoved
@@ -39,33 +41,44 @@ from divtrace.record.rows import RowStore
 from divtrace.record.stored import StoredRows
 from divtrace.words import sci
 
-__all__ = ["Independence", "first_dependent"]
+__all__ = ["Independence", "first_dependent", "groups"]
 
 _LABEL = "independence test"
 
 
-def _groups(samples: list[int], size: int) -> list[list[int]]:
-    """The rows held fixed in each pass: the compared samples, or, when every row is
-    compared, each half in turn."""
-    if len(samples) < size:
-        return [samples]
-    half = len(samples) // 2
-    return [samples[:half], samples[half:]]
+def groups(samples: list[int]) -> list[list[int]]:
+    """The rows held fixed in each pass, so that every compared sample is held once while
+    any other one is replaced: each sample gets its own set of ``k // 2`` of ``k`` passes
+    (``k`` the fewest with ``C(k, k // 2) >= len(samples)``, Sperner's bound: the fewest
+    passes that part every ordered pair), and pass ``t`` holds the samples whose set has
+    ``t``. One sample: one pass; 2: 2; 8: 5; 128: 10."""
+    if len(samples) < 2:
+        return [list(samples)]
+    k = 2
+    while math.comb(k, k // 2) < len(samples):
+        k += 1
+    codes = itertools.islice(itertools.combinations(range(k), k // 2), len(samples))
+    held: list[list[int]] = [[] for _ in range(k)]
+    for sample, code in zip(samples, codes, strict=False):
+        for t in code:
+            held[t].append(sample)
+    return [group for group in held if group]
 
 
 def _held_store(store: RowStore, group: list[int]) -> RowStore:
-    """The rows of the samples in ``group`` (a run of ``store``'s samples) kept by
-    ``store``, as a row store of their own."""
-    lo, n = store.samples.index(group[0]), len(group)
+    """The rows of the samples in ``group`` (some of ``store``'s samples, in order) kept
+    by ``store``, as a row store of their own."""
+    at = [store.samples.index(s) for s in group]
     kept = RowStore(list(group), store.batch_dim, False, learn_lineage=False, pinned=True)
     for key, stored in store.rows.items():
         if stored.status != Status.OK or not store.complete(stored):
             continue
         if stored.rows is not None:
-            kept.put(stored.site, stored.shape, stored.rows.narrow(0, lo, n))
+            index = torch.tensor(at, device=stored.rows.device)
+            kept.put(stored.site, stored.shape, stored.rows.index_select(0, index))
         elif stored.parts is not None:  # prompts of different lengths
             kept.rows[key] = StoredRows(stored.site, stored.shape, None, (), stored.dtype,
-                                        filled=n, parts=stored.parts[lo:lo + n])
+                                        filled=len(at), parts=[stored.parts[i] for i in at])
     return kept
 
 
@@ -105,13 +118,14 @@ def _noisy(ctx: Context, store: RowStore, host: Host) -> dict[str, Deferred]:
     """Per site: whether ``store`` (a repetition on the unchanged batch) differs there
     from the measured pass, by their fingerprints (1.0 or 0.0 after ``host`` fetched)."""
     meter, found = ctx.meter, {}
-    first = meter.store.samples.index(store.samples[0])
+    at = [meter.store.samples.index(s) for s in store.samples]
     for measured in meter.sites:
         stored = store.rows.get(measured.site.key)
         if measured.prints is None or stored is None or not stored.held or (
                 not store.complete(stored)):
             continue
-        was = measured.prints.narrow(0, first, len(store.samples))
+        was = measured.prints.index_select(
+            0, torch.tensor(at, device=measured.prints.device))
         now = meter.fingerprints(stored.rows if stored.rows is not None else [
             p.unsqueeze(0) for p in stored.parts or () if p is not None])
         if now.shape == was.shape:
@@ -157,10 +171,10 @@ class Independence(Probe):
             self._skip(ctx, "run b takes the batch in chunks, not in one pass")
             return
         size = plan.batch.batch_size
-        groups = _groups(list(plan.samples), size)
-        ctx.progress.more(len(groups) - 1)
+        held = groups(list(plan.samples))
+        ctx.progress.more(len(held) - 1)
         host, checks, unchanged_rows = Host(), [], set()
-        for group in groups:
+        for group in held:
             batch, unchanged = plan.batch.replaced(group)
             if len(unchanged) == size - len(group):
                 ctx.progress.advance()
@@ -180,18 +194,19 @@ class Independence(Probe):
             self.moved.update(dict.fromkeys(moved, math.nan))
             if moved:
                 moving.append(group)
-        self.found |= {"ran": True, "passes": len(checks)}
+        self.found |= {"ran": True, "passes": len(checks), "groups": len(checks)}
         if unchanged_rows:
             self.found["unchanged"] = sorted(unchanged_rows)
         if moving:
             self._sized(ctx, moving)
+        self.found["moved"] = bool(self.moved)
 
     def _sized(self, ctx: Context, moving: list[list[int]]) -> None:
         """Rows moved: the unchanged batch once more, its rows kept (where it moves too,
         the batched run is not deterministic), then each moving pass again, measured
         against them (how far the rows moved)."""
         ctx.progress.more(1 + len(moving))
-        kept = _repeated(ctx, sorted(s for group in moving for s in group))
+        kept = _repeated(ctx, sorted({s for group in moving for s in group}))
         host = Host()
         noise = _noisy(ctx, kept, host)
         meters = [_measured(ctx, _held_store(kept, group), ctx.plan.batch.replaced(group)[0],
@@ -274,12 +289,14 @@ class Independence(Probe):
         if found is None:
             return []
         if not found["ran"]:
-            return [f"The independence test did not run: {found['why']}; the verdict rests "
-                    f"on the size of the error alone."]
+            return [f"The independence test did not run: {found['why']}; a dependence on "
+                    f"the other samples' values is not ruled out."]
         table = result.table
         passes = found["passes"]
-        held = ("the compared samples held" if result.meta.batch_size > len(
-            result.meta.samples) else "each half of the samples held in turn")
+        count, groups_ = len(result.meta.samples), found.get("groups", passes)
+        held = ("the compared sample held" if count == 1 else
+                f"the compared samples held in {groups_} groups, so that each one was "
+                f"held, at least once, while any other one was replaced")
         row = first_dependent(table)
         if row is None:
             unsure = table[table["depends_on_others"].isna() & (table["status"] == "ok")]

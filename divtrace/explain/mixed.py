@@ -27,8 +27,8 @@ def unmoved(table: pd.DataFrame, names: tuple[str, str]) -> str:
             f"showed a dependence on the other samples")
     if not (ok["mismatch"] > 0).any():
         return said + "."
-    return (said + f", so the {names[1]} and the {names[0]} differ because the batch's shape "
-            f"differs (the kernels chosen, the order of reduction).")
+    return (said + f", so what parts the {names[1]} and the {names[0]} is the batch's "
+            f"shape, not the other samples' values.")
 
 
 def first_dependent(table: pd.DataFrame) -> pd.Series | None:

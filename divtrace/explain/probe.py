@@ -103,8 +103,15 @@ class Context:
     graphed: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: makes each run's recorder (for a probe's own runs)
     recorder: RecorderFactory = module_hooks
+    #: the comparison's probes (what one found is its :meth:`Probe.note`)
+    probes: tuple[Probe, ...] = ()
     _store: RowStore | None = None
     _meter: Meter | None = None
+
+    def finding(self, label: str) -> Any:
+        """What the probe of that label found so far (its note; None: no such probe)."""
+        probe = next((p for p in self.probes if p.label == label), None)
+        return None if probe is None else probe.note()
 
     @property
     def store(self) -> RowStore:
@@ -250,6 +257,19 @@ class Probe:
     def beyond(cls, outputs: pd.DataFrame, meta: Settings) -> str | None:
         """Once every error is within the rounding budget: why floating point still does
         not explain the output rows ``outputs`` (None: nothing)."""
+        return None
+
+    @classmethod
+    def designed(cls, table: pd.DataFrame, meta: Settings) -> tuple[str, str] | None:
+        """``(where, why)``: the runs differ by design, not by rounding (the difference
+        kept its size in float64 — the precision test's); None: not seen."""
+        return None
+
+    @classmethod
+    def precise(cls, table: pd.DataFrame, meta: Settings) -> str | None:
+        """Whether the difference was shown to shrink with the unit roundoff:
+        ``"shrinks"``, ``"inconclusive"`` or ``"untested"`` (None: not this probe's to
+        say)."""
         return None
 
 

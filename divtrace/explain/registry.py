@@ -12,6 +12,7 @@ from divtrace.explain.independence import Independence
 from divtrace.explain.kernels import Kernels
 from divtrace.explain.local import Local
 from divtrace.explain.observer import Observer
+from divtrace.explain.precision import Precision
 from divtrace.explain.probe import Probe
 from divtrace.explain.repeat import Repeat
 from divtrace.explain.roles import Roles
@@ -20,8 +21,8 @@ from divtrace.explain.truth import Fp64
 __all__ = ["EXPLAIN_COLUMNS", "NAMES", "PROBES", "Explain", "probes_for"]
 
 #: Every built-in probe; a new one is one more entry here (and its own file).
-PROBES: tuple[type[Probe], ...] = (Roles, Independence, Local, Fp64, Repeat, Kernels,
-                                   Observer)
+PROBES: tuple[type[Probe], ...] = (Roles, Independence, Precision, Local, Fp64, Repeat,
+                                   Kernels, Observer)
 
 #: The names ``explain=`` takes, each with its probe.
 NAMES: dict[str, type[Probe]] = {probe.name: probe for probe in PROBES if probe.name}

@@ -109,6 +109,10 @@ class Fp64(Probe):
 
     @classmethod
     def beyond(cls, outputs: pd.DataFrame, meta: Settings) -> str | None:
+        if "depends_on_shape" in outputs and not outputs.empty:
+            shape = outputs["depends_on_shape"].astype("boolean")
+            if shape.notna().all() and not shape.any():
+                return None  # the precision test showed the output's difference is rounding
         for _, out in outputs.iterrows():
             if "b_err_fp64" not in out or math.isnan(out["b_err_fp64"]):
                 continue

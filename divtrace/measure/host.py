@@ -27,6 +27,11 @@ class Deferred:
         """The host copy (after :meth:`Host.fetch`)."""
         return self._host.array(self._index)
 
+    def peek(self) -> torch.Tensor:
+        """The device tensor itself, before :meth:`Host.fetch` (reading it waits for the
+        device: a synchronisation of its own)."""
+        return self._host.tensor(self._index)
+
 
 class Joined(Deferred):
     """Several places' host copies, end to end along the first dimension (e.g. one site's
@@ -42,6 +47,10 @@ class Joined(Deferred):
     def get(self) -> np.ndarray:
         arrays = [part.get() for part in self._parts]
         return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+    def peek(self) -> torch.Tensor:
+        tensors = [part.peek() for part in self._parts]
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 class Host:
@@ -101,6 +110,14 @@ class Host:
         self._arrays = [held[id(tensor)] if rows is None else held[id(tensor)][rows[0]:rows[1]]
                         for tensor, rows in placed]
         self._tensors = []
+
+    def tensor(self, index: int) -> torch.Tensor:
+        """The device tensor of a place, before the fetch (see :meth:`Deferred.peek`)."""
+        placed = self._tensors[index] if index < len(self._tensors) else None
+        if placed is None:
+            raise RuntimeError("the place is empty, or Host.fetch() has run already")
+        tensor, rows = placed
+        return tensor if rows is None else tensor[rows[0]:rows[1]]
 
     def array(self, index: int) -> np.ndarray:
         if self._arrays is None:

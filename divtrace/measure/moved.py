@@ -36,8 +36,10 @@ class PrintCheck(Sink):
 
     def __post_init__(self) -> None:
         self._sites = {m.site.key: m for m in self.meter.sites if m.prints is not None}
-        self._first = self.meter.store.samples.index(self.held[0])  # among the compared
+        samples = self.meter.store.samples
+        self._at = [samples.index(s) for s in self.held]  # their places among the compared
         self._runs = runs_of(self.held)
+        self._index: dict[torch.device, torch.Tensor] = {}
 
     def on_tensor(self, site: Site, tensor: torch.Tensor) -> None:
         measured = self._sites.get(site.key)
@@ -48,14 +50,24 @@ class PrintCheck(Sink):
                 tuple(usable.shape), usable.dtype) != (measured.shape, measured.dtype):
             return  # not the same site any more: not tested
         assert measured.prints is not None
-        was = measured.prints.narrow(0, self._first, len(self.held))
+        was = self._held(measured.prints)
         self.moved[site.key] = self.host.add((self._prints(usable, measured) != was).double())
+
+    def _held(self, prints: torch.Tensor) -> torch.Tensor:
+        """The held samples' entries of the measured pass's fingerprints."""
+        first, count = self._at[0], len(self._at)
+        if self._at == list(range(first, first + count)):
+            return prints.narrow(0, first, count)
+        index = self._index.get(prints.device)
+        if index is None:
+            index = self._index[prints.device] = torch.tensor(self._at, device=prints.device)
+        return prints.index_select(0, index)
 
     def _prints(self, tensor: torch.Tensor, measured: Measured) -> torch.Tensor:
         """The held samples' fingerprints in this pass's ``tensor``."""
         if self.layout is None:
             return self.meter.fingerprints(self.meter.rows(tensor, self._runs))
         assert measured.part_shapes is not None
-        shapes = measured.part_shapes[self._first:self._first + len(self.held)]
+        shapes = [measured.part_shapes[i] for i in self._at]
         return self.meter.fingerprints([self.layout.tokens(tensor, sample, shape).unsqueeze(0)
                                         for sample, shape in zip(self.held, shapes, strict=True)])

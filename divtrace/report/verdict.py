@@ -195,7 +195,11 @@ def judge(table: pd.DataFrame, meta: Meta, probes: Probes = ()) -> Verdict:
         noun = "site is" if len(ok) == 1 else f"{len(ok)} compared sites are"
         return Verdict("identical", f"Verdict: identical — {'the one' if len(ok) == 1 else 'all'}"
                                     f" {noun} bit-identical in both runs.")
+    designed = _first(p.designed(table, meta) for p in probes)
+    if designed is not None:
+        return Verdict("not rounding", f"Verdict: not rounding — {designed[1]}")
     tested = _first(p.independent(meta) for p in probes) or "untested"
+    precise = _first(p.precise(table, meta) for p in probes) or "untested"
     sized = _sized(ok, diverged, tested)
     worst: tuple[float, Any] | None = None
     entries = _entries(sized, sized[sized["mismatch"] > 0].iloc[0], probes)
@@ -207,6 +211,11 @@ def judge(table: pd.DataFrame, meta: Meta, probes: Probes = ()) -> Verdict:
     if worst is None:  # no size could be measured
         return _unmeasurable(tested)
     share, (row, error, seen, limit, u_op, name) = worst
+    if precise == "shrinks":
+        reason = _first(p.beyond(_outputs(table), meta) for p in probes)
+        if reason is not None:
+            return Verdict("not rounding", f"Verdict: not rounding — {reason}")
+        return _shrinks(table, entries, meta, tested)
     if share > 1:
         hint = MODELS if two_models(meta) else CHECK if tested != "independent" else (
             "No compared row moved when only the other samples changed (independence "
@@ -222,17 +231,58 @@ def judge(table: pd.DataFrame, meta: Meta, probes: Probes = ()) -> Verdict:
         return Verdict("not rounding", f"Verdict: not rounding — {reason}")
     row, error, seen = entries[0]  # where the error enters first: a source, or the first
     limit, u_op, name = budget(row["dtype"], meta)  # divergent site
-    cause = ("the batch size changes the order of operations" if not meta.runs
-             else "the two models round differently" if two_models(meta)
-             else "the two configurations round differently")
-    ending = {
-        "independent": f"No compared row moved when only the other samples changed "
-                       f"(independence test): not a bug; {cause}.",
-        "inconclusive": "The independence test was inconclusive (the batched run is not "
-                        "deterministic), so this rests on the size of the error alone.",
-        "untested": "The independence test did not run, so this rests on the size of the "
-                    "error alone."}[tested]
     return Verdict("rounding", (
         f"Verdict: rounding — {_subject(row, error, seen)}{_units(error, u_op, name)}, "
         f"within the {sci(limit)} "
-        f"a reordered sum can give{_at_output(outputs, row)}. {ending}"))
+        f"a reordered sum can give{_at_output(outputs, row)}. "
+        f"{_ending(tested, precise)}"))
+
+
+def _cause(meta: Meta) -> str:
+    return ("the batch size changes the order of operations" if not meta.runs
+            else "the two models round differently" if two_models(meta)
+            else "the two configurations round differently")
+
+
+def _ending(tested: str, precise: str) -> str:
+    """What the verdict rests on, when the precision test did not settle it."""
+    shape = {"inconclusive": "the precision test (the runs again in float64) was "
+                             "inconclusive",
+             "untested": "the precision test (the runs again in float64) did not run"
+             }.get(precise, "")
+    if tested == "independent":
+        return (f"No compared row moved when only the other samples changed (independence "
+                f"test), but {shape}, so that the difference comes from the batch's shape "
+                f"and not from a computation that depends on it by design rests on the size "
+                f"of the error alone.")
+    test = {"inconclusive": "The independence test was inconclusive (the batched run is "
+                            "not deterministic)",
+            "untested": "The independence test did not run"}[tested]
+    return f"{test} and {shape}, so this rests on the size of the error alone."
+
+
+def _shrinks(table: pd.DataFrame, entries: list[tuple[pd.Series, float, str]], meta: Meta,
+             tested: str) -> Verdict:
+    """Rounding shown by the precision test (and by the independence test, when it
+    decided): the size of the error is then what rounding gave, however large."""
+    row, error, seen = entries[0]
+    limit, u_op, name = budget(row["dtype"], meta)
+    size = "within" if error <= limit else "beyond"
+    grown = "" if error <= limit else ", amplified by what follows it"
+    shrunk = ("in float64 the runs' difference shrinks as rounding does at every site "
+              "where they differ (precision test)")
+    if tested == "independent":
+        return Verdict("rounding", (
+            f"Verdict: rounding — {_subject(row, error, seen)}{_units(error, u_op, name)}"
+            f", {size} the {sci(limit)} a reordered sum can give{grown}"
+            f"{_at_output(_outputs(table), row)}. No compared row moved when only the "
+            f"other samples changed (independence test) and {shrunk}: not a bug; "
+            f"{_cause(meta)}."))
+    test = {"inconclusive": "the independence test was inconclusive (the batched run is "
+                            "not deterministic)",
+            "untested": "the independence test did not run"}[tested]
+    return Verdict("rounding", (
+        f"Verdict: rounding — {_subject(row, error, seen)}{_units(error, u_op, name)}, "
+        f"{size} the {sci(limit)} a reordered sum can give{grown}"
+        f"{_at_output(_outputs(table), row)}. {shrunk[0].upper()}{shrunk[1:]}, but {test}:"
+        f" a dependence on the other samples' values is not ruled out."))
