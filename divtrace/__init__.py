@@ -14,6 +14,7 @@ from divtrace.backward.result import Backward
 from divtrace.compare import compare
 from divtrace.errors import (
     BatchMixingError,
+    DivtraceAttributeError,
     DivtraceError,
     DivtraceTypeError,
     DivtraceValueError,
@@ -48,6 +49,7 @@ __all__ = [
     "BatchSweep",
     "Comparison",
     "Diff",
+    "DivtraceAttributeError",
     "DivtraceError",
     "DivtraceTypeError",
     "DivtraceValueError",

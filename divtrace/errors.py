@@ -19,6 +19,19 @@ class DivtraceTypeError(DivtraceError, TypeError):
     """An argument has the wrong type."""
 
 
+class DivtraceAttributeError(DivtraceError, AttributeError):
+    """An attribute that a result had once, read under its old name."""
+
+
+def moved(owner: object, name: str, where: dict[str, str]) -> AttributeError:
+    """The error for reading ``name`` of ``owner``: its new spelling where it moved
+    (``where``), else Python's own message."""
+    kind = type(owner).__name__
+    if name in where:
+        return DivtraceAttributeError(f"{kind}.{name} is gone: use {where[name]}")
+    return AttributeError(f"'{kind}' object has no attribute '{name}'")
+
+
 class BatchMixingError(DivtraceValueError):
     """The model has layers that mix samples (or draw random numbers) in train mode."""
 

@@ -123,7 +123,7 @@ def test_bad_run_settings() -> None:
         Run(dtype=torch.int32)
     with pytest.raises(ValueError, match="highest, high, medium"):
         Run(matmul_precision="fast")
-    with pytest.raises(ValueError, match="None or an int >= 1"):
+    with pytest.raises(ValueError, match="None or a whole number >= 1"):
         Run(chunk=0)
     assert Run(chunk=1, dtype=torch.bfloat16).label() == "chunk=1, dtype=bfloat16"
     assert Run(name="mine", chunk=1).label() == "mine"

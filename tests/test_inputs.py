@@ -121,9 +121,9 @@ def test_chunk_not_below_batch(chunk: int) -> None:
 
 def test_chunk_of_the_wrong_value() -> None:
     with pytest.raises(divtrace.DivtraceValueError,
-                       match=r"Run\(chunk=...\) must be None or an int >= 1; got 0"):
+                       match=r"Run\(chunk=...\) must be None or a whole number >= 1; got 0"):
         run(models.variant_mlp(), torch.randn(8, 16), a=divtrace.Run(chunk=0))
-    with pytest.raises(divtrace.DivtraceTypeError, match=r"int >= 1; got 2\.0"):
+    with pytest.raises(divtrace.DivtraceTypeError, match=r"whole number >= 1; got 2\.0"):
         run(models.variant_mlp(), torch.randn(8, 16), a=divtrace.Run(chunk=2.0))
 
 

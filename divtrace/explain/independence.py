@@ -19,17 +19,17 @@ kept rows, for how far the rows moved (``others_rel_l2``).
 
 from __future__ import annotations
 
-import itertools
 import math
+import warnings
 from typing import Any, ClassVar
 
 import pandas as pd
 import torch
 
-from divtrace.align.status import Status
+from divtrace.explain.causes import cause_of, deterministic
+from divtrace.explain.held import differing, groups, held_store, moves
 from divtrace.explain.mixed import first_dependent, through_shared, unmoved
 from divtrace.explain.probe import Context, Judged, Probe, Settings, TableView
-from divtrace.measure.figures import site_figures
 from divtrace.measure.host import Deferred, Host
 from divtrace.measure.meter import Meter
 from divtrace.measure.moved import PrintCheck
@@ -38,48 +38,11 @@ from divtrace.plan.inputs import BatchedInput
 from divtrace.record.ragged import row_store
 from divtrace.record.recorder import Sink
 from divtrace.record.rows import RowStore
-from divtrace.record.stored import StoredRows
 from divtrace.words import sci
 
 __all__ = ["Independence", "first_dependent", "groups"]
 
 _LABEL = "independence test"
-
-
-def groups(samples: list[int]) -> list[list[int]]:
-    """The rows held fixed in each pass, so that every compared sample is held once while
-    any other one is replaced: each sample gets its own set of ``k // 2`` of ``k`` passes
-    (``k`` the fewest with ``C(k, k // 2) >= len(samples)``, Sperner's bound: the fewest
-    passes that part every ordered pair), and pass ``t`` holds the samples whose set has
-    ``t``. One sample: one pass; 2: 2; 8: 5; 128: 10."""
-    if len(samples) < 2:
-        return [list(samples)]
-    k = 2
-    while math.comb(k, k // 2) < len(samples):
-        k += 1
-    codes = itertools.islice(itertools.combinations(range(k), k // 2), len(samples))
-    held: list[list[int]] = [[] for _ in range(k)]
-    for sample, code in zip(samples, codes, strict=False):
-        for t in code:
-            held[t].append(sample)
-    return [group for group in held if group]
-
-
-def _held_store(store: RowStore, group: list[int]) -> RowStore:
-    """The rows of the samples in ``group`` (some of ``store``'s samples, in order) kept
-    by ``store``, as a row store of their own."""
-    at = [store.samples.index(s) for s in group]
-    kept = RowStore(list(group), store.batch_dim, False, learn_lineage=False, pinned=True)
-    for key, stored in store.rows.items():
-        if stored.status != Status.OK or not store.complete(stored):
-            continue
-        if stored.rows is not None:
-            index = torch.tensor(at, device=stored.rows.device)
-            kept.put(stored.site, stored.shape, stored.rows.index_select(0, index))
-        elif stored.parts is not None:  # prompts of different lengths
-            kept.rows[key] = StoredRows(stored.site, stored.shape, None, (), stored.dtype,
-                                        filled=len(at), parts=[stored.parts[i] for i in at])
-    return kept
 
 
 def _run(ctx: Context, sink: Sink, batch: BatchedInput, label: str = _LABEL) -> None:
@@ -130,17 +93,6 @@ def _noisy(ctx: Context, store: RowStore, host: Host) -> dict[str, Deferred]:
             p.unsqueeze(0) for p in stored.parts or () if p is not None])
         if now.shape == was.shape:
             found[measured.site.key] = host.add((now != was).any().double().reshape(1))
-    return found
-
-
-def _moves(meter: Meter, batch: int) -> dict[str, tuple[float, float]]:
-    """Per site of a measured pass: ``(mismatch, rel_l2)`` (after its host fetched)."""
-    found: dict[str, tuple[float, float]] = {}
-    for measured in meter.sites:
-        if measured.stats is None:
-            continue
-        figures = site_figures(measured.stats.get(), measured.per_sample(batch))
-        found[measured.site.key] = (figures["mismatch"], figures["rel_l2"])
     return found
 
 
@@ -209,14 +161,14 @@ class Independence(Probe):
         kept = _repeated(ctx, sorted({s for group in moving for s in group}))
         host = Host()
         noise = _noisy(ctx, kept, host)
-        meters = [_measured(ctx, _held_store(kept, group), ctx.plan.batch.replaced(group)[0],
+        meters = [_measured(ctx, held_store(kept, group), ctx.plan.batch.replaced(group)[0],
                             host) for group in moving]
         host.fetch()
         self.noisy = [key for key, deferred in noise.items() if deferred.get().any()]
         values: dict[str, float] = {}  # the fingerprints saw bits; here values count
         sized: set[str] = set()
         for meter in meters:
-            for key, (share, rel) in _moves(meter, ctx.plan.batch.batch_size).items():
+            for key, (share, rel) in moves(meter, ctx.plan.batch.batch_size).items():
                 if key in self.moved:
                     sized.add(key)
                     if share > 0:
@@ -228,6 +180,31 @@ class Independence(Probe):
                 del self.moved[key]  # only the signs of zeros or the payloads of NaNs
         self.found["passes"] += 1 + len(meters)
         self.found["noisy"] = self.noisy
+        if self.noisy:
+            self._stateful(ctx, kept.samples)
+        self._causes(ctx)
+
+    def _stateful(self, ctx: Context, samples: list[int]) -> None:
+        """A repetition moved: two more on the unchanged batch, deterministic algorithms
+        in force, told apart by their fingerprints. Where they still differ, the model
+        keeps state across calls (a counter, a cache filled by an earlier call)."""
+        ctx.progress.more(2)
+        with warnings.catch_warnings(), deterministic():
+            warnings.simplefilter("ignore", UserWarning)  # ops with no deterministic kind
+            one, two = _repeated(ctx, samples), _repeated(ctx, samples)
+        self.found["passes"] += 2
+        self.found["state"] = differing(one, two, ctx.meter)
+
+    def _causes(self, ctx: Context) -> None:
+        """What the modules whose rows moved say of why (:func:`cause_of`)."""
+        causes = {}
+        for measured in ctx.meter.sites:
+            module = ctx.b.modules.get(measured.site.module)
+            if measured.site.key in self.moved and not measured.site.op and module is not None:
+                cause = cause_of(module, ctx.plan.batch.batch_dim)
+                if cause is not None:
+                    causes[measured.site.key] = cause
+        self.found["causes"] = causes
 
     def _skip(self, ctx: Context, why: str) -> None:
         self.found["why"] = why
@@ -261,20 +238,35 @@ class Independence(Probe):
 
     @classmethod
     def mixing(cls, table: pd.DataFrame, meta: Settings) -> tuple[str, str] | None:
+        found = meta.notes.get("independence") or {}
+        state = table[table["site"].isin(found.get("state") or [])]
+        if not state.empty:
+            row = state.iloc[0]
+            where = f"'{row['site']}' ({row['module_type']})"
+            return where, (
+                f"the model keeps state across calls: the same pass on the same input, "
+                f"repeated with deterministic algorithms, differs from {where} on (a "
+                f"counter, a cache filled by an earlier call), so no two runs compare "
+                f"like with like. Reset that state before each call, or compare a model "
+                f"that keeps none.")
         row = first_dependent(table)
         if row is None:
             return None
-        through = (meta.notes.get("independence") or {}).get("through") or []
+        through = found.get("through") or []
         via = f", through {', '.join(repr(t) for t in through)}," if through else ""
         where = f"'{row['site']}' ({row['module_type']})"
+        causes = found.get("causes") or {}
+        cause = causes.get(row["site"])
+        hint = ("Check for a statistic over the batch in eval mode, a wrong batch_dim, "
+                "padding that is not masked, activations quantized with a scale over the "
+                "batch (dynamic quantization), or routing or shapes that depend on the "
+                "whole batch (capacity-limited experts).") if cause is None else (
+                f"The cause: {cause}.")
         return where, (
             f"batch mixing: at {where}{via} the compared samples' rows change when only "
             f"the other samples change, the shapes kept (rel_l2 {sci(row['others_rel_l2'])}),"
             f" so each sample's result depends on the other samples' values — a bug "
-            f"whatever its size. Check for a statistic over the batch in eval mode, a wrong "
-            f"batch_dim, padding that is not masked, activations quantized with a scale "
-            f"over the batch (dynamic quantization), or routing or shapes that depend on "
-            f"the whole batch (capacity-limited experts).")
+            f"whatever its size. {hint}")
 
     @classmethod
     def independent(cls, meta: Settings) -> str | None:

@@ -121,8 +121,10 @@ class Precision(Probe):
     def _needless(self, ctx: Context) -> str | None:
         """Why there is nothing for the test to decide: the samples mix, or the runs agree
         bit for bit at every compared site (one wait for the device)."""
-        independence = ctx.finding("independence")
-        if independence and independence.get("moved") and not independence.get("noisy"):
+        independence = ctx.finding("independence") or {}
+        if independence.get("state"):
+            return "the model keeps state across calls"
+        if independence.get("moved") and not independence.get("noisy"):
             return "the independence test found batch mixing"
         mismatch = INDEX["mismatch"]
         counts = []
@@ -251,6 +253,7 @@ class Precision(Probe):
             return []
         if not found["ran"]:
             if found["why"] in ("the independence test found batch mixing",
+                                "the model keeps state across calls",
                                 "the runs are bit-identical at every compared site"):
                 return []
             return [f"The precision test did not run: {found['why']}."]

@@ -252,8 +252,10 @@ def make_plan(model: nn.Module, x: Any, *, samples: Iterable[int] | None = None,
     hidden = {name: kind for name, kind in unobservable(walk.named).items()
               if kind != "parameters"}
     if hidden:
-        why = {"TorchScript": "TorchScript takes no forward hooks; the next observed "
-                              "module's input shows what came out",
+        why = {"TorchScript": "its children run inside TorchScript, where no hook fires; "
+                              "its own output is compared",
+               "scripted": "a scripted module takes no forward hooks; the next observed "
+                           "module's input shows what came out",
                "torch.compile": "hooks inside compiled code would make it recompile; the "
                                 "compiled module's output is compared"}
         listed = "; ".join(f"'{name}' ({kind}: {why[kind]})"

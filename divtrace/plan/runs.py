@@ -87,13 +87,17 @@ class Run:
 
     def __post_init__(self) -> None:
         if self.chunk is not None:
-            if isinstance(self.chunk, bool) or not hasattr(self.chunk, "__index__"):
-                raise DivtraceTypeError(f"Run(chunk=...) must be None or an int >= 1; "
-                                        f"got {self.chunk!r}")
-            if self.chunk < 1:
-                raise DivtraceValueError(f"Run(chunk=...) must be None or an int >= 1; "
-                                         f"got {self.chunk!r}")
-            object.__setattr__(self, "chunk", operator.index(self.chunk))  # NumPy ints too
+            try:  # NumPy and integer tensors too
+                chunk = None if isinstance(self.chunk, bool) else operator.index(self.chunk)
+            except TypeError:
+                chunk = None
+            if chunk is None:
+                raise DivtraceTypeError(f"Run(chunk=...) must be None or a whole number >= 1;"
+                                        f" got {self.chunk!r}")
+            if chunk < 1:
+                raise DivtraceValueError(f"Run(chunk=...) must be None or a whole number >= 1;"
+                                         f" got {self.chunk!r}")
+            object.__setattr__(self, "chunk", chunk)
         if self.dtype is not None and (not isinstance(self.dtype, torch.dtype)
                                        or not self.dtype.is_floating_point):
             raise DivtraceTypeError(f"Run(dtype=...) must be a floating torch.dtype; "

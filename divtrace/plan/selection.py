@@ -74,8 +74,9 @@ def select_modules(model: nn.Module, modules: ModuleSpec,
     """
     named = [(name, mod) for name, mod in walked or model.named_modules()]
     hidden = unobservable(named)
-    named = [(name, mod) for name, mod in named
-             if name and not any(name == s or name.startswith(s + ".") for s in hidden)]
+    named = [(name, mod) for name, mod in named  # a TorchScript module's own output counts
+             if name and not any(name.startswith(s + ".") or (
+                 name == s and kind != "TorchScript") for s, kind in hidden.items())]
     specs = check_modules(model, modules, walked)
     if specs is None:
         return {ROOT: model} | dict(named)
@@ -83,12 +84,22 @@ def select_modules(model: nn.Module, modules: ModuleSpec,
     return {ROOT: model} | {name: mod for name, mod in named if name in chosen}
 
 
+def _hooks_fire(module: nn.Module) -> bool:
+    """Whether ``module`` takes forward hooks (a traced module does, a scripted one does
+    not); the hook tried is removed at once."""
+    try:
+        module.register_forward_hook(lambda *_: None).remove()
+    except RuntimeError:
+        return False
+    return True
+
+
 def unobservable(named: Iterable[tuple[str, nn.Module]]) -> dict[str, str]:
     """The outermost modules among ``named`` that cannot be observed inside, and why: a
-    TorchScript module (``torch.jit.script``/``trace``) takes no forward hooks, and its
-    children run inside TorchScript; what ``torch.compile`` wraps (``<name>._orig_mod``)
-    runs as compiled code, which hooks would make it recompile (and a graph compiled
-    before would skip them)."""
+    TorchScript module's children run inside TorchScript, where no hook fires (a traced
+    module's own forward hooks do: its output is compared; a scripted one takes none); what
+    ``torch.compile`` wraps (``<name>._orig_mod``) runs as compiled code, which hooks
+    would make it recompile (and a graph compiled before would skip them)."""
     found: dict[str, str] = {}
     for name, module in named:
         if any(name.startswith(s + ".") or not s for s in found):
@@ -96,7 +107,7 @@ def unobservable(named: Iterable[tuple[str, nn.Module]]) -> dict[str, str]:
         for held in holders(module):  # parameters, not layers: no site of their own
             found[f"{name}.{held}" if name else held] = "parameters"
         if isinstance(module, torch.jit.ScriptModule):
-            found[name] = "TorchScript"
+            found[name] = "TorchScript" if _hooks_fire(module) else "scripted"
         elif is_compiled(module):
             found[f"{name}._orig_mod" if name else "_orig_mod"] = "torch.compile"
     return found

@@ -11,7 +11,7 @@ import pandas as pd
 import torch
 
 from divtrace.align.sites import ROOT
-from divtrace.errors import DivtraceValueError
+from divtrace.errors import DivtraceValueError, moved
 from divtrace.measure.stats import tolerances
 from divtrace.report import files, html, text
 from divtrace.report.meta import Meta
@@ -252,6 +252,12 @@ class Comparison:
     def summary(self) -> str:
         """A few plain sentences: where divergence starts, how it grows, what it means."""
         return text.summary(self, self._probes)
+
+    def __getattr__(self, name: str) -> Any:
+        raise moved(self, name, {
+            "info": "meta (the typed settings; meta.to_dict() for a dict)",
+            "samples": "per_sample (the per-sample table), or meta.samples (the compared "
+                       "rows)"})
 
     def __repr__(self) -> str:
         first = self.first_divergence

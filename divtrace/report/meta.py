@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from divtrace.errors import moved
+
 __all__ = ["Meta"]
 
 
@@ -78,6 +80,12 @@ class Meta:
             return "BatchNorm or Dropout"
         shown = ", ".join(self.mixing[:4])
         return shown + (f" and {len(self.mixing) - 4} more" if len(self.mixing) > 4 else "")
+
+    def __getattr__(self, name: str) -> Any:
+        raise moved(self, name, {
+            "get": "the attribute itself (meta.batch_size), or meta.to_dict().get(...)",
+            "info": "the attributes themselves (meta.batch_size), or meta.to_dict()",
+            "keys": "meta.to_dict().keys()"})
 
     def to_dict(self) -> dict[str, Any]:
         """A plain, JSON-ready dict (a fresh copy) of the fields."""

@@ -69,7 +69,8 @@ def _beyond(view: dict[str, float], own: tuple[float, float]) -> str:
     """What ``torch.allclose`` with its own defaults for what was not given says."""
     beyond, near = int(view["beyond_allclose"]), int(view["beyond_allclose_near_zero"])
     where = "" if not beyond else (
-        ", all of them near zero" if near == beyond else f", {near} of them near zero")
+        ", all of them near zero" if near == beyond else ", all of them away from zero"
+        if not near else f", {near} of them near zero")
     return (f"With torch.allclose's own defaults for what was not given (rtol={own[0]:.3g}, "
             f"atol={own[1]:.3g}), {beyond} of {int(view['finite'])} elements are beyond it"
             f"{where}.")
@@ -91,6 +92,9 @@ def _elementwise(view: dict[str, float], out: pd.Series, rtol: float, atol: floa
     elif near:
         head += (f"; {near} of them lie near zero (|value| at most {NEAR_ZERO:g} of the "
                  f"output's largest, {sci(largest)}), where relative error has no meaning")
+    elif beyond:
+        head += (f", all of them away from zero (|value| above {NEAR_ZERO:g} of the output's "
+                 f"largest, {sci(largest)})")
     rel = view["max_rel"]
     worst = (f"The largest element-wise relative difference is {rel:.3g} ({percent(rel)}), "
              f"where {_the(names[0])} has {view['a_value']:.8g} and "
