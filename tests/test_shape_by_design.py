@@ -450,3 +450,28 @@ def test_the_element_sentence_says_where_the_elements_lie() -> None:
     assert bool((a.abs() > 1e-3 * largest).all())  # none near zero, as it says
     assert (f"{a.numel()} of {a.numel()} elements are beyond the tolerance, all of them "
             f"away from zero (|value| above 0.001 of the output's largest") in said
+
+
+class CastNorm(nn.Module):
+    """An RMSNorm as language models write it: in float32 whatever the input's dtype,
+    its sum over the row in a batch-variant order."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        squares = h * h
+        order = range(h.shape[-1])
+        total = torch.zeros_like(h[..., 0])
+        for j in reversed(order) if h.shape[0] > 1 else order:
+            total = total + squares[..., j]
+        return (h * torch.rsqrt(total[..., None] / h.shape[-1] + 1e-6)).to(x.dtype)
+
+
+def test_the_model_own_casts_to_float32_stay_in_float64() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), CastNorm(), nn.Linear(64, 4)).eval()
+    result = run(model, torch.randn(8, 16))
+    table = result.table.set_index("site")
+    assert table.loc["1", "mismatch"] > 0  # the float32 sums part the runs ...
+    assert not table.loc["1", "depends_on_shape"]  # ... and shrink: it ran in float64
+    assert table.loc["1", "fp64_rel_l2"] < 1e-13
+    assert result.verdict == "rounding"

@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 import pandas as pd
 import torch
 
+from divtrace.explain.float64 import KeptFloat64, Unmoded
 from divtrace.explain.probe import Context, Judged, Probe, Settings, TableView
 from divtrace.explain.rounding import MODELS, two_models
 from divtrace.measure.chunked import compare_stores
@@ -127,15 +128,16 @@ class Precision(Probe):
         if independence.get("moved") and not independence.get("noisy"):
             return "the independence test found batch mixing"
         mismatch = INDEX["mismatch"]
-        counts = []
+        counts: dict[torch.device, list[torch.Tensor]] = {}
         for site in ctx.meter.sites:
             if site.stats is None:
                 continue
             try:
-                counts.append(site.stats.peek()[:, mismatch].double().sum().reshape(1))
+                stats = site.stats.peek()
             except RuntimeError:  # fetched already (both runs chunked): the test runs
                 return None
-        if not counts or not bool((torch.cat([c.cpu() for c in counts]) > 0).any()):
+            counts.setdefault(stats.device, []).append(stats[:, mismatch].double().sum())
+        if not any(bool((torch.stack(found) > 0).any()) for found in counts.values()):
             return "the runs are bit-identical at every compared site"
         return None
 
@@ -147,20 +149,22 @@ class Precision(Probe):
         b = self._other(ctx, a)
         ctx.progress.more(len(plan.a_chunks) + max(1, len(plan.b_chunks)) - 2)
         store = row_store(plan.batch, list(plan.samples), plan.offload, learn_lineage=False)
-        a.execute(store, plan.batch, list(plan.a_chunks), lambda _s, _e: a.name,
-                  ctx.progress.advance, ctx.check)
         host = Host()
         meter = ctx.meter.over(store, host)
         size = plan.batch.batch_size
+        with KeptFloat64() as mode:  # float64 throughout, the model's own casts too
+            a.execute(Unmoded(store, mode), plan.batch, list(plan.a_chunks),
+                      lambda _s, _e: a.name, ctx.progress.advance, ctx.check)
+            if plan.b_chunks:
+                other = row_store(plan.batch, list(plan.samples), plan.offload,
+                                  learn_lineage=False)
+                b.execute(Unmoded(other, mode), plan.batch, list(plan.b_chunks),
+                          lambda _s, _e: b.name, ctx.progress.advance, ctx.check)
+            else:
+                b.execute(Unmoded(meter, mode), plan.batch, [(0, size)],
+                          lambda _s, _e: b.name, ctx.progress.advance, ctx.check)
         if plan.b_chunks:
-            other = row_store(plan.batch, list(plan.samples), plan.offload,
-                              learn_lineage=False)
-            b.execute(other, plan.batch, list(plan.b_chunks), lambda _s, _e: b.name,
-                      ctx.progress.advance, ctx.check)
             compare_stores(meter, other, size)
-        else:
-            b.execute(meter, plan.batch, [(0, size)], lambda _s, _e: b.name,
-                      ctx.progress.advance, ctx.check)
         meter.flush()
         host.fetch()
         self.fp64 = _figures(meter, size)

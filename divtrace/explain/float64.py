@@ -1,0 +1,87 @@
+"""A replay that stays in float64: casts down to a coarser floating dtype are kept out.
+
+A model cast to float64 can still round in float32 where its code says so
+(``hidden.to(torch.float32)`` in an RMSNorm, ``inv_freq.float()`` in rotary
+embeddings): such a cast would put float32 rounding back into the replay. While
+:class:`KeptFloat64` is in force, a cast of a float64 tensor to float32, float16 or
+bfloat16 returns the float64 tensor itself (and a cast of anything else to one of them,
+float64 values); every other function runs as it is. The
+sinks of the replay run with it off (:class:`Unmoded`), so divtrace's own work is not
+touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from divtrace.align.sites import Site
+from divtrace.record.lineage import InputPart
+from divtrace.record.recorder import Sink, Tracker
+
+__all__ = ["KeptFloat64", "Unmoded"]
+
+_CASTS = frozenset({torch.Tensor.to, torch.Tensor.float, torch.Tensor.half,
+                    torch.Tensor.bfloat16, torch.Tensor.type, torch.Tensor.type_as})
+_COARSER = frozenset({torch.float32, torch.float16, torch.bfloat16})
+
+
+class KeptFloat64(TorchFunctionMode):
+    """Casts to a coarser floating dtype give float64: a float64 tensor stays itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.off = False
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.off or func not in _CASTS or not args:
+            return out
+        given = args[0]
+        if not isinstance(out, torch.Tensor) or out.dtype not in _COARSER:
+            return out
+        if isinstance(given, torch.Tensor) and given.dtype == torch.float64 and (
+                given.device == out.device):
+            return given
+        return out.to(torch.float64)  # ids made floating, constants: float64 too
+
+
+@dataclass
+class Unmoded(Sink):
+    """Hands ``sink`` everything, with ``mode`` off meanwhile."""
+
+    sink: Sink
+    mode: KeptFloat64
+
+    def _off(self, work: Callable[[], Any]) -> Any:
+        was, self.mode.off = self.mode.off, True
+        try:
+            return work()
+        finally:
+            self.mode.off = was
+
+    def begin_chunk(self, start: int, stop: int, tracker: Tracker) -> None:
+        self._off(lambda: self.sink.begin_chunk(start, stop, tracker))
+
+    def pass_rows(self, start: int, stop: int) -> int:
+        return int(self._off(lambda: self.sink.pass_rows(start, stop)))
+
+    def on_call(self, call: Site, module: nn.Module, args: tuple[Any, ...],
+                kwargs: dict[str, Any], output: Any, tracker: Tracker) -> None:
+        self._off(lambda: self.sink.on_call(call, module, args, kwargs, output, tracker))
+
+    def on_op(self, call: Site, op: Callable[..., Any], args: tuple[Any, ...],
+              kwargs: dict[str, Any], parts: list[InputPart], tracker: Tracker) -> None:
+        self._off(lambda: self.sink.on_op(call, op, args, kwargs, parts, tracker))
+
+    def on_tensor(self, site: Site, tensor: torch.Tensor) -> None:
+        self._off(lambda: self.sink.on_tensor(site, tensor))
+
+    def end_chunk(self) -> bool:
+        return bool(self._off(self.sink.end_chunk))
