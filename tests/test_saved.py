@@ -196,7 +196,8 @@ def test_the_command_line(tmp_path: Path) -> None:
                 "--no-progress", cwd=tmp_path)
     assert eager.returncode == 0, eager.stderr
     assert divtrace.load(tmp_path / "c.json").meta.resources["graphs"] is False
-    untested = cli("compare", "target.py:build", "--explain=-independence", "--json", "d.json",
+    untested = cli("compare", "target.py:build", "--explain=-independence,-precision",
+                   "--json", "d.json",
                    "--no-progress", cwd=tmp_path)
     assert untested.returncode == 0, untested.stderr
     assert divtrace.load(tmp_path / "d.json").meta.explain.get("independence") is None
