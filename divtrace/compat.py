@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -128,6 +128,17 @@ def modes_off() -> AbstractContextManager[object]:
     work inside a recorded pass must not be recorded). Excluding the Python dispatch keys
     costs well under a microsecond; popping the modes (``_disable_current_modes``) ~10."""
     return torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS)
+
+
+def function_mode_off(mode: object) -> AbstractContextManager[object]:
+    """A context in which ``mode``, a ``TorchFunctionMode``, is not in force when it is the
+    innermost one (divtrace's own work inside a pass that runs under one of its modes);
+    it is back on exit. Elsewhere (inside a dispatch mode's handler, where no function mode
+    is in force, or under another mode of the model's own) nothing changes."""
+    depth = torch._C._len_torch_function_stack()
+    if depth and torch._C._get_function_stack_at(depth - 1) is mode:
+        return torch.overrides._pop_mode_temporarily()
+    return nullcontext()
 
 
 @contextmanager

@@ -248,3 +248,30 @@ def tiny_llama() -> nn.Module:
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=100, attn_implementation="eager")
     return transformers.LlamaForCausalLM(config).eval()
+
+
+class ShapeBias(nn.Module):
+    """A bug: the output depends on the batch size."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.eps * x.shape[0]
+
+
+class PerBatch(nn.Module):
+    """Scales by one over the batch size (a mean taken as a sum over the rows)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (1 / x.shape[0])
+
+
+class ShapePath(nn.Module):
+    """Takes another code path for batches of more than one row."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 1:
+            x = x * (1 + 1e-7)
+        return x

@@ -83,6 +83,11 @@ def test_host_synchronisations_do_not_grow_with_depth(graphs: bool) -> None:
     assert tested[0] == tested[1]
     passes = len(groups(list(range(8))))  # the held groups: 5
     assert tested[0] <= many + 2 * passes + 1
+    # the precision test too: whether the runs differ (one wait), its one fetch
+    both = (_sync_warnings(shallow, x, graphs, True, True),
+            _sync_warnings(deep, x, graphs, True, True))
+    assert both[0] == both[1]
+    assert both[0] <= tested[0] + 4
 
 
 def test_offload_gives_the_same_table_on_cuda() -> None:

@@ -15,37 +15,11 @@ import divtrace
 from divtrace.explain.precision import judged, shrink
 from divtrace.words import sci
 from tests import models
+from tests.models import PerBatch, ShapeBias, ShapePath
 
 
 def run(model: nn.Module, x: object, **kwargs: object) -> divtrace.Comparison:
     return divtrace.compare(model, x, progress=False, **kwargs)
-
-
-class ShapeBias(nn.Module):
-    """A bug: the output depends on the batch size."""
-
-    def __init__(self, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.eps * x.shape[0]
-
-
-class PerBatch(nn.Module):
-    """Scales by one over the batch size (a mean taken as a sum over the rows)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * (1 / x.shape[0])
-
-
-class ShapePath(nn.Module):
-    """Takes another code path for batches of more than one row."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > 1:
-            x = x * (1 + 1e-7)
-        return x
 
 
 def mlp(middle: nn.Module) -> nn.Sequential:

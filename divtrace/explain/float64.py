@@ -21,6 +21,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from divtrace.align.sites import Site
+from divtrace.compat import function_mode_off
 from divtrace.record.lineage import InputPart
 from divtrace.record.recorder import Sink, Tracker
 
@@ -34,14 +35,10 @@ _COARSER = frozenset({torch.float32, torch.float16, torch.bfloat16})
 class KeptFloat64(TorchFunctionMode):
     """Casts to a coarser floating dtype give float64: a float64 tensor stays itself."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.off = False
-
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
         out = func(*args, **(kwargs or {}))
-        if self.off or func not in _CASTS or not args:
+        if func not in _CASTS or not args:
             return out
         given = args[0]
         if not isinstance(out, torch.Tensor) or out.dtype not in _COARSER:
@@ -54,17 +51,16 @@ class KeptFloat64(TorchFunctionMode):
 
 @dataclass
 class Unmoded(Sink):
-    """Hands ``sink`` everything, with ``mode`` off meanwhile."""
+    """Hands ``sink`` everything with the innermost function mode (the replay's
+    :class:`KeptFloat64`) out of force meanwhile: divtrace's own work runs as it does
+    elsewhere, without a mode's Python call around every op."""
 
     sink: Sink
     mode: KeptFloat64
 
     def _off(self, work: Callable[[], Any]) -> Any:
-        was, self.mode.off = self.mode.off, True
-        try:
+        with function_mode_off(self.mode):
             return work()
-        finally:
-            self.mode.off = was
 
     def begin_chunk(self, start: int, stop: int, tracker: Tracker) -> None:
         self._off(lambda: self.sink.begin_chunk(start, stop, tracker))

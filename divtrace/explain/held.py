@@ -1,5 +1,5 @@
 """The independence test's passes: which samples each holds, the rows they hold, what
-moved between two passes."""
+moved between two passes; the figures of a measured pass (the precision test's too)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ import math
 import torch
 
 from divtrace.align.status import Status
+from divtrace.devices import upload
 from divtrace.measure.figures import site_figures
 from divtrace.measure.host import Host
 from divtrace.measure.meter import Meter
 from divtrace.record.rows import RowStore
 from divtrace.record.stored import StoredRows
 
-__all__ = ["differing", "groups", "held_store", "moves"]
+__all__ = ["differing", "figures_of", "groups", "held_store"]
 
 
 def groups(samples: list[int]) -> list[list[int]]:
@@ -46,7 +47,7 @@ def held_store(store: RowStore, group: list[int]) -> RowStore:
         if stored.status != Status.OK or not store.complete(stored):
             continue
         if stored.rows is not None:
-            index = torch.tensor(at, device=stored.rows.device)
+            index = upload(torch.tensor(at), stored.rows.device)
             kept.put(stored.site, stored.shape, stored.rows.index_select(0, index))
         elif stored.parts is not None:  # prompts of different lengths
             kept.rows[key] = StoredRows(stored.site, stored.shape, None, (), stored.dtype,
@@ -54,7 +55,7 @@ def held_store(store: RowStore, group: list[int]) -> RowStore:
     return kept
 
 
-def moves(meter: Meter, batch: int) -> dict[str, tuple[float, float]]:
+def figures_of(meter: Meter, batch: int) -> dict[str, tuple[float, float]]:
     """Per site of a measured pass: ``(mismatch, rel_l2)`` (after its host fetched)."""
     found: dict[str, tuple[float, float]] = {}
     for measured in meter.sites:

@@ -26,8 +26,9 @@ from typing import Any, ClassVar
 import pandas as pd
 import torch
 
+from divtrace.devices import upload
 from divtrace.explain.causes import cause_of, deterministic
-from divtrace.explain.held import differing, groups, held_store, moves
+from divtrace.explain.held import differing, figures_of, groups, held_store
 from divtrace.explain.mixed import first_dependent, through_shared, unmoved
 from divtrace.explain.probe import Context, Judged, Probe, Settings, TableView
 from divtrace.measure.host import Deferred, Host
@@ -81,14 +82,17 @@ def _noisy(ctx: Context, store: RowStore, host: Host) -> dict[str, Deferred]:
     """Per site: whether ``store`` (a repetition on the unchanged batch) differs there
     from the measured pass, by their fingerprints (1.0 or 0.0 after ``host`` fetched)."""
     meter, found = ctx.meter, {}
-    at = [meter.store.samples.index(s) for s in store.samples]
+    at = torch.tensor([meter.store.samples.index(s) for s in store.samples])
+    index: dict[torch.device, torch.Tensor] = {}  # one upload per device
     for measured in meter.sites:
         stored = store.rows.get(measured.site.key)
         if measured.prints is None or stored is None or not stored.held or (
                 not store.complete(stored)):
             continue
-        was = measured.prints.index_select(
-            0, torch.tensor(at, device=measured.prints.device))
+        device = measured.prints.device
+        if device not in index:
+            index[device] = upload(at, device)
+        was = measured.prints.index_select(0, index[device])
         now = meter.fingerprints(stored.rows if stored.rows is not None else [
             p.unsqueeze(0) for p in stored.parts or () if p is not None])
         if now.shape == was.shape:
@@ -168,7 +172,7 @@ class Independence(Probe):
         values: dict[str, float] = {}  # the fingerprints saw bits; here values count
         sized: set[str] = set()
         for meter in meters:
-            for key, (share, rel) in moves(meter, ctx.plan.batch.batch_size).items():
+            for key, (share, rel) in figures_of(meter, ctx.plan.batch.batch_size).items():
                 if key in self.moved:
                     sized.add(key)
                     if share > 0:

@@ -11,7 +11,7 @@ from divtrace.align.status import Status
 from divtrace.explain.probe import TableView
 from divtrace.record.lineage import Origin
 
-__all__ = ["first_dependent", "through_shared", "unmoved"]
+__all__ = ["first_dependent", "first_flagged", "through_shared", "unmoved"]
 
 
 def unmoved(table: pd.DataFrame, names: tuple[str, str]) -> str:
@@ -31,12 +31,15 @@ def unmoved(table: pd.DataFrame, names: tuple[str, str]) -> str:
             f"shape, not the other samples' values.")
 
 
+def first_flagged(table: pd.DataFrame, column: str) -> pd.Series | None:
+    """The first row whose yes/no ``column`` says yes (missing counts as no), or None."""
+    flagged = table[table[column].astype("boolean").fillna(False).astype(bool)]
+    return None if flagged.empty else flagged.iloc[0]
+
+
 def first_dependent(table: pd.DataFrame) -> pd.Series | None:
     """The first site whose compared rows moved with the other samples, or None."""
-    if "depends_on_others" not in table:
-        return None
-    moved = table[table["depends_on_others"].astype("boolean").fillna(False).astype(bool)]
-    return None if moved.empty else moved.iloc[0]
+    return first_flagged(table, "depends_on_others") if "depends_on_others" in table else None
 
 
 def through_shared(first: dict[str, Any], rows: list[dict[str, Any]],

@@ -30,13 +30,13 @@ import pandas as pd
 import torch
 
 from divtrace.explain.float64 import KeptFloat64, Unmoded
+from divtrace.explain.held import figures_of
+from divtrace.explain.mixed import first_flagged
 from divtrace.explain.probe import Context, Judged, Probe, Settings, TableView
 from divtrace.explain.rounding import MODELS, two_models
 from divtrace.measure.chunked import compare_stores
 from divtrace.measure.fields import INDEX
-from divtrace.measure.figures import site_figures
 from divtrace.measure.host import Host
-from divtrace.measure.meter import Meter
 from divtrace.plan.runs import Run
 from divtrace.record.ragged import row_store
 from divtrace.record.runner import Runner
@@ -117,7 +117,6 @@ class Precision(Probe):
             head = str(error).strip().splitlines()[0] if str(error).strip() else ""
             self.found["why"] = (f"the model could not run in float64 "
                                  f"({type(error).__name__}: {head[:160]})")
-            self.fp64.clear()
 
     def _needless(self, ctx: Context) -> str | None:
         """Why there is nothing for the test to decide: the samples mix, or the runs agree
@@ -147,7 +146,8 @@ class Precision(Probe):
         a = Runner.of(replace(plan.a, dtype=double), ctx.model, plan.modules,
                       plan.output_only, f"{_LABEL}, {ctx.a.name}", ctx.recorder)
         b = self._other(ctx, a)
-        ctx.progress.more(len(plan.a_chunks) + max(1, len(plan.b_chunks)) - 2)
+        passes = len(plan.a_chunks) + max(1, len(plan.b_chunks))
+        ctx.progress.more(passes - self.passes)
         store = row_store(plan.batch, list(plan.samples), plan.offload, learn_lineage=False)
         host = Host()
         meter = ctx.meter.over(store, host)
@@ -167,11 +167,11 @@ class Precision(Probe):
             compare_stores(meter, other, size)
         meter.flush()
         host.fetch()
-        self.fp64 = _figures(meter, size)
+        self.fp64 = {key: rel for key, (_, rel) in figures_of(meter, size).items()}
         floating = next((p.dtype for p in ctx.a.model.parameters() if p.is_floating_point()),
                         plan.a.dtype or torch.get_default_dtype())
         self.found |= {"ran": True, "runs": not plan.default_pair,
-                       "passes": len(plan.a_chunks) + max(1, len(plan.b_chunks)),
+                       "passes": passes,
                        "dtype": str(floating).removeprefix("torch.")}
 
     @staticmethod
@@ -301,11 +301,8 @@ def decisive(table: pd.DataFrame) -> pd.DataFrame:
 
 def first_by_shape(table: pd.DataFrame) -> pd.Series | None:
     """The first site whose difference kept its size in float64, or None."""
-    if "depends_on_shape" not in table:
-        return None
-    rows = decisive(table)
-    kept = rows[rows["depends_on_shape"].astype("boolean").fillna(False).astype(bool)]
-    return None if kept.empty else kept.iloc[0]
+    return first_flagged(decisive(table), "depends_on_shape") if (
+        "depends_on_shape" in table) else None
 
 
 def first_unsure(table: pd.DataFrame) -> pd.Series | None:
@@ -322,13 +319,3 @@ def _shrink_words(dtype: str, fallback: str) -> str:
     if factor is None:
         return "by the ratio of the unit roundoffs"
     return f"2**{round(-math.log2(factor))}-fold"
-
-
-def _figures(meter: Meter, batch: int) -> dict[str, float]:
-    """Per site of a measured pass: its rel_l2 (after its host fetched)."""
-    found: dict[str, float] = {}
-    for measured in meter.sites:
-        if measured.stats is not None:
-            found[measured.site.key] = site_figures(
-                measured.stats.get(), measured.per_sample(batch))["rel_l2"]
-    return found

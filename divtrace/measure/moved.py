@@ -8,6 +8,7 @@ import torch
 
 from divtrace.align.sites import Site
 from divtrace.align.status import Status, comparable
+from divtrace.devices import upload
 from divtrace.measure.host import Deferred, Host
 from divtrace.measure.measured import Measured
 from divtrace.measure.meter import Meter
@@ -60,7 +61,7 @@ class PrintCheck(Sink):
             return prints.narrow(0, first, count)
         index = self._index.get(prints.device)
         if index is None:
-            index = self._index[prints.device] = torch.tensor(self._at, device=prints.device)
+            index = self._index[prints.device] = upload(torch.tensor(self._at), prints.device)
         return prints.index_select(0, index)
 
     def _prints(self, tensor: torch.Tensor, measured: Measured) -> torch.Tensor:

@@ -25,7 +25,11 @@ __all__ = ["WIDE", "common", "common_arrays", "ratio", "rescaled"]
 WIDE = (torch.float64, torch.complex128)
 #: Rows whose largest value lies within 2**±this keep their sums as they are.
 _RANGE = 400
-_SUMS = [INDEX[name] for name in ("sq_diff", "sq_ref", "sq_out", "dot")]
+_SUMS = sorted(INDEX[name] for name in ("sq_diff", "sq_ref", "sq_out", "dot"))
+assert list(range(_SUMS[0], _SUMS[0] + 4)) == _SUMS, "the four sums lie side by side"
+#: The four sums as a slice: indexing a device tensor with a list of ints would copy that
+#: list to the device from pageable memory, a wait for the device per site.
+_SUMS_AT = slice(_SUMS[0], _SUMS[0] + 4)
 _SCALE = INDEX["scale"]
 
 
@@ -51,7 +55,7 @@ def rescaled(found: torch.Tensor, b: torch.Tensor, r: torch.Tensor,
     factor = torch.ldexp(torch.ones_like(top), -e)[:, None]
     again = measure(b * factor, r * factor)
     out = found.clone()
-    out[:, _SUMS] = again[:, _SUMS]
+    out[:, _SUMS_AT] = again[:, _SUMS_AT]
     out[:, _SCALE] = e.to(out.dtype)
     return out
 
@@ -62,7 +66,7 @@ def common(stats: torch.Tensor) -> torch.Tensor:
     e = stats[:, _SCALE]
     top = e.amax()
     out = stats.clone()
-    out[:, _SUMS] = stats[:, _SUMS] * torch.ldexp(torch.ones_like(e), 2 * (e - top).to(
+    out[:, _SUMS_AT] = stats[:, _SUMS_AT] * torch.ldexp(torch.ones_like(e), 2 * (e - top).to(
         torch.int32))[:, None]
     out[:, _SCALE] = top
     return out

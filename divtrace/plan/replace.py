@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from divtrace.devices import upload
+
 if TYPE_CHECKING:
     from divtrace.plan.inputs import BatchedInput
 
@@ -39,8 +41,8 @@ def replaced(batch: BatchedInput, fixed: list[int]) -> tuple[BatchedInput, list[
         if dim is None or not isinstance(leaf, torch.Tensor) or (id(leaf), dim) in made:
             continue
         if leaf.device not in index:  # from pinned memory: the host does not wait
-            index[leaf.device] = (_indices(source, leaf.device),
-                                  _indices(others, leaf.device))
+            index[leaf.device] = (_upload_indices(source, leaf.device),
+                                  _upload_indices(others, leaf.device))
         whole, rows = index[leaf.device]
         new = leaf.index_select(dim, whole)
         made[id(leaf), dim] = len(work)
@@ -53,7 +55,7 @@ def replaced(batch: BatchedInput, fixed: list[int]) -> tuple[BatchedInput, list[
             continue
         same = [row for row, equal in zip(others, found[1:], strict=True) if equal]
         if same:
-            rows = _indices(same, new.device)
+            rows = _upload_indices(same, new.device)
             new.index_copy_(dim, rows, _shifted(new.index_select(dim, rows),
                                                 batch.leaves[i]))
             again = _read([_equal_rows(new, batch.leaves[i], dim, rows)])[0]
@@ -64,13 +66,6 @@ def replaced(batch: BatchedInput, fixed: list[int]) -> tuple[BatchedInput, list[
         if dim is not None and (id(leaf), dim) in made:  # the same tensor given again
             leaves[i] = leaves[work[made[id(leaf), dim]][0]]
     return replace(batch, leaves=tuple(leaves)), sorted(unchanged)
-
-
-def _indices(values: list[int], device: torch.device) -> torch.Tensor:
-    """Row indices on ``device``; to a GPU from pinned memory (the host does not wait)."""
-    if device.type == "cuda":
-        return torch.tensor(values).pin_memory().to(device, non_blocking=True)
-    return torch.tensor(values, device=device)
 
 
 def _read(flags: list[torch.Tensor]) -> list[list[bool]]:
@@ -121,3 +116,6 @@ def _shifted(rows: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
     return (rows - low + 1) % max(top - low, 1) + low
 
 
+def _upload_indices(values: list[int], device: torch.device) -> torch.Tensor:
+    """Row indices on ``device`` (the host does not wait: :func:`divtrace.devices.upload`)."""
+    return upload(torch.tensor(values), device)

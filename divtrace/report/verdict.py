@@ -11,7 +11,11 @@ network (documented in the README):
   on identical inputs (the ``"local"`` probe) exceeds it, or at a jump of more than
   :data:`JUMP` over the error the layer received. With the ``"fp64"`` probe also when one run
   is far from float64 and the other is not.
-* **rounding** otherwise: error enters within the budget and is then carried (and may grow).
+* **not rounding** also when the difference keeps its size in float64 (the precision test:
+  a computation that depends on the batch's shape by design).
+* **rounding** otherwise: in float64 the difference shrinks as rounding does (its size
+  then does not matter), or, where the precision test did not decide, error enters within
+  the budget and is then carried (and may grow).
 
 The budget of a site is ``8 u_op + 1024 u_acc``: a few roundings of the operands (``u_op``
 is the unit roundoff of the coarsest of the site's dtype, the runs' dtypes, and the
@@ -211,12 +215,7 @@ def judge(table: pd.DataFrame, meta: Meta, probes: Probes = ()) -> Verdict:
     if worst is None:  # no size could be measured
         return _unmeasurable(tested)
     share, (row, error, seen, limit, u_op, name) = worst
-    if precise == "shrinks":
-        reason = _first(p.beyond(_outputs(table), meta) for p in probes)
-        if reason is not None:
-            return Verdict("not rounding", f"Verdict: not rounding — {reason}")
-        return _shrinks(table, entries, meta, tested)
-    if share > 1:
+    if share > 1 and precise != "shrinks":  # shown to be rounding: its size does not matter
         hint = MODELS if two_models(meta) else CHECK if tested != "independent" else (
             "No compared row moved when only the other samples changed (independence "
             "test), so look for a kernel that is wrong at one of the two batch sizes, or "
@@ -225,17 +224,10 @@ def judge(table: pd.DataFrame, meta: Meta, probes: Probes = ()) -> Verdict:
             f"Verdict: not rounding — {_subject(row, error, seen)}"
             f"{_units(error, u_op, name)}, far beyond the "
             f"{sci(limit)} a reordered sum can give. {hint}"))
-    outputs = _outputs(table)
-    reason = _first(p.beyond(outputs, meta) for p in probes)
+    reason = _first(p.beyond(_outputs(table), meta) for p in probes)
     if reason is not None:
         return Verdict("not rounding", f"Verdict: not rounding — {reason}")
-    row, error, seen = entries[0]  # where the error enters first: a source, or the first
-    limit, u_op, name = budget(row["dtype"], meta)  # divergent site
-    return Verdict("rounding", (
-        f"Verdict: rounding — {_subject(row, error, seen)}{_units(error, u_op, name)}, "
-        f"within the {sci(limit)} "
-        f"a reordered sum can give{_at_output(outputs, row)}. "
-        f"{_ending(tested, precise)}"))
+    return _rounding(table, entries, meta, tested, precise)
 
 
 def _cause(meta: Meta) -> str:
@@ -244,45 +236,47 @@ def _cause(meta: Meta) -> str:
             else "the two configurations round differently")
 
 
-def _ending(tested: str, precise: str) -> str:
-    """What the verdict rests on, when the precision test did not settle it."""
-    shape = {"inconclusive": "the precision test (the runs again in float64) was "
-                             "inconclusive",
-             "untested": "the precision test (the runs again in float64) did not run"
-             }.get(precise, "")
+#: The independence test's state, when it did not show the samples independent.
+_UNTESTED = {"inconclusive": "the independence test was inconclusive (the batched run is "
+                             "not deterministic)",
+             "untested": "the independence test did not run"}
+_SHRUNK = ("in float64 the runs' difference shrinks as rounding does at every site where "
+           "they differ (precision test)")
+
+
+def _capital(sentence: str) -> str:
+    return sentence[0].upper() + sentence[1:]
+
+
+def _ending(tested: str, precise: str, meta: Meta) -> str:
+    """What a rounding verdict rests on: both tests, or what did not run."""
+    if precise == "shrinks":
+        if tested == "independent":
+            return (f"No compared row moved when only the other samples changed "
+                    f"(independence test) and {_SHRUNK}: not a bug; {_cause(meta)}.")
+        return (f"{_capital(_SHRUNK)}, but {_UNTESTED[tested]}: a dependence on the other "
+                f"samples' values is not ruled out.")
+    shape = ("the precision test (the runs again in float64) was inconclusive"
+             if precise == "inconclusive" else
+             "the precision test (the runs again in float64) did not run")
     if tested == "independent":
         return (f"No compared row moved when only the other samples changed (independence "
                 f"test), but {shape}, so that the difference comes from the batch's shape "
                 f"and not from a computation that depends on it by design rests on the size "
                 f"of the error alone.")
-    test = {"inconclusive": "The independence test was inconclusive (the batched run is "
-                            "not deterministic)",
-            "untested": "The independence test did not run"}[tested]
-    return f"{test} and {shape}, so this rests on the size of the error alone."
+    return (f"{_capital(_UNTESTED[tested])} and {shape}, so this rests on the size of the "
+            f"error alone.")
 
 
-def _shrinks(table: pd.DataFrame, entries: list[tuple[pd.Series, float, str]], meta: Meta,
-             tested: str) -> Verdict:
-    """Rounding shown by the precision test (and by the independence test, when it
-    decided): the size of the error is then what rounding gave, however large."""
+def _rounding(table: pd.DataFrame, entries: list[tuple[pd.Series, float, str]], meta: Meta,
+              tested: str, precise: str) -> Verdict:
+    """The rounding verdict: where the error enters first (a source, or the first
+    divergent site), its size against the budget, and what the verdict rests on. With the
+    precision test passed, an error beyond the budget is rounding all the same."""
     row, error, seen = entries[0]
     limit, u_op, name = budget(row["dtype"], meta)
     size = "within" if error <= limit else "beyond"
-    grown = "" if error <= limit else ", amplified by what follows it"
-    shrunk = ("in float64 the runs' difference shrinks as rounding does at every site "
-              "where they differ (precision test)")
-    if tested == "independent":
-        return Verdict("rounding", (
-            f"Verdict: rounding — {_subject(row, error, seen)}{_units(error, u_op, name)}"
-            f", {size} the {sci(limit)} a reordered sum can give{grown}"
-            f"{_at_output(_outputs(table), row)}. No compared row moved when only the "
-            f"other samples changed (independence test) and {shrunk}: not a bug; "
-            f"{_cause(meta)}."))
-    test = {"inconclusive": "the independence test was inconclusive (the batched run is "
-                            "not deterministic)",
-            "untested": "the independence test did not run"}[tested]
     return Verdict("rounding", (
         f"Verdict: rounding — {_subject(row, error, seen)}{_units(error, u_op, name)}, "
-        f"{size} the {sci(limit)} a reordered sum can give{grown}"
-        f"{_at_output(_outputs(table), row)}. {shrunk[0].upper()}{shrunk[1:]}, but {test}:"
-        f" a dependence on the other samples' values is not ruled out."))
+        f"{size} the {sci(limit)} a reordered sum can give"
+        f"{_at_output(_outputs(table), row)}. {_ending(tested, precise, meta)}"))

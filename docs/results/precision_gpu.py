@@ -34,27 +34,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import divtrace
+from tests.models import PerBatch, ShapeBias, ShapePath  # the tests' own
 
 SEED = divtrace.Run(deterministic=True, benchmark=False, tf32_matmul=False, tf32_cudnn=False)
-
-
-class ShapeBias(nn.Module):
-    def __init__(self, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.eps * x.shape[0]
-
-
-class PerBatch(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * (1 / x.shape[0])
-
-
-class ShapePath(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * (1 + 1e-7) if x.shape[0] > 1 else x
 
 
 def record(found: list[dict[str, Any]], lines: list[str], name: str, expected: str,
