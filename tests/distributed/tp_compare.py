@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -164,9 +165,20 @@ def main() -> None:
     dist.init_process_group("gloo")
     if case == "split":
         split(out)
-        dist.barrier()
-        dist.destroy_process_group()
-        return
+    else:
+        pair(out, case)
+    dist.barrier()
+    dist.destroy_process_group()
+    # Leave without the interpreter's finalisation: gloo's worker threads can still be
+    # torn down there, which now and then aborts a rank ("terminate called without an
+    # active exception") after its results are written and the group is destroyed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def pair(out: Path, case: str) -> None:
+    """The sharded model against itself unsharded."""
     world = dist.get_world_size()
     single, plan, x = {"mlp": mlp, "llama": llama, "sequence": sequence}[case]()
     sharded = copy.deepcopy(single)
@@ -183,8 +195,6 @@ def main() -> None:
         "verdict": found.verdict, "summary": found.summary(),
         "by_hand": _by_hand(single, sharded, x, sites),
         "first": None if first is None else first["site"], "hooks_left": left}))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
