@@ -449,3 +449,32 @@ def test_the_model_own_casts_to_float32_stay_in_float64() -> None:
     assert not table.loc["1", "depends_on_shape"]  # ... and shrink: it ran in float64
     assert table.loc["1", "fp64_rel_l2"] < 1e-13
     assert result.verdict == "rounding"
+
+
+class CastSoftmax(nn.Module):
+    """Attention weights as language models compute them: a softmax asked for float32
+    whatever the input's dtype, over scores whose sum order depends on the batch."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = x @ x.transpose(-1, -2) if x.shape[0] > 1 else (x.double() @ x.double(
+        ).transpose(-1, -2)).to(x.dtype)
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
+        return weights @ x
+
+
+def test_a_function_asked_for_float32_computes_in_float64() -> None:
+    from divtrace.explain.float64 import KeptFloat64
+
+    x = torch.randn(4, 8, dtype=torch.float64)
+    with KeptFloat64():
+        assert torch.softmax(x, dim=-1, dtype=torch.float32).dtype == torch.float64
+        assert torch.arange(3, dtype=torch.float32).dtype == torch.float64
+        assert torch.arange(3).dtype == torch.int64  # not floating: as it is
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Unflatten(1, (4, 4)), CastSoftmax(),
+                          nn.Flatten(), nn.Linear(16, 4)).eval()
+    result = run(model, torch.randn(8, 16))
+    table = result.table.set_index("site")
+    assert table.loc["2", "mismatch"] > 0
+    assert table.loc["2", "fp64_rel_l2"] < 1e-13  # the softmax ran in float64
+    assert result.verdict == "rounding"

@@ -2,10 +2,11 @@
 
 A model cast to float64 can still round in float32 where its code says so
 (``hidden.to(torch.float32)`` in an RMSNorm, ``inv_freq.float()`` in rotary
-embeddings): such a cast would put float32 rounding back into the replay. While
-:class:`KeptFloat64` is in force, a cast of a float64 tensor to float32, float16 or
-bfloat16 returns the float64 tensor itself (and a cast of anything else to one of them,
-float64 values); every other function runs as it is. The
+embeddings, ``softmax(..., dtype=torch.float32)`` in attention): such a cast would put
+float32 rounding back into the replay. While :class:`KeptFloat64` is in force, a cast of
+a float64 tensor to float32, float16 or bfloat16 returns the float64 tensor itself (and a
+cast of anything else to one of them, float64 values), a function asked for a coarser
+``dtype=`` computes in float64; every other function runs as it is. The
 sinks of the replay run with it off (:class:`Unmoded`), so divtrace's own work is not
 touched.
 """
@@ -37,7 +38,10 @@ class KeptFloat64(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if kwargs.get("dtype") in _COARSER:  # softmax(dtype=float32), arange(dtype=...)
+            kwargs = {**kwargs, "dtype": torch.float64}
+        out = func(*args, **kwargs)
         if func not in _CASTS or not args:
             return out
         given = args[0]
