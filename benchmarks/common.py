@@ -44,6 +44,7 @@ CASES: dict[str, dict[str, Any]] = {
 OPTIONS: dict[str, dict[str, Any]] = {
     "default": {},
     "independence=off": {"explain": ["-independence"]},
+    "precision=off": {"explain": ["-precision"]},
     "local": {"explain": ["local"]},
     "fp64": {"explain": ["fp64"]},
     "repeat=1": {"explain": [divtrace.Repeat(1)]},
@@ -54,7 +55,8 @@ OPTIONS: dict[str, dict[str, Any]] = {
 
 #: The same options in the API before ``explain=`` (checkouts before it).
 _OLD_OPTIONS: dict[str, dict[str, Any]] = {
-    "default": {}, "independence=off": {"independence": False}, "local": {"local": True},
+    "default": {}, "independence=off": {"independence": False}, "precision=off": {},
+    "local": {"local": True},
     "fp64": {"truth": "fp64"}, "repeat=1": {"repeat": 1}, "kernels": {"kernels": True},
     "graphs=False": {"graphs": False}, "keep": {"keep": True},
 }
@@ -117,6 +119,26 @@ def bare_passes(model: nn.Module, x: torch.Tensor, case: dict[str, Any]) -> None
         for start, stop in chunks_for(samples, case["chunk"], case["batch"]):
             model(x[start:stop])
         model(x)
+
+
+def floor_passes(model: nn.Module, x: torch.Tensor, case: dict[str, Any],
+                 notes: dict[str, Any], other: torch.Tensor) -> None:
+    """The floor of the default: the bare passes, then the passes the verdict's tests
+    made in the call whose ``meta.notes`` are given, without divtrace — one batched pass
+    per group of the independence test (``other``: the batch with other values, made
+    beforehand), and for the precision test a float64 copy of the model with the bare
+    passes again in float64. The tests' further passes (rows that moved) are left out:
+    a lower bound."""
+    bare_passes(model, x, case)
+    independence, precision = notes.get("independence", {}), notes.get("precision", {})
+    with torch.no_grad():
+        for _ in range(independence.get("groups", 0) if independence.get("ran") else 0):
+            model(other)
+    if precision.get("ran"):
+        import copy
+
+        double = copy.deepcopy(model).double()
+        bare_passes(double, x.double(), case)
 
 
 def timed(fn: Callable[[], object], device: torch.device) -> float:

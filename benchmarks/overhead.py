@@ -1,12 +1,16 @@
 """Time and peak memory of ``compare()`` against the bare forward passes it must run.
 
 The bare passes are run a's chunks that hold the compared samples plus the batched pass,
-without hooks. Each repeat times the bare passes, ``compare()`` (and with ``--old`` an
-older checkout's), in rotating order; the figures are medians. Peak memory: on CUDA the
+without hooks. The floor is those passes and the passes the verdict's tests made in that
+call, run without divtrace (``benchmarks.common.floor_passes``): a pass per group of the
+independence test, and the precision test's float64 copy of the model with the bare
+passes in float64. Each repeat times the bare passes, the floor, ``compare()`` (and with
+``--old`` an older checkout's), in rotating order; the figures are medians. Peak memory: on CUDA the
 allocator's peak above the memory in use before the call, on the CPU the resident set's
 (Linux). "extra / stored" is the extra peak over the bare passes' peak, divided by the
 bytes of run a's rows that ``compare()`` keeps. Options are measured each on its own:
-``independence=off``, ``local``, ``fp64``, ``repeat=1``, ``kernels``, ``graphs=False``.
+``independence=off``, ``precision=off``, ``local``, ``fp64``, ``repeat=1``, ``kernels``,
+``graphs=False``.
 ``--remedies``: also what ``Comparison.remedies()`` costs (each candidate verified by a
 comparison of its own, then timed ``--remedy-repeats`` times), over the bare passes and
 over ``compare()``.
@@ -35,6 +39,7 @@ from benchmarks.common import (
     bare_passes,
     build,
     environment,
+    floor_passes,
     load_old,
     mapped_frees,
     peak,
@@ -61,6 +66,10 @@ def measure(name: str, device: torch.device, repeats: int, option: str,
         ways["old"] = run(old)
     for fn in ways.values():  # warm-up: kernels, algorithm choice, allocator
         fn()
+    notes = ways["new"]().meta.notes  # type: ignore[attr-defined]
+    other = torch.rand_like(x)
+    ways["floor"] = lambda: floor_passes(model, x, case, notes, other)
+    ways["floor"]()
     times: dict[str, list[float]] = {way: [] for way in ways}
     order = list(ways)
     for i in range(repeats):
@@ -73,6 +82,8 @@ def measure(name: str, device: torch.device, repeats: int, option: str,
     row = {"case": name, "options": option, "device": str(device), "repeats": repeats,
            "bare_s": median["bare"], "compare_s": median["new"],
            "time_ratio": median["new"] / median["bare"],
+           "floor_s": median["floor"], "floor_ratio": median["floor"] / median["bare"],
+           "over_floor": median["new"] / median["floor"],
            "bare_peak_bytes": bare_peak, "compare_peak_bytes": new_peak,
            "stored_bytes": stored,
            "extra_over_stored": (new_peak - bare_peak) / stored if stored else float("nan")}
@@ -122,14 +133,15 @@ def main(argv: list[str]) -> int:
             for name in args.cases for option in args.options]
     env = environment(device)
     print(f"environment: {env}")
-    print("| case | options | bare (s) | compare (s) | time ratio | older | stored (MiB) "
-          "| extra peak (MiB) | extra / stored |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| case | options | bare (s) | floor | compare (s) | time ratio | over the floor "
+          "| older | stored (MiB) | extra peak (MiB) | extra / stored |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         extra = (r["compare_peak_bytes"] - r["bare_peak_bytes"]) / 2**20
         older = f"{r['old_ratio']:.3f}" if "old_ratio" in r else "-"
-        print(f"| {r['case']} | {r['options']} | {r['bare_s']:.4f} | {r['compare_s']:.4f} "
-              f"| {r['time_ratio']:.3f} | {older} | {r['stored_bytes'] / 2**20:.1f} "
+        print(f"| {r['case']} | {r['options']} | {r['bare_s']:.4f} | {r['floor_ratio']:.3f} "
+              f"| {r['compare_s']:.4f} | {r['time_ratio']:.3f} | {r['over_floor']:.3f} "
+              f"| {older} | {r['stored_bytes'] / 2**20:.1f} "
               f"| {extra:.1f} | {r['extra_over_stored']:.3f} |")
     found = [remedies(r["case"], device, args.remedy_repeats, r["compare_s"], r["bare_s"])
              for r in rows if args.remedies and r["options"] == "default"]
