@@ -24,6 +24,7 @@ from divtrace.explain.independence import Independence
 from divtrace.explain.kernels import Kernels
 from divtrace.explain.local import Local
 from divtrace.explain.observer import Observer
+from divtrace.explain.precision import Precision
 from divtrace.explain.probe import Probe
 from divtrace.explain.registry import EXPLAIN_COLUMNS
 from divtrace.explain.repeat import Repeat
@@ -31,6 +32,7 @@ from divtrace.explain.truth import Fp64
 from divtrace.generate.result import Generation
 from divtrace.generation import compare_generate
 from divtrace.io import load
+from divtrace.kinds.kind import Kind
 from divtrace.plan.prompts import Prompts
 from divtrace.plan.runs import Resources, Run
 from divtrace.report.comparison import Comparison
@@ -58,8 +60,10 @@ __all__ = [
     "Generation",
     "Independence",
     "Kernels",
+    "Kind",
     "Local",
     "Observer",
+    "Precision",
     "Probe",
     "Prompts",
     "Repeat",

@@ -21,7 +21,7 @@ import torch
 
 from divtrace.commands import add_command, compact
 from divtrace.errors import DivtraceError
-from divtrace.target import Raised, UsageError, load, placed
+from divtrace.target import Raised, UsageError, kind_of, load, placed
 from divtrace.version import __version__
 from divtrace.words import readable
 
@@ -75,7 +75,7 @@ def _compare(args: argparse.Namespace) -> int:
             explain=explain, rtol=args.rtol, atol=args.atol, allow_train=args.allow_train,
             a=_run(args.a, "--a"), b=_run(args.b, "--b"),
             resources=divtrace.Resources(offload=args.offload, graphs=graphs),
-            progress=not args.no_progress)
+            progress=not args.no_progress, kind=kind_of(args.kind))
     except (UsageError, DivtraceError):
         raise
     except Exception as exc:
@@ -210,11 +210,20 @@ def parser() -> argparse.ArgumentParser:
                      help="also try remedies (each verified by comparing again under it) "
                           "and print their table, their costs and the best")
     run.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    run.add_argument("--kind", metavar="TARGET",
+                     help="the kind of comparison: path/to/file.py:Name, a divtrace.Kind "
+                          "class or a function that returns one (default: batched vs split)")
     run.set_defaults(handle=_compare)
 
     add_command(commands, "backward")
     add_command(commands, "compare-models")
 
+    _saved_commands(commands)
+    return top
+
+
+def _saved_commands(commands: Any) -> None:
+    """``show``, ``diff`` (of saved files) and ``env``."""
     show = commands.add_parser("show", help="summary and divergent sites of a saved file")
     show.add_argument("file", metavar="FILE")
     show.set_defaults(handle=_show)
@@ -230,7 +239,6 @@ def parser() -> argparse.ArgumentParser:
 
     env = commands.add_parser("env", help="the environment block: versions and devices")
     env.set_defaults(handle=_env)
-    return top
 
 
 #: Options people reach for that divtrace spells another way.

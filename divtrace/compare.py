@@ -7,7 +7,9 @@ from typing import Any
 
 from torch import nn
 
+from divtrace.errors import DivtraceTypeError
 from divtrace.explain.registry import Explain
+from divtrace.kinds.kind import Kind
 from divtrace.pipeline import execute
 from divtrace.plan.checks import unexpected
 from divtrace.plan.make import make_plan
@@ -20,7 +22,7 @@ __all__ = ["KEYWORDS", "compare"]
 
 #: ``compare()``'s keyword arguments.
 KEYWORDS = ("samples", "batch_dim", "modules", "ops", "explain", "rtol", "atol",
-            "allow_train", "a", "b", "resources", "progress")
+            "allow_train", "a", "b", "resources", "progress", "kind")
 
 
 def compare(
@@ -39,6 +41,7 @@ def compare(
     b: Run | None = None,
     resources: Resources | None = None,
     progress: bool = True,
+    kind: Kind | None = None,
     **misspelt: Any,
 ) -> Comparison:
     """Traces where two runs of ``model`` on ``x`` part, layer by layer: by default the
@@ -92,6 +95,11 @@ def compare(
             :meth:`Comparison.pair`, ``offload`` run a's rows to CPU memory, ``graphs``:
             replay run a from a CUDA graph). None of it changes a figure.
         progress: Show a progress bar on stderr.
+        kind: The kind of comparison (a :class:`Kind`; default: the one the input and the
+            runs are of — the batched run against the split run, or prompts of different
+            lengths). A kind of one's own says how its runs are carried out (a context
+            around each pass of either run), its row stores and meters, and what it
+            cannot do.
         **misspelt: Nothing: a keyword compare() does not take is refused with the way to
             give it (``chunk=2`` is ``a=divtrace.Run(chunk=2)``) or the closest name.
 
@@ -117,5 +125,14 @@ def compare(
     plan = make_plan(
         model, x, samples=samples, batch_dim=batch_dim, modules=modules, ops=ops,
         explain=explain, rtol=rtol, atol=atol, allow_train=allow_train, a=a, b=b,
-        resources=resources, progress=progress)
+        resources=resources, progress=progress, kind=_kind(kind))
     return execute(plan, model, origin=Again(plan, model))
+
+
+def _kind(kind: Any) -> Kind | None:
+    if kind is None or isinstance(kind, Kind):
+        return kind
+    if isinstance(kind, type) and issubclass(kind, Kind):
+        return kind()
+    raise DivtraceTypeError(f"kind must be a divtrace.Kind (an object or a class); got "
+                            f"{type(kind).__name__}")

@@ -10,31 +10,29 @@ import copy
 import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import replace
 from functools import partial
 
 import torch
 from torch import nn
 
 from divtrace.assembly import Parts, parts_for
-from divtrace.errors import BatchMixingError, DivtraceWarning
+from divtrace.errors import BatchMixingError, DivtraceValueError, DivtraceWarning
 from divtrace.explain.probe import Context, Probe
 from divtrace.explain.roles import Roles
+from divtrace.kinds.kind import Kind
+from divtrace.kinds.registry import kind_of
 from divtrace.measure.chunked import compare_stores
 from divtrace.measure.host import Host
 from divtrace.measure.meter import Meter
-from divtrace.measure.ragged import RaggedMeter
 from divtrace.plan.make import Plan
-from divtrace.plan.prompts import RaggedInput
 from divtrace.plan.walk import Walk
 from divtrace.progress import Progress
 from divtrace.record.graphs import GraphedRun
 from divtrace.record.guard import RandomDraws, SeededOps, cuda_devices, untouched
 from divtrace.record.loop import InputCopies
-from divtrace.record.ragged import row_store
-from divtrace.record.recorder import Sink
 from divtrace.record.rows import RowStore
 from divtrace.record.runner import Runner
-from divtrace.record.sharded import Reassembled, sharded
 from divtrace.report.comparison import Comparison, Origin
 from divtrace.report.environment import environment, run_settings
 from divtrace.report.meta import Meta
@@ -47,8 +45,7 @@ def record(ctx: Context, runner: Runner, chunks: tuple[tuple[int, int], ...]) ->
     """Runs ``chunks`` of the batch with ``runner``, keeping the compared samples' rows
     (notes in ``ctx`` what the output was when it held no tensor)."""
     plan = ctx.plan
-    store = row_store(plan.batch, list(plan.samples), plan.offload, pinned=plan.keep,
-                      padded=plan.padded)
+    store = ctx.kind.store(plan, list(plan.samples), offload=plan.offload, pinned=plan.keep)
 
     def label(start: int, stop: int) -> str:
         inside = [s for s in plan.samples if start <= s < stop]
@@ -56,9 +53,10 @@ def record(ctx: Context, runner: Runner, chunks: tuple[tuple[int, int], ...]) ->
 
     ctx.progress.stage(runner.name)
     graphed = None if plan.graphs is False else GraphedRun(plan.graphs)
+    obstacle = plan.graph_obstacle or ctx.kind.cannot.get("graphs")
     ctx.output_type = runner.execute(store, plan.batch, list(chunks), label,
                                      ctx.progress.advance, ctx.check, ctx.copies, graphed,
-                                     plan.graph_obstacle)
+                                     obstacle)
     if graphed is not None and graphed.outcome is not None:
         ctx.graphed["a" if runner is ctx.a else "b"] = graphed.outcome.to_dict()
     return store
@@ -73,19 +71,10 @@ def _measure(ctx: Context, meter: Meter) -> None:
         compare_stores(meter, record(ctx, compared, plan.b_chunks), size)
         return
     ctx.progress.stage(compared.name)
-    sink: Sink = meter
-    other = plan.b.other_model
-    if other is not None and sharded(other):  # reassembled into run a's whole tensors
-        sink = Reassembled(meter, partial(_shape, ctx.store))
     ctx.output_type = compared.execute(
-        sink, plan.batch, [(0, size)], lambda _s, _e: f"{compared.name} (B={size})",
+        ctx.kind.sink(plan, meter, ctx.store), plan.batch, [(0, size)],
+        lambda _s, _e: f"{compared.name} (B={size})",
         ctx.progress.advance, ctx.check, ctx.copies)
-
-
-def _shape(store: RowStore, key: str) -> tuple[int, ...] | None:
-    """The shape run a gave at site ``key`` (None: it has none)."""
-    stored = store.rows.get(store.aliases.get(key, key))
-    return None if stored is None else tuple(stored.shape)
 
 
 def _random_check(plan: Plan, draws: RandomDraws, runners: tuple[Runner, Runner]
@@ -147,22 +136,29 @@ def _meta(plan: Plan, ctx: Context, stored_bytes: int, draws: RandomDraws,
         settings={"a": run_settings(run_a, ctx.a.model),
                   "b": run_settings(plan.b, ctx.b.model)},
         notes={p.label: note for p in probes
-               if (note := p.note()) is not None})
+               if (note := p.note()) is not None}, kind=ctx.kind.name)
 
 
 def _meter(plan: Plan, ctx: Context, host: Host, parts: Parts,
            probes: tuple[Probe, ...]) -> Meter:
-    """The measured run's meter (for prompts of different lengths, one that cuts each
-    prompt's real tokens out of the batched run's tensors)."""
+    """The measured run's meter, as the kind makes it."""
     sites = [partial(p.on_site, ctx) for p in probes if p.watches_sites]
     calls = [partial(p.on_call, ctx) for p in probes if p.watches_calls]
-    size, keep, prints = plan.batch.batch_size, parts.keeps_batched(plan), parts.prints_batched
-    if isinstance(plan.batch, RaggedInput):
-        return RaggedMeter(ctx.store, size, host, plan.rtol, plan.atol, keep=keep,
-                           prints=prints, site_watchers=sites, call_watchers=calls,
-                           layout=plan.batch.layout(0, size))
-    return Meter(ctx.store, size, host, plan.rtol, plan.atol, keep=keep, prints=prints,
-                 site_watchers=sites, call_watchers=calls)
+    return ctx.kind.meter(plan, ctx.store, host, keep=parts.keeps_batched(plan),
+                          prints=parts.prints_batched, site_watchers=sites,
+                          call_watchers=calls)
+
+
+def _kind(plan: Plan) -> Kind:
+    """The kind ``plan`` is of, its checks passed (before anything runs)."""
+    kind = kind_of(plan)
+    kind.check(plan)
+    obstacle = kind.cannot.get("graphs")
+    if plan.graphs is True and obstacle is not None:
+        raise DivtraceValueError(
+            f"Resources(graphs=True), but the split run cannot be replayed from a CUDA "
+            f"graph: {obstacle}. Pass Resources(graphs='auto') or False")
+    return kind
 
 
 def execute(plan: Plan, model: nn.Module, parts: Parts | None = None,
@@ -170,12 +166,15 @@ def execute(plan: Plan, model: nn.Module, parts: Parts | None = None,
     """Carries out ``plan`` on ``model`` with ``parts`` (default: those the plan asks for,
     :func:`~divtrace.assembly.parts_for`); the model comes back untouched. ``origin``:
     how the comparison runs again, for :meth:`Comparison.remedies`."""
+    kind = _kind(plan)
     parts = parts_for(plan, model) if parts is None else parts
     walk = plan.walk if plan.walk is not None and plan.walk.model is model else Walk.of(model)
-    reference = Runner.of(plan.a, model, plan.modules, plan.output_only, plan.name("a"),
-                          parts.recorder, walk=walk)
-    compared = Runner.of(plan.b, model, plan.modules, plan.output_only, plan.name("b"),
-                         parts.recorder, beside=reference, walk=walk)
+    reference = replace(Runner.of(plan.a, model, plan.modules, plan.output_only,
+                                  plan.name("a"), parts.recorder, walk=walk),
+                        around=partial(kind.around, "a"))
+    compared = replace(Runner.of(plan.b, model, plan.modules, plan.output_only,
+                                 plan.name("b"), parts.recorder, beside=reference, walk=walk),
+                       around=partial(kind.around, "b"))
     host = Host()
     probes = copy.deepcopy(parts.probes)  # fresh ones: this run's findings are their own
     devices = cuda_devices((walk, reference.model, compared.model), plan.batch.leaves)
@@ -186,7 +185,7 @@ def execute(plan: Plan, model: nn.Module, parts: Parts | None = None,
         ctx = Context(plan, model, reference, compared, host, progress,
                       check=_random_check(plan, draws, (reference, compared)),
                       copies=InputCopies(plan.batch), recorder=parts.recorder,
-                      probes=probes)
+                      probes=probes, kind=kind)
         for probe in probes:
             probe.before(ctx)
         ctx.store = record(ctx, reference, plan.a_chunks)

@@ -13,8 +13,8 @@ import torch
 
 from divtrace.compat import pytree
 
-__all__ = ["DTYPES", "Raised", "UsageError", "called", "checked_device", "load", "placed",
-           "training"]
+__all__ = ["DTYPES", "Raised", "UsageError", "called", "checked_device", "kind_of", "load",
+           "placed", "training"]
 
 
 class UsageError(Exception):
@@ -61,6 +61,19 @@ def load(spec: str) -> tuple[torch.nn.Module, Any]:
     if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
         raise UsageError(f"{spec} must return (model, x); got {type(made).__name__}")
     return made[0], made[1]
+
+
+def kind_of(spec: str | None) -> Any:
+    """The kind ``--kind`` names: what ``path/to/file.py:Name`` gives when called (a
+    :class:`divtrace.Kind` class, or a function that returns one; None: none named)."""
+    if spec is None:
+        return None
+    from divtrace.kinds.kind import Kind
+
+    made = called(spec)
+    if not isinstance(made, Kind):
+        raise UsageError(f"--kind {spec} must give a divtrace.Kind; got {type(made).__name__}")
+    return made
 
 
 def training(spec: str) -> tuple[torch.nn.Module, Any, Any, Any]:

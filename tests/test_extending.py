@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -227,3 +227,75 @@ def test_a_probe_of_ones_own_can_overrule_rounding() -> None:
     judged = divtrace.compare(model, x, explain=[Budgeted()], progress=False)
     assert judged.verdict == "not rounding"
     assert "over 1e-9" in judged.summary().splitlines()[0]
+
+
+# -- a kind of comparison ---------------------------------------------------------------
+
+
+class Autocast(divtrace.Kind):
+    """The model under bfloat16 autocast (run b) against float32 (run a), both on the
+    whole batch: the recipe of docs/architecture.md, written outside the package."""
+
+    name: ClassVar[str] = "autocast"
+    cannot: ClassVar[dict[str, str]] = {"precision": "run b computes in bfloat16 by design"}
+
+    def runs(self, a: Any, b: Any) -> tuple[divtrace.Run, divtrace.Run]:
+        return divtrace.Run(name="float32"), divtrace.Run(name="autocast bf16")
+
+    def around(self, which: str) -> Any:
+        return torch.autocast("cpu", torch.bfloat16) if which == "b" else nullcontext()
+
+
+def test_a_kind_of_ones_own_runs_through_the_pipeline(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8)).eval()
+    x = torch.randn(6, 32)
+    result = divtrace.compare(model, x, kind=Autocast, progress=False)
+    table = result.table.set_index("site")
+    with torch.no_grad():  # the two runs made by hand: float32 and autocast
+        by_hand = model(x).double()
+        with torch.autocast("cpu", torch.bfloat16):
+            autocast = model(x).double()
+    assert table.loc["(model)", "rel_l2"] == pytest.approx(
+        float((autocast - by_hand).norm() / by_hand.norm()), rel=1e-6)
+    assert table.loc["0", "rel_l2"] > 1e-4  # bfloat16's rounding, not float32's
+    assert result.meta.kind == "autocast"
+    assert result.meta.names == ("run a (float32)", "run b (autocast bf16)")
+    assert result.meta.notes["independence"]["ran"]  # the independence test ran ...
+    assert not result.table["depends_on_others"].any()
+    assert result.meta.notes["precision"]["why"] == "run b computes in bfloat16 by design"
+    assert "run b computes in bfloat16 by design" in result.summary()  # ... this did not
+    result.to_html(tmp_path / "autocast.html")
+    assert "autocast bf16" in (tmp_path / "autocast.html").read_text()
+    compact = result.sites
+    assert list(compact["site"]) == ["0", "1", "2", "(model)"]
+    assert "depends_on_others" in compact
+    result.save(tmp_path / "autocast.json")
+    again = divtrace.load(tmp_path / "autocast.json")
+    assert again.meta.kind == "autocast"
+    assert again.table["rel_l2"].equals(result.table["rel_l2"])
+    assert again.verdict == result.verdict
+
+
+def test_the_command_line_takes_a_kind(tmp_path: Path, capsys: Any) -> None:
+    from divtrace.cli import main
+
+    target = tmp_path / "autocast.py"
+    target.write_text(
+        "import contextlib, torch, divtrace\n"
+        "def pair():\n"
+        "    torch.manual_seed(0)\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(8, 4)).eval(), torch.randn(4, 8)\n"
+        "class Autocast(divtrace.Kind):\n"
+        "    name = 'autocast'\n"
+        "    def runs(self, a, b):\n"
+        "        return divtrace.Run(name='float32'), divtrace.Run(name='autocast')\n"
+        "    def around(self, which):\n"
+        "        return (torch.autocast('cpu', torch.bfloat16) if which == 'b'\n"
+        "                else contextlib.nullcontext())\n")
+    saved = tmp_path / "out.json"
+    assert main(["compare", f"{target}:pair", "--kind", f"{target}:Autocast", "--no-progress",
+                 "--json", str(saved)]) == 0
+    assert divtrace.load(saved).meta.kind == "autocast"
+    assert main(["compare", f"{target}:pair", "--kind", f"{target}:pair"]) == 2
+    assert "must give a divtrace.Kind; got tuple" in capsys.readouterr().err

@@ -70,7 +70,7 @@ def test_the_command_line_has_each_of_compares_options() -> None:
     ways = {"samples": "--samples", "batch_dim": "--batch-dim", "modules": "--modules",
             "ops": "--ops", "explain": "--explain", "rtol": "--rtol", "atol": "--atol",
             "allow_train": "--allow-train", "a": "--a", "b": "--b",
-            "resources": "--offload", "progress": "--no-progress"}
+            "resources": "--offload", "progress": "--no-progress", "kind": "--kind"}
     assert set(ways) == set(KEYWORDS)
     assert set(ways.values()) <= flags
     assert {"--graphs", "--remedies", "--device", "--dtype"} <= flags

@@ -34,9 +34,7 @@ from divtrace.explain.probe import Context, Judged, Probe, Settings, TableView
 from divtrace.measure.host import Deferred, Host
 from divtrace.measure.meter import Meter
 from divtrace.measure.moved import PrintCheck
-from divtrace.measure.ragged import RaggedMeter
 from divtrace.plan.inputs import BatchedInput
-from divtrace.record.ragged import row_store
 from divtrace.record.recorder import Sink
 from divtrace.record.rows import RowStore
 from divtrace.words import sci
@@ -57,8 +55,7 @@ def _checked(ctx: Context, group: list[int], batch: BatchedInput, host: Host) ->
     """A pass of ``batch`` (the rows of ``group`` held), each site's held rows checked
     against the measured pass's fingerprints."""
     meter = ctx.meter
-    check = PrintCheck(meter, list(group), host,
-                       meter.layout if isinstance(meter, RaggedMeter) else None)
+    check = PrintCheck(meter, list(group), host, getattr(meter, "layout", None))
     _run(ctx, check, batch)
     return check
 
@@ -73,7 +70,7 @@ def _measured(ctx: Context, store: RowStore, batch: BatchedInput, host: Host) ->
 
 def _repeated(ctx: Context, samples: list[int]) -> RowStore:
     """The unchanged batch once more, the rows of ``samples`` kept."""
-    store = row_store(ctx.plan.batch, samples, pinned=True, learn_lineage=False)
+    store = ctx.kind.store(ctx.plan, samples, pinned=True, learn_lineage=False)
     _run(ctx, store, ctx.plan.batch, f"{_LABEL}, repeated")
     return store
 
@@ -308,7 +305,7 @@ class Independence(Probe):
             head = (f"Independence test ({passes} more batched pass"
                     f"{'es' * (passes > 1)}, {held}, the other rows given other values, "
                     f"the shapes kept{kept})")
-            return [head + unmoved(table, result.meta.names)]
+            return [head + unmoved(table, result.meta)]
         through = found.get("through") or []
         via = f", through {', '.join(repr(t) for t in through)} (not per sample)" if (
             through) else ""

@@ -8,13 +8,31 @@ from typing import Any
 import pandas as pd
 
 from divtrace.align.status import Status
-from divtrace.explain.probe import TableView
+from divtrace.explain.probe import Settings, TableView
+from divtrace.explain.rounding import two_models
 from divtrace.record.lineage import Origin
 
-__all__ = ["first_dependent", "first_flagged", "through_shared", "unmoved"]
+__all__ = ["first_dependent", "first_flagged", "parted", "through_shared", "unmoved"]
 
 
-def unmoved(table: pd.DataFrame, names: tuple[str, str]) -> str:
+def parted(meta: Settings) -> str:
+    """What parts the two runs when no sample depends on the others: the batch's shape
+    (runs that differ in their batch size alone), how each model or run computes (runs
+    of the same shape), or both."""
+    if not meta.runs:
+        return "the batch's shape"
+    if two_models(meta):
+        return "how each model computes"
+    if meta.a_chunk == meta.batch_size:
+        return "how each run computes"
+    return "the batch's shape and how each run computes"
+
+
+def _the(name: str) -> str:
+    return name if name.startswith("run ") else f"the {name}"
+
+
+def unmoved(table: pd.DataFrame, meta: Settings) -> str:
     """The end of the sentence for a test that moved no compared row: what it covered and
     what that says, only as far as there is a difference to explain."""
     ok = table[table["status"] == "ok"]
@@ -27,8 +45,9 @@ def unmoved(table: pd.DataFrame, names: tuple[str, str]) -> str:
             f"showed a dependence on the other samples")
     if not (ok["mismatch"] > 0).any():
         return said + "."
-    return (said + f", so what parts the {names[1]} and the {names[0]} is the batch's "
-            f"shape, not the other samples' values.")
+    names = meta.names
+    return (said + f", so what parts {_the(names[1])} and {_the(names[0])} is "
+            f"{parted(meta)}, not the other samples' values.")
 
 
 def first_flagged(table: pd.DataFrame, column: str) -> pd.Series | None:

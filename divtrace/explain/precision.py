@@ -38,7 +38,6 @@ from divtrace.measure.chunked import compare_stores
 from divtrace.measure.fields import INDEX
 from divtrace.measure.host import Host
 from divtrace.plan.runs import Run
-from divtrace.record.ragged import row_store
 from divtrace.record.runner import Runner
 from divtrace.words import sci
 
@@ -79,9 +78,9 @@ def _why_not(ctx: Context) -> str | None:
     plan = ctx.plan
     if plan.a.dtype != plan.b.dtype:
         return "the two runs differ in dtype, and a float64 replay would make them one"
-    other = plan.b.other_model
-    if other is not None and any(hasattr(t, "placements") for t in other.parameters()):
-        return "run b's model is sharded over ranks (its float64 copy is not made)"
+    cannot = ctx.kind.cannot.get("precision")
+    if cannot is not None:
+        return cannot
     floating = [p for p in ctx.model.parameters() if p.is_floating_point()]
     if floating and all(p.dtype == torch.float64 for p in floating) and (
             plan.a.dtype in (None, torch.float64)):
@@ -148,7 +147,8 @@ class Precision(Probe):
         b = self._other(ctx, a)
         passes = len(plan.a_chunks) + max(1, len(plan.b_chunks))
         ctx.progress.more(passes - self.passes)
-        store = row_store(plan.batch, list(plan.samples), plan.offload, learn_lineage=False)
+        store = ctx.kind.store(plan, list(plan.samples), offload=plan.offload,
+                               learn_lineage=False)
         host = Host()
         meter = ctx.meter.over(store, host)
         size = plan.batch.batch_size
@@ -156,8 +156,8 @@ class Precision(Probe):
             a.execute(Unmoded(store, mode), plan.batch, list(plan.a_chunks),
                       lambda _s, _e: a.name, ctx.progress.advance, ctx.check)
             if plan.b_chunks:
-                other = row_store(plan.batch, list(plan.samples), plan.offload,
-                                  learn_lineage=False)
+                other = ctx.kind.store(plan, list(plan.samples), offload=plan.offload,
+                                       learn_lineage=False)
                 b.execute(Unmoded(other, mode), plan.batch, list(plan.b_chunks),
                           lambda _s, _e: b.name, ctx.progress.advance, ctx.check)
             else:

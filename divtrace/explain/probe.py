@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from divtrace.align.sites import CONSTANT, INPUT, site_key
+from divtrace.kinds.kind import Kind
 from divtrace.measure.fields import INDEX
 from divtrace.measure.host import Host
 from divtrace.measure.measured import CallRecord, LeafCall, Measured
@@ -58,6 +59,12 @@ class Settings(Protocol):
 
     @property
     def names(self) -> tuple[str, str]: ...
+
+    @property
+    def runs(self) -> tuple[str, str] | None: ...
+
+    @property
+    def a_chunk(self) -> int: ...
 
     @property
     def notes(self) -> Mapping[str, Any]: ...
@@ -105,6 +112,8 @@ class Context:
     recorder: RecorderFactory = module_hooks
     #: the comparison's probes (what one found is its :meth:`Probe.note`)
     probes: tuple[Probe, ...] = ()
+    #: the kind of comparison: its row stores and meters, what it cannot do
+    kind: Kind = field(default_factory=Kind)
     _store: RowStore | None = None
     _meter: Meter | None = None
 

@@ -13,9 +13,7 @@ from divtrace.explain.probe import Context, Judged, Probe, Settings, TableView
 from divtrace.explain.rounding import CHECK, budget
 from divtrace.measure.host import Deferred
 from divtrace.measure.measured import Measured
-from divtrace.plan.prompts import RaggedInput
 from divtrace.plan.runs import Run
-from divtrace.record.ragged import RaggedStore
 from divtrace.record.rows import RowStore
 from divtrace.record.runner import Runner
 from divtrace.words import sci
@@ -62,17 +60,7 @@ class Fp64(Probe):
                     dtype=torch.float64)
         runner = Runner.of(exact, ctx.model, plan.modules, False, "float64 truth run",
                            ctx.recorder)
-        picked = plan.batch.select(list(plan.samples))
-        count = len(plan.samples)
-        passes = [(0, count)]
-        if isinstance(picked, RaggedInput):  # prompts of different lengths: each alone,
-            # unpadded (a float64 model may turn fully masked padding into NaN)
-            self._truth = RaggedStore(list(range(count)), 0, False, learn_lineage=False,
-                                      ragged=picked)
-            passes = [(i, i + 1) for i in range(count)]
-        else:
-            self._truth = RowStore(list(range(count)), picked.batch_dim, False,
-                                   learn_lineage=False)
+        picked, self._truth, passes = ctx.kind.alone(plan)
         runner.execute(self._truth, picked, passes, lambda _s, _e: "float64 truth run",
                        check=ctx.check)
         ctx.progress.advance()

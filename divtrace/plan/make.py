@@ -17,7 +17,7 @@ from divtrace.errors import (
 )
 from divtrace.plan.checks import GraphMode, check_graphs, tolerance
 from divtrace.plan.inputs import BatchDim, BatchedInput, prepare_input
-from divtrace.plan.prompts import Prompts, RaggedInput, ragged_input
+from divtrace.plan.prompts import prompts_input
 from divtrace.plan.runs import Resources, Run
 from divtrace.plan.samples import chunks_for, prepare_samples
 from divtrace.plan.selection import ModuleSpec, check_modules, refuse_mixing, unobservable
@@ -51,9 +51,8 @@ class Plan:
         graphs: Chunked runs replayed from a CUDA graph: ``"auto"``, True or False.
         graph_obstacle: Why no run of this comparison can be graphed (None: they may be).
         walk: The model's modules, parameters and buffers, as the checks found them.
-        padded: Every recorded pass is padded to this many rows by the model's own hooks
-            (a fixed batch shape, :class:`divtrace.remedies.FixedBatch`): the padding
-            is cut off before a tensor is recorded.
+        kind: The kind of comparison given (a :class:`divtrace.Kind`; None: the built-in
+            kind that claims the plan, :func:`divtrace.kinds.registry.kind_of`).
     """
 
     batch: BatchedInput
@@ -76,7 +75,7 @@ class Plan:
     graphs: GraphMode = False
     graph_obstacle: str | None = None
     walk: Walk | None = field(default=None, repr=False, compare=False)
-    padded: int | None = None
+    kind: Any = None
 
     def name(self, which: str) -> str:
         """How sentences, errors and the progress bar name run ``"a"`` or ``"b"``."""
@@ -128,17 +127,6 @@ def _resources(resources: Any) -> Resources:
     return resources
 
 
-def _prompts_input(x: Prompts | RaggedInput, batch_dim: Any) -> BatchedInput:
-    if batch_dim != 0:
-        raise DivtraceValueError(
-            f"with Prompts the batch is the first dimension; leave batch_dim out (got "
-            f"{batch_dim!r})")
-    if isinstance(x, RaggedInput):
-        return x
-    x.check_pair()
-    return ragged_input(x)
-
-
 def _check_ops(ops: Any, runs: tuple[Run, Run]) -> bool | str:
     if ops not in (False, True, "only") or not isinstance(ops, bool | str):
         raise DivtraceValueError(
@@ -157,8 +145,6 @@ def _graph_obstacle(graphs: GraphMode, devices: set[torch.device], batch: Batche
     """Why the chunked runs cannot be replayed from a CUDA graph (None: they may be);
     under ``Resources(graphs=True)`` an error."""
     obstacle = next((why for why, where in (
-        ("prompts of different lengths take passes of different shapes",
-         isinstance(batch, RaggedInput)),
         ("op sites (ops=) are recorded eagerly", bool(ops)),
         ("Resources(offload=True) keeps the rows in CPU memory", offload),
         ("a compiled run (Run(compile=...)) is left to torch.compile",
@@ -233,10 +219,12 @@ def make_plan(model: nn.Module, x: Any, *, samples: Iterable[int] | None = None,
               batch_dim: BatchDim = 0, modules: ModuleSpec = None, ops: bool | str = False,
               explain: Any = None, rtol: float | None = None, atol: float | None = None,
               allow_train: bool = False, a: Run | None = None, b: Run | None = None,
-              resources: Resources | None = None, progress: bool = True) -> Plan:
+              resources: Resources | None = None, progress: bool = True, kind: Any = None
+              ) -> Plan:
     """Validates ``compare()``'s arguments and decides what will run (see
     :func:`divtrace.compare`); ``explain`` is kept as given (the pipeline makes its
-    probes: :mod:`divtrace.assembly`)."""
+    probes: :mod:`divtrace.assembly`); ``kind``: a :class:`divtrace.Kind` (None: the
+    built-in one that claims the plan), checked by the pipeline."""
     if not isinstance(model, nn.Module):
         raise DivtraceTypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
     if isinstance(model, torch.jit.ScriptModule):
@@ -245,9 +233,7 @@ def make_plan(model: nn.Module, x: Any, *, samples: Iterable[int] | None = None,
             "forward hooks; compare the eager model, or wrap it to compare its output: "
             "divtrace.compare(torch.nn.Sequential(model), x)")
     rtol, atol = tolerance(rtol, "rtol"), tolerance(atol, "atol")
-    batch = (_prompts_input(x, batch_dim)
-             if isinstance(x, Prompts | RaggedInput) else prepare_input(x, batch_dim,
-                                                                          stacklevel=4))
+    batch = prompts_input(x, batch_dim) or prepare_input(x, batch_dim, stacklevel=4)
     walk = Walk.of(model)  # the model walked once for all the checks
     hidden = {name: kind for name, kind in unobservable(walk.named).items()
               if kind != "parameters"}
@@ -267,15 +253,13 @@ def make_plan(model: nn.Module, x: Any, *, samples: Iterable[int] | None = None,
     _check_materialised([*walk.parameters, *walk.buffers], batch, dispatched)
     rows = prepare_samples(samples, batch.batch_size)
     size = batch.batch_size
+    if kind is not None:  # a kind may set its own runs
+        a, b = kind.runs(a, b)
     ref, test = _runs(a, b, size)
     resources = _resources(resources)
     keep, offload = resources.keep, resources.offload
     devices = {p.device for _, p in walk.parameters}
     _check_input(walk.modules, x, batch, (ref, test), dispatched, devices)
-    if isinstance(batch, RaggedInput) and test.chunk is not None:
-        raise DivtraceValueError(
-            "with Prompts, run b must take the whole batch in one pass (its padding is "
-            "the layout the prompts are measured in); give a chunk to run a only")
     train_mode = refuse_mixing(walk.named, allow_train)
     output_only = bool(ref.compile or test.compile)
     ops = _check_ops(ops, (ref, test))
@@ -290,4 +274,4 @@ def make_plan(model: nn.Module, x: Any, *, samples: Iterable[int] | None = None,
         explain=explain, ops=ops, graphs=graphs,
         graph_obstacle=_graph_obstacle(graphs, devices, batch, (ref, test), ops, offload,
                                       dispatched),
-        walk=walk)
+        walk=walk, kind=kind)

@@ -14,7 +14,7 @@ from divtrace.compat import pytree
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
 from divtrace.plan.inputs import BatchedInput, Driver
 
-__all__ = ["Layout", "Prompts", "RaggedInput", "pad"]
+__all__ = ["Layout", "Prompts", "RaggedInput", "pad", "prompts_input"]
 
 
 class Prompts:
@@ -193,3 +193,17 @@ def ragged_input(prompts: Prompts, driver: Driver | None = None,
     return RaggedInput(tuple(leaves), spec, (0,) * len(leaves),
                        tuple(f"x[{name!r}]" for name in inputs), len(prompts), 0,
                        driver=driver, prompts=prompts, step=step)
+
+
+def prompts_input(x: Any, batch_dim: Any) -> BatchedInput | None:
+    """``x`` as the batch of prompts it is (None: it is not :class:`Prompts`)."""
+    if not isinstance(x, Prompts | RaggedInput):
+        return None
+    if batch_dim != 0:
+        raise DivtraceValueError(
+            f"with Prompts the batch is the first dimension; leave batch_dim out (got "
+            f"{batch_dim!r})")
+    if isinstance(x, RaggedInput):
+        return x
+    x.check_pair()
+    return ragged_input(x)

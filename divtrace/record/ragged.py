@@ -9,14 +9,12 @@ import torch
 
 from divtrace.align.sites import Site
 from divtrace.align.status import Status, comparable
-from divtrace.plan.inputs import BatchedInput
 from divtrace.plan.prompts import Layout, RaggedInput
-from divtrace.record.padded import PaddedStore
 from divtrace.record.recorder import Tracker
 from divtrace.record.rows import RowStore
 from divtrace.record.stored import StoredRows
 
-__all__ = ["RaggedStore", "row_store"]
+__all__ = ["RaggedStore"]
 
 
 @dataclass
@@ -67,19 +65,3 @@ class RaggedStore(RowStore):
         return super().stored_bytes + sum(
             p.numel() * p.element_size() for stored in self.rows.values()
             for p in (stored.parts or ()) if p is not None)
-
-
-def row_store(batch: BatchedInput, samples: list[int], offload: bool = False,
-              pinned: bool = False, learn_lineage: bool = True, padded: int | None = None
-              ) -> RowStore:
-    """The row store that records ``samples`` of passes over ``batch``: a
-    :class:`RaggedStore` for prompts of different lengths, a :class:`PaddedStore` for
-    passes ``padded`` to a fixed batch size, else a :class:`RowStore`."""
-    if padded is not None:
-        return PaddedStore(samples, batch.batch_dim, offload, learn_lineage=learn_lineage,
-                           pinned=pinned, size=padded)
-    if isinstance(batch, RaggedInput):
-        return RaggedStore(samples, 0, offload, learn_lineage=learn_lineage, pinned=pinned,
-                           ragged=batch)
-    return RowStore(samples, batch.batch_dim, offload, learn_lineage=learn_lineage,
-                    pinned=pinned)

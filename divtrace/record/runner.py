@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,8 @@ class Runner:
     #: the model is sharded over ranks and compared with itself: every rank's parts of
     #: each tensor are measured (:class:`~divtrace.record.sharded.Stacked`)
     stacked: bool = False
+    #: a context around each of its executions (the kind's, :meth:`divtrace.Kind.around`)
+    around: Callable[[], AbstractContextManager[Any]] = nullcontext
 
     @classmethod
     def of(cls, run: Run, model: nn.Module, modules: Any, output_only: bool, name: str,
@@ -88,7 +91,7 @@ class Runner:
         """
         if self.stacked:
             sink = Stacked(sink)
-        with self.run.flags():
+        with self.run.flags(), self.around():
             feed = self.run.tensor if self.run.changes_inputs else None
             if graphs is not None and isinstance(sink, RowStore):
                 kind = graphs.drive(self.model, self.recorder, sink, batch, chunks, label,

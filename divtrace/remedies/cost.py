@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from divtrace.compat import pytree
+from divtrace.kinds.registry import kind_of
 from divtrace.plan.make import Plan
-from divtrace.plan.prompts import RaggedInput
 from divtrace.plan.runs import Run
 from divtrace.remedies.remedy import Remedy
 
@@ -81,20 +81,6 @@ class _Change:
         self.found.append(diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf))
 
 
-def _real(plan: Plan, chunk: tuple[int, int]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """What of a pass's output over ``chunk`` holds results (for prompts, their tokens)."""
-    if not isinstance(plan.batch, RaggedInput):
-        return lambda tensor: tensor
-    layout = plan.batch.layout(*chunk)
-    rows = range(chunk[1] - chunk[0])
-
-    def real(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.dim() < 2 or tensor.shape[0] != len(rows):
-            return tensor
-        return torch.cat([layout.tokens(tensor, row).flatten() for row in rows])
-    return real
-
-
 def _timer(model: nn.Module, run: Run, passes: list[tuple[tuple[Any, ...], dict[str, Any]]],
            devices: set[torch.device]) -> Callable[[Remedy | None, Callable[[Any], object]
                                                     | None], float]:
@@ -127,7 +113,7 @@ def costs(plan: Plan, model: nn.Module, remedies: Sequence[Remedy], repeats: int
               _timer(model, plan.a, _passes(plan, plan.a_chunks), devices)]
     everyone: list[Remedy | None] = [None, *remedies]
     seen: list[list[list[float]]] = [[[] for _ in everyone] for _ in timers]
-    change = _Change(_real(plan, b_chunks[0]))
+    change = _Change(kind_of(plan).real(plan, b_chunks[0]))
     for index, remedy in enumerate(everyone):  # a round to warm up, seeing the outputs
         timers[0](remedy, partial(change.see, first=index == 0))
         timers[1](remedy, None)

@@ -174,8 +174,9 @@ class FixedBatch(Remedy):
         return self.size
 
     def unusable(self, situation: Situation) -> str | None:
-        if situation.ragged:
-            return "prompts of different lengths differ in length too, not only in rows"
+        cannot = situation.cannot.get("padded")
+        if cannot is not None:
+            return cannot
         if not situation.batch_only:
             return "the runs differ in more than their batch size"
         return None

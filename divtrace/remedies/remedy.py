@@ -13,7 +13,7 @@ dtype and the model's hooks are as they were before.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -36,7 +36,9 @@ class Situation:
         batch_size: B, the rows of the whole batch.
         batch_dim: The batch dimension.
         on_cuda: Whether the model or its input lies on a CUDA device.
-        ragged: The input is :class:`~divtrace.Prompts` of different lengths.
+        cannot: What the kind of comparison cannot do, with the reason
+            (:attr:`divtrace.Kind.cannot`: ``"padded"``, every pass padded to one batch
+            size, ...).
         a_chunk: Run a's batch size (None: the whole batch).
         batch_only: The two runs differ in their batch size alone.
         reduced: The reduced-precision settings in force (empty: none).
@@ -46,7 +48,7 @@ class Situation:
     batch_size: int
     batch_dim: int
     on_cuda: bool
-    ragged: bool
+    cannot: Mapping[str, str]
     a_chunk: int | None
     batch_only: bool
     reduced: tuple[str, ...]

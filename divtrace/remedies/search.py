@@ -15,9 +15,10 @@ from tqdm.auto import tqdm
 
 from divtrace.align.sites import ROOT
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
+from divtrace.kinds.padded import Padded
+from divtrace.kinds.registry import kind_of
 from divtrace.pipeline import execute
 from divtrace.plan.make import Plan
-from divtrace.plan.prompts import RaggedInput
 from divtrace.plan.runs import backend_flags
 from divtrace.remedies.cost import costs, quiet
 from divtrace.remedies.kinds import (
@@ -74,8 +75,7 @@ def situation(plan: Plan, model: nn.Module) -> Situation:
                       or "attention" in type(module).__name__.lower())
     batch_only = replace(plan.a, chunk=None) == replace(plan.b, chunk=None)
     return Situation(plan.batch.batch_size, plan.batch.batch_dim, on_cuda,
-                     isinstance(plan.batch, RaggedInput), plan.a.chunk, batch_only,
-                     reduced, attention)
+                     dict(kind_of(plan).cannot), plan.a.chunk, batch_only, reduced, attention)
 
 
 def scope(result: Comparison) -> list[str]:
@@ -131,7 +131,8 @@ def verify(remedy: Remedy, plan: Plan, model: nn.Module) -> tuple[Remedy, Compar
     Returns the remedy as finally tried, its comparison and the rounds it took."""
     for rounds in range(1, ROUNDS + 1):
         padded = remedy.pads()
-        again = replace(plan, explain=None, keep=False, progress=False, padded=padded,
+        again = replace(plan, explain=None, keep=False, progress=False,
+                        kind=plan.kind if padded is None else Padded(padded),
                         graphs=False if padded else plan.graphs)
         with remedy.applied(model), quiet():
             found = _model_sites(execute(again, model), remedy)
@@ -201,11 +202,9 @@ def _row(remedy: Remedy, found: Comparison | None, before: float, note: str
 
 
 def _refused(plan: Plan) -> None:
-    if plan.b.other_model is not None:
-        raise DivtraceValueError(
-            "remedies() looks for a setting that makes two runs of one model agree; this "
-            "comparison ran two models (compare_models), whose difference no setting of "
-            "one of them removes")
+    cannot = kind_of(plan).cannot.get("remedies")
+    if cannot is not None:
+        raise DivtraceValueError(cannot)
     changed = [w for w, run in (("a", plan.a), ("b", plan.b)) if run.changes_model]
     if changed:
         raise DivtraceValueError(

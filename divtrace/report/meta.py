@@ -48,6 +48,8 @@ class Meta:
         environment: divtrace, torch, CUDA, cuDNN, GPUs and driver versions.
         settings: Per run (``a``, ``b``): its label, device, dtype and the backend flags
             in force.
+        kind: The kind of comparison, by name (:attr:`divtrace.Kind.name`: ``"batched"``,
+            ``"prompts"``, ``"two models"``, ...; ``"batched"`` in files saved before it).
     """
 
     batch_size: int
@@ -73,6 +75,7 @@ class Meta:
     environment: Mapping[str, Any] = field(default_factory=dict)
     settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     mixing: tuple[str, ...] = ()
+    kind: str = "batched"
 
     def mixers(self) -> str:
         """What ran in train mode, in words: the modules when they are known."""

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pandas as pd
 
 from divtrace.align.sites import ROOT
+from divtrace.explain.mixed import parted
 from divtrace.explain.rounding import CHECK, MODELS, budget, two_models
 from divtrace.words import sci
 
@@ -150,14 +151,14 @@ def _units(error: float, u_op: float, name: str) -> str:
     return "" if math.isinf(error) else f", {error / u_op:.3g} units of {name} rounding"
 
 
-def _unmeasurable(tested: str) -> Verdict:
+def _unmeasurable(tested: str, meta: Meta) -> Verdict:
     why = ("its norms could not be computed (float64 values beyond about 1e±154, whose "
            "squares overflow or underflow)")
     if tested == "independent":
         return Verdict("rounding", (
             f"Verdict: rounding — no compared row moved when only the other samples "
-            f"changed (independence test), so the runs differ because the batch's shape "
-            f"differs; the size of the error is not known: {why}."))
+            f"changed (independence test), so what parts the runs is {parted(meta)}; the "
+            f"size of the error is not known: {why}."))
     return Verdict("not rounding", (
         f"Verdict: not rounding — floating point cannot be shown to explain it: {why}, and "
         f"the independence test did not decide."))
@@ -213,7 +214,7 @@ def judge(table: pd.DataFrame, meta: Meta, probes: Probes = ()) -> Verdict:
         if not math.isnan(share) and (worst is None or share > worst[0]):
             worst = (share, (row, error, seen, limit, u_op, name))
     if worst is None:  # no size could be measured
-        return _unmeasurable(tested)
+        return _unmeasurable(tested, meta)
     share, (row, error, seen, limit, u_op, name) = worst
     if share > 1 and precise != "shrinks":  # shown to be rounding: its size does not matter
         hint = MODELS if two_models(meta) else CHECK if tested != "independent" else (
@@ -261,9 +262,9 @@ def _ending(tested: str, precise: str, meta: Meta) -> str:
              "the precision test (the runs again in float64) did not run")
     if tested == "independent":
         return (f"No compared row moved when only the other samples changed (independence "
-                f"test), but {shape}, so that the difference comes from the batch's shape "
-                f"and not from a computation that depends on it by design rests on the size "
-                f"of the error alone.")
+                f"test), but {shape}, so that the difference comes from {parted(meta)} and "
+                f"not from a computation that depends on it by design rests on the size of "
+                f"the error alone.")
     return (f"{_capital(_UNTESTED[tested])} and {shape}, so this rests on the size of the "
             f"error alone.")
 

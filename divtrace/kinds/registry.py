@@ -1,0 +1,30 @@
+"""The built-in kinds, and the kind a plan is of."""
+
+from __future__ import annotations
+
+from divtrace.kinds.kind import Kind
+from divtrace.kinds.models import TwoModels
+from divtrace.kinds.prompts import Ragged
+from divtrace.kinds.sharded import Sharded
+from divtrace.plan.make import Plan
+
+__all__ = ["KINDS", "PAIRS", "ROWS", "kind_of"]
+
+#: The built-in kinds a plan made without ``kind=`` may be of, asked in turn (the first
+#: that claims it): how the input's rows are read (prompts of different lengths, else
+#: :class:`Kind` itself, the batched run against the split run), then which runs are
+#: paired (another model, sharded or not), which reads the rows as the first one does.
+ROWS: tuple[type[Kind], ...] = (Ragged, Kind)
+PAIRS: tuple[type[TwoModels], ...] = (Sharded, TwoModels)
+KINDS: tuple[type[Kind], ...] = (*PAIRS, *ROWS)
+
+
+def kind_of(plan: Plan) -> Kind:
+    """The kind ``plan`` is of: the one it was given, else the built-in one that claims
+    it."""
+    given = plan.kind
+    if isinstance(given, Kind):
+        return given
+    rows = next(kind for kind in ROWS if kind.claims(plan))()
+    pair = next((kind for kind in PAIRS if kind.claims(plan)), None)
+    return rows if pair is None else pair(rows)
