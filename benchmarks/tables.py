@@ -4,7 +4,8 @@ figure (the per-site table and the per-sample table, compared with ``DataFrame.e
 The seed case (vgg11().features, the batch against its first two samples in chunks of
 2); four image models (many small sites and a few large ones) per sample, with partial
 samples, chunk 2 and each probe; op sites; prompts of different lengths through a tiny
-Llama-like model; and generation (its token table and one step's comparison). Columns
+Llama-like model; two models (a model against a copy with nudged weights, a batch and
+prompts); and generation (its token table and one step's comparison). Columns
 renamed since the older version are matched by their new names. ``--except`` leaves
 columns out (a change meant to change them) and says in how many rows each differs. A
 case whose table differs from the older one's is run again with each version: when one
@@ -63,10 +64,26 @@ def image_cases(device: torch.device) -> Iterator[_Case]:
             yield (f"{name} ops=True",
                    lambda package, m=model, x=x: package.compare(
                        m, x, ops=True, **arguments(package, 1, [0, 1])))
+        if name == "resnet18":  # two models: the model against a copy with nudged weights
+            other = _nudged(model)
+            yield (f"{name} against a nudged copy (compare_models)",
+                   lambda package, m=model, o=other, x=x: package.compare_models(
+                       m, o, x, samples=[0, 1], progress=False))
         if device.type == "cuda":
             half, xh = model.half(), x.half()
             yield (f"{name} fp16", lambda package, m=half, x=xh: package.compare(
                 m, x, **arguments(package, 1, [0, 1])))
+
+
+def _nudged(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose floating weights are moved by one part in a million."""
+    import copy
+
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.mul_(1 + 1e-6)
+    return other
 
 
 def language_cases(device: torch.device) -> Iterator[_Case]:
@@ -83,6 +100,10 @@ def language_cases(device: torch.device) -> Iterator[_Case]:
         model, package.Prompts(prompts, pad_token_id=0), progress=False))
     yield ("llama Prompts ops=True", lambda package: package.compare(
         model, package.Prompts(prompts, pad_token_id=0), ops=True, progress=False))
+    other = _nudged(model)
+    yield ("llama Prompts against a nudged copy (compare_models)",
+           lambda package: package.compare_models(
+               model, other, package.Prompts(prompts, pad_token_id=0), progress=False))
     yield ("llama generation", lambda package: package.compare_generate(
         model, prompts, max_new_tokens=6, pad_token_id=0, eos_token_id=None,
         progress=False))
@@ -152,12 +173,20 @@ def _moved(result: Any, table: pd.DataFrame) -> str | None:
 
 
 def _where(one: pd.DataFrame, other: pd.DataFrame) -> str:
-    """Which columns differ, and at how many sites (the first one named)."""
+    """Which columns differ, and at how many rows (the first one named: its site, or for
+    a token table its prompt and step), with the largest relative change of a number."""
     found = []
     for column in one.columns:
         rows = ~((one[column] == other[column]) | (one[column].isna() & other[column].isna()))
         if rows.any():
-            found.append(f"{column} at {int(rows.sum())} sites from '{one['site'][rows].iloc[0]}'")
+            first = one[rows].iloc[0]
+            at = (f"'{first['site']}'" if "site" in one else
+                  f"prompt {first['prompt']} step {first['step']}")
+            size = ""
+            if pd.api.types.is_float_dtype(one[column]):
+                a, b = one[column][rows].astype(float), other[column][rows].astype(float)
+                size = f", by at most {float(((a - b).abs() / b.abs()).max()):.3g} of the older"
+            found.append(f"{column} at {int(rows.sum())} rows from {at}{size}")
     return "; ".join(found) or "the per-sample table"
 
 

@@ -20,6 +20,7 @@ from divtrace.errors import (
     DivtraceValueError,
     DivtraceWarning,
 )
+from divtrace.explain.fp64 import Fp64
 from divtrace.explain.independence import Independence
 from divtrace.explain.kernels import Kernels
 from divtrace.explain.local import Local
@@ -28,7 +29,6 @@ from divtrace.explain.precision import Precision
 from divtrace.explain.probe import Probe
 from divtrace.explain.registry import EXPLAIN_COLUMNS
 from divtrace.explain.repeat import Repeat
-from divtrace.explain.truth import Fp64
 from divtrace.generate.result import Generation
 from divtrace.generation import compare_generate
 from divtrace.io import load

@@ -8,7 +8,7 @@ and are put together here, in the faces' layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -54,10 +54,6 @@ class Parts:
     def prints_batched(self) -> bool:
         """Whether the measured run's compared rows are fingerprinted."""
         return any(probe.prints_batched for probe in self.probes)
-
-    def with_probes(self, *probes: Probe) -> Parts:
-        """The same parts with more probes (after those of ``explain=``)."""
-        return replace(self, probes=(*self.probes, *probes))
 
 
 def parts_for(plan: Plan, model: nn.Module) -> Parts:

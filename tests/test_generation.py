@@ -155,3 +155,18 @@ def test_a_rerun_that_does_not_repeat_itself_is_said() -> None:
     other = replace(found, table=table)  # as if the first run had made other tokens
     with pytest.warns(divtrace.DivtraceWarning, match=r"did not repeat itself.*\[1\]"):
         other.at(2)
+
+
+def test_the_step_figures_are_the_measure_layers() -> None:
+    from divtrace.generate.decode import Decoded, token_table
+
+    split = torch.tensor([[1.0, 2.0, float("nan"), 4.0], [0.0, 0.0, 0.0, 0.0]])
+    batched = torch.tensor([[1.0, 2.5, float("nan"), 4.0], [0.0, 0.0, 0.0, 0.0]])
+    table = token_table(Decoded({0: torch.tensor([3, 0])}, {0: batched}),
+                        Decoded({0: torch.tensor([3, 0])}, {0: split}), [0])
+    first, second = table.iloc[0], table.iloc[1]
+    assert first["logits_mismatch"] == 0.25  # NaN against NaN is no mismatch, as at a site
+    assert first["logits_max_abs"] == 0.5
+    finite = torch.tensor([1.0, 2.0, 4.0]).double()
+    assert first["logits_rel_l2"] == pytest.approx(0.5 / float(finite.norm()), rel=1e-12)
+    assert (second["logits_mismatch"], second["logits_rel_l2"]) == (0.0, 0.0)

@@ -33,7 +33,7 @@ from divtrace.explain.mixed import first_dependent, through_shared, unmoved
 from divtrace.explain.probe import Context, Judged, Probe, Settings, TableView
 from divtrace.measure.host import Deferred, Host
 from divtrace.measure.meter import Meter
-from divtrace.measure.moved import PrintCheck
+from divtrace.measure.printcheck import PrintCheck
 from divtrace.plan.inputs import BatchedInput
 from divtrace.record.recorder import Sink
 from divtrace.record.rows import RowStore

@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
+from divtrace.explain.fp64 import Fp64
 from divtrace.explain.independence import Independence
 from divtrace.explain.kernels import Kernels
 from divtrace.explain.local import Local
@@ -16,7 +17,6 @@ from divtrace.explain.precision import Precision
 from divtrace.explain.probe import Probe
 from divtrace.explain.repeat import Repeat
 from divtrace.explain.roles import Roles
-from divtrace.explain.truth import Fp64
 
 __all__ = ["EXPLAIN_COLUMNS", "NAMES", "PROBES", "Explain", "probes_for"]
 

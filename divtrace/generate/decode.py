@@ -12,6 +12,10 @@ import torch
 from torch import nn
 
 from divtrace.generate.step import generate
+from divtrace.measure.fields import INDEX
+from divtrace.measure.figures import rel_l2
+from divtrace.measure.pair import pair_fields
+from divtrace.measure.stats import tolerances
 from divtrace.plan.prompts import Prompts, pad
 
 __all__ = ["TOKEN_COLUMNS", "Decoded", "decode", "token_table"]
@@ -71,6 +75,18 @@ def _top2(logits: torch.Tensor) -> torch.Tensor:
     return top[..., 0] - top[..., 1]
 
 
+def _step_figures(b: torch.Tensor, s: torch.Tensor) -> np.ndarray:
+    """Per step (a row of logits): mismatch, rel_l2 and max_abs of the batched run's
+    logits against the split run's, as every site's are measured (the measure layer's
+    fields: NaN against NaN is no mismatch), then each run's margin."""
+    rtol, atol = tolerances(b.dtype, None, None)
+    fields = pair_fields(b, s, rtol, atol, max(1, b.shape[-1])).cpu().numpy()
+    mismatch = fields[:, INDEX["mismatch"]] / max(1, b.shape[-1])
+    rel = rel_l2(np.sqrt(fields[:, INDEX["sq_diff"]]), np.sqrt(fields[:, INDEX["sq_ref"]]))
+    margins = torch.stack([_top2(s.double()), _top2(b.double())]).cpu().numpy()
+    return np.vstack([mismatch, np.asarray(rel), fields[:, INDEX["max_abs"]], margins])
+
+
 def token_table(batched: Decoded, split: Decoded, samples: list[int]) -> pd.DataFrame:
     """One row per (compared prompt, step both runs took): tokens, whether they and all
     earlier ones agree, and how the step's logits compare (``margin``: the split run's
@@ -82,13 +98,7 @@ def token_table(batched: Decoded, split: Decoded, samples: list[int]) -> pd.Data
         b, s = batched.logits[prompt][:steps], split.logits[prompt][:steps]
         if not steps:
             continue
-        b64, s64 = b.double(), s.to(b.device).double()
-        mismatch = (b64 != s64).double().mean(-1)
-        norm = s64.norm(dim=-1)
-        diff = (b64 - s64).norm(dim=-1)
-        rel = torch.where(norm > 0, diff / norm, torch.where(diff > 0, torch.inf, 0.0))
-        largest = (b64 - s64).abs().amax(-1)
-        figures = torch.stack([mismatch, rel, largest, _top2(s64), _top2(b64)]).cpu().numpy()
+        figures = _step_figures(b, s.to(b.device))
         same = (b_tokens[:steps].cpu() == s_tokens[:steps].cpu()).numpy()
         prefix = np.concatenate([[True], np.cumprod(same)[:-1].astype(bool)])
         for step in range(steps):

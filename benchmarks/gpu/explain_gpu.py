@@ -5,7 +5,7 @@ efficientnet_v2_s (batch 64 vs its first 2), random weights, fp32, TF32 off, cuD
 deterministic, no benchmark mode — the seed reports' settings. Writes one table per model,
 a summary with the environment, and two figures into --out.
 
-    python docs/results/explain_gpu.py --out docs/results/h200
+    python benchmarks/gpu/explain_gpu.py --out docs/results/h200
 """
 
 from __future__ import annotations

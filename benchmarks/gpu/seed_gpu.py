@@ -4,7 +4,7 @@ Settings as in the seed report: fp32, TF32 off, cuDNN deterministic, no benchmar
 Writes the two tables, the overlaid snowball plot and a summary (with the environment)
 into --out.
 
-    python docs/results/seed_gpu.py --out docs/results/h200
+    python benchmarks/gpu/seed_gpu.py --out docs/results/h200
 """
 
 from __future__ import annotations

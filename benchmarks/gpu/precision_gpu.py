@@ -15,7 +15,7 @@ named, and no rounding case may turn into a false bug.
 
 Writes ``precision_summary.txt`` and ``precision.json`` into --out.
 
-    python docs/results/precision_gpu.py --out docs/results/h200
+    python benchmarks/gpu/precision_gpu.py --out docs/results/h200
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ cuda:0, layers 4-7, the norm and the head on cuda:1; the same weights). For both
 ``compare(model, Prompts(...))`` over 12 prompts of 5 to 60 tokens, ``compare_generate``
 with 24 new tokens, and ``Generation.at(3)``. Writes the tables and a summary into --out.
 
-    python docs/results/sharded_lm_gpu.py --out docs/results/h200x2
+    python benchmarks/gpu/sharded_lm_gpu.py --out docs/results/h200x2
 """
 
 from __future__ import annotations

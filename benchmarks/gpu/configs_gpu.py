@@ -6,7 +6,7 @@ on the CPU — and at which batch size does each layer start to diverge?
 2. Each setting's run against the GPU float32 run (the "CPU and GPU differ by 10 %" report).
 3. A batch-size sweep of vgg11().features: 2, 4, ..., 128 against per-sample runs.
 
-    python docs/results/configs_gpu.py --out docs/results/h200
+    python benchmarks/gpu/configs_gpu.py --out docs/results/h200
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ comparison against its bare passes (``python -m benchmarks backward`` on this de
 Writes one text file with the summaries, the weights tests, the first parts and the
 costs; ``--plots`` writes the pictures there too.
 
-    python docs/results/backward_gpu.py --out docs/results/h200 [--small] [--plots DIR]
+    python benchmarks/gpu/backward_gpu.py --out docs/results/h200 [--small] [--plots DIR]
 """
 
 from __future__ import annotations

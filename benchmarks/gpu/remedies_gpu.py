@@ -9,7 +9,7 @@ attention) on 16 prompts of 8 to 96 tokens. For each: ``compare()``, then
 plain loop (``with remedy.applied(model)``: the batched call and the split calls) and the
 outputs checked bit for bit. Writes a summary, the tables as JSON and one figure.
 
-    python docs/results/remedies_gpu.py --out docs/results/h200 [--small]
+    python benchmarks/gpu/remedies_gpu.py --out docs/results/h200 [--small]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The setting of ``generate_gpu.py`` (random-init Llama-like model, hidden 2048, 8
 prompts that part earliest, ``Generation.at(step, samples=[prompt])`` with op sites:
 the first differing site of that prompt and the op-level sources of the step.
 
-    python docs/results/generate_ops_gpu.py --out docs/results/h200
+    python benchmarks/gpu/generate_ops_gpu.py --out docs/results/h200
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ sequences of 128 tokens, batched vs each alone and vs chunks of 8, ``ops=True``;
 with ``ops="only"`` (no hook inside the model: does the fast path stay on?) and with
 ``ops=True`` (module hooks: it goes off). Writes one table per case and a summary into --out.
 
-    python docs/results/ops_gpu.py --out docs/results/h200
+    python benchmarks/gpu/ops_gpu.py --out docs/results/h200
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ output differs at that step (``Generation.at(step, samples=[prompt])``); and the
 ``compare_generate`` against the bare ``generate()`` calls it makes. Writes a table per
 setting, a JSON summary, a text summary and a plot into --out.
 
-    python docs/results/generate_gpu.py --out docs/results/h200 [--prompts 32 --tokens 64]
+    python benchmarks/gpu/generate_gpu.py --out docs/results/h200 [--prompts 32 --tokens 64]
 """
 
 from __future__ import annotations

@@ -11,14 +11,14 @@ TF32 set through PyTorch's new ``fp32_precision`` API.
 - TF32 for convolutions set through ``torch.backends.cudnn.conv.fp32_precision``;
 - the first seed report's own script: AlexNet, batch 100 vs 1, with its flags (which
   include ``torch.set_float32_matmul_precision("high")``), judged at the user's rtol=0.1;
-- every setting of the README's sweep (``docs/results/configs_gpu.py``), batched vs split;
+- every setting of the README's sweep (``benchmarks/gpu/configs_gpu.py``), batched vs split;
 - language models with padding on the GPU (random-init BERT, GPT-2, Llama; a padded dict
   input and ``Prompts``), which must show no mixing; train-mode BatchNorm (allowed) and an
   LSTM given ``(T, B, F)``, which must.
 
 Writes ``independence_summary.txt`` and ``independence.json`` into --out.
 
-    python docs/results/independence_gpu.py --out docs/results/h200
+    python benchmarks/gpu/independence_gpu.py --out docs/results/h200
 """
 
 from __future__ import annotations

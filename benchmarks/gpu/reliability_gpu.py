@@ -8,7 +8,7 @@
 Seed settings (fp32, TF32 off, cuDNN deterministic). Needs two CUDA devices, transformers
 and accelerate.
 
-    python docs/results/reliability_gpu.py --out docs/results/h200x2
+    python benchmarks/gpu/reliability_gpu.py --out docs/results/h200x2
 """
 
 from __future__ import annotations
