@@ -264,7 +264,12 @@ def test_a_kind_of_ones_own_runs_through_the_pipeline(tmp_path: Path) -> None:
     assert result.meta.notes["independence"]["ran"]  # the independence test ran ...
     assert not result.table["depends_on_others"].any()
     assert result.meta.notes["precision"]["why"] == "run b computes in bfloat16 by design"
-    assert "run b computes in bfloat16 by design" in result.summary()  # ... this did not
+    said = result.summary()
+    assert "run b computes in bfloat16 by design" in said  # ... this did not
+    assert ("so what parts run b (autocast bf16) and run a (float32) is how each run "
+            "computes, not the other samples' values") in said  # runs of the same shape
+    assert ("so that the difference is rounding in how each run computes, not one by "
+            "design, rests on the size of the error alone") in said
     result.to_html(tmp_path / "autocast.html")
     assert "autocast bf16" in (tmp_path / "autocast.html").read_text()
     compact = result.sites

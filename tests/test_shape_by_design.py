@@ -478,3 +478,44 @@ def test_a_function_asked_for_float32_computes_in_float64() -> None:
     assert table.loc["2", "mismatch"] > 0
     assert table.loc["2", "fp64_rel_l2"] < 1e-13  # the softmax ran in float64
     assert result.verdict == "rounding"
+
+
+def test_experts_on_grouped_mm_run_in_float64() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=50, num_local_experts=4, num_experts_per_tok=2)
+    model = transformers.MixtralForCausalLM(config).eval()
+    if model.config._experts_implementation != "grouped_mm":
+        pytest.skip("this transformers runs its experts another way")
+    x = torch.randint(1, 50, (4, 7))
+    result = divtrace.compare(model, x, explain=["fp64", "-independence"], progress=False)
+    assert model.config._experts_implementation == "grouped_mm"  # the user's model as it was
+    assert result.meta.notes["precision"]["ran"]  # grouped_mm takes no float64: eager there
+    assert result.table["a_err_fp64"].notna().any()
+    output = result.table.set_index("site").loc["(model)/logits"]
+    assert output["fp64_rel_l2"] < 1e-13 < output["rel_l2"]
+
+
+class BatchSoftmax(nn.Module):
+    """A softmax over the batch's dimension where the features' was meant."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(x, dim=0)
+
+
+def test_an_op_along_the_batch_is_named_as_the_cause() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), BatchSoftmax(), nn.Linear(8, 2)).eval()
+    result = divtrace.compare(model, torch.randn(6, 8), ops=True, progress=False)
+    assert result.verdict == "not rounding"
+    found = result.meta.notes["independence"]["causes"]
+    key = next(k for k in found if "softmax" in k)
+    assert found[key].startswith("this aten.softmax runs along dim 0, the batch's")
+    assert f"The cause: {found[key]}." in result.summary()
+    plain = divtrace.compare(model, torch.randn(6, 8), progress=False)  # no op sites:
+    assert "Check for a statistic over the batch" in plain.summary()  # the list stays
+    along = nn.Sequential(nn.Linear(8, 8), nn.Softmax(dim=1), nn.Linear(8, 2)).eval()
+    fine = divtrace.compare(along, torch.randn(6, 8), ops=True, progress=False)
+    assert not fine.meta.notes["independence"].get("causes")  # dim 1: no cause to name

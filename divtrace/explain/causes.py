@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["cause_of", "deterministic"]
+__all__ = ["cause_of", "deterministic", "op_cause"]
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
@@ -32,6 +32,13 @@ def cause_of(module: nn.Module, batch_dim: int) -> str | None:
                 f"taken over the whole batch, so each sample's rounding depends on the "
                 f"others")
     return None
+
+
+def op_cause(op: str, dim: int) -> str:
+    """What an op that takes the batch's dimension as its ``dim`` does, as a sentence."""
+    name = op.removesuffix(".default").replace("aten._", "aten.")
+    return (f"this {name} runs along dim {dim}, the batch's: each sample's result takes "
+            f"the other samples' values in (check the dim it is given)")
 
 
 class deterministic:

@@ -27,7 +27,7 @@ import pandas as pd
 import torch
 
 from divtrace.devices import upload
-from divtrace.explain.causes import cause_of, deterministic
+from divtrace.explain.causes import cause_of, deterministic, op_cause
 from divtrace.explain.held import differing, figures_of, groups, held_store
 from divtrace.explain.mixed import first_dependent, through_shared, unmoved
 from divtrace.explain.probe import Context, Judged, Probe, Settings, TableView
@@ -199,9 +199,13 @@ class Independence(Probe):
     def _causes(self, ctx: Context) -> None:
         """What the modules whose rows moved say of why (:func:`cause_of`)."""
         causes = {}
+        along: dict[str, int] = getattr(ctx.b.recorder, "along_batch", {})
         for measured in ctx.meter.sites:
             module = ctx.b.modules.get(measured.site.module)
-            if measured.site.key in self.moved and not measured.site.op and module is not None:
+            if measured.site.key in self.moved and measured.site.key in along:
+                causes[measured.site.key] = op_cause(measured.site.op,
+                                                     along[measured.site.key])
+            elif measured.site.key in self.moved and not measured.site.op and module is not None:
                 cause = cause_of(module, ctx.plan.batch.batch_dim)
                 if cause is not None:
                     causes[measured.site.key] = cause

@@ -33,6 +33,18 @@ __all__ = ["Resources", "Run", "backend_flags"]
 _PRECISIONS = ("highest", "high", "medium")
 
 
+def _experts_eager(model: nn.Module) -> None:
+    """A copy cast to float64 runs its mixture-of-experts layers eagerly where they ran on
+    ``grouped_mm``, which takes no float64 (``transformers``' experts implementations);
+    in float64 the implementation changes nothing but the order of exact-enough sums."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        switch: Any = getattr(module, "set_experts_implementation", None)
+        if getattr(config, "_experts_implementation", None) == "grouped_mm" and callable(
+                switch):
+            switch("eager")
+
+
 def backend_flags() -> dict[str, Any]:
     """The numerics-relevant backend flags in force now, read through whichever API set
     them (:mod:`divtrace.plan.precision`)."""
@@ -141,6 +153,8 @@ class Run:
             mine = mine.to(torch.device(self.device))
         if self.dtype is not None:
             mine = mine.to(self.dtype)
+            if self.dtype == torch.float64:
+                _experts_eager(mine)
         if self.channels_last:
             mine = mine.to(memory_format=torch.channels_last)
         if self.compile:

@@ -93,6 +93,10 @@ class OpRecorder(Recorder):
         self.scopes = scopes
         self.batch_dim = batch_dim
         self.through_views = through_views
+        #: op site key -> the dim of the batch that op reduced or ran along (its ``dim``
+        #: argument, as ``aten._softmax(x, 0, ...)`` takes it): a cause the
+        #: independence test names where that site's rows move
+        self.along_batch: dict[str, int] = {}
 
     def observe(self, sink: Sink) -> AbstractContextManager[Tracker]:
         return self._observing(sink, "", 0)
@@ -190,6 +194,8 @@ class _OpMode(TorchDispatchMode):
             return out
         self.sink.on_op(call, func, args, kwargs, self._parts(call, tensors, makers),
                         tracker)
+        if call.key not in self.recorder.along_batch and tensors:
+            self._along(call.key, func, args, kwargs, tensors[0])
         out = self._run(func, args, kwargs)
         self._outputs(call, func, out)
         return out
@@ -208,6 +214,19 @@ class _OpMode(TorchDispatchMode):
                       for i in written]
             self.tracker.wrote([v for v in values if isinstance(v, torch.Tensor)])
         return out
+
+    def _along(self, key: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+               first: torch.Tensor) -> None:
+        """Notes that the op at ``key`` takes a ``dim`` that is the batch's."""
+        schema = func._schema.arguments
+        at = next((i for i, arg in enumerate(schema) if arg.name == "dim"), None)
+        if at is None or first.dim() == 0:
+            return
+        value = args[at] if at < len(args) else kwargs.get("dim")
+        dims = value if isinstance(value, list | tuple) else [value]
+        batch = self.recorder.batch_dim % first.dim()
+        if any(isinstance(d, int) and d % first.dim() == batch for d in dims):
+            self.recorder.along_batch[key] = batch
 
     def _call(self, name: str, func: Any) -> Site:
         tracker = self.tracker

@@ -249,6 +249,16 @@ def _capital(sentence: str) -> str:
     return sentence[0].upper() + sentence[1:]
 
 
+def _designed_not(meta: Meta) -> str:
+    """What the precision test would have shown: the difference is rounding, not there by
+    design."""
+    parts = parted(meta)
+    if parts == "the batch's shape":
+        return ("the difference comes from the batch's shape and not from a computation "
+                "that depends on it by design")
+    return f"the difference is rounding in {parts}, not one by design,"
+
+
 def _ending(tested: str, precise: str, meta: Meta) -> str:
     """What a rounding verdict rests on: both tests, or what did not run."""
     if precise == "shrinks":
@@ -262,8 +272,7 @@ def _ending(tested: str, precise: str, meta: Meta) -> str:
              "the precision test (the runs again in float64) did not run")
     if tested == "independent":
         return (f"No compared row moved when only the other samples changed (independence "
-                f"test), but {shape}, so that the difference comes from {parted(meta)} and "
-                f"not from a computation that depends on it by design rests on the size of "
+                f"test), but {shape}, so that {_designed_not(meta)} rests on the size of "
                 f"the error alone.")
     return (f"{_capital(_UNTESTED[tested])} and {shape}, so this rests on the size of the "
             f"error alone.")
