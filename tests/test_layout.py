@@ -187,3 +187,9 @@ def test_each_kind_is_one_file() -> None:
     for name, users in asked.items():
         assert all(m.startswith("divtrace.kinds.") or m in KIND_TYPES[name] for m in users), (
             name, users)
+
+
+def test_the_architecture_page_is_short() -> None:
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    assert len(page.splitlines()) < 200  # a newcomer's page; the detail in internals.md
+    assert "internals.md" in page
