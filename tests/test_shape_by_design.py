@@ -519,3 +519,43 @@ def test_an_op_along_the_batch_is_named_as_the_cause() -> None:
     along = nn.Sequential(nn.Linear(8, 8), nn.Softmax(dim=1), nn.Linear(8, 2)).eval()
     fine = divtrace.compare(along, torch.randn(6, 8), ops=True, progress=False)
     assert not fine.meta.notes["independence"].get("causes")  # dim 1: no cause to name
+
+
+class Float32Only(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            raise RuntimeError("this kernel takes float32 only")
+        return x * 2
+
+
+@pytest.mark.parametrize("case", ["ran", "identical", "failed", "mixing"])
+def test_the_progress_bar_ends_full(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import divtrace.pipeline
+    from divtrace.progress import Progress
+
+    ended: list[tuple[int, int]] = []
+
+    class Counted(Progress):
+        def __init__(self, total: int, enabled: bool) -> None:
+            super().__init__(total, False)
+            self.total, self.done = total, 0
+
+        def more(self, passes: int) -> None:
+            self.total += passes
+
+        def advance(self) -> None:
+            self.done += 1
+
+        def __exit__(self, *exc: object) -> None:
+            ended.append((self.done, self.total))
+
+    monkeypatch.setattr(divtrace.pipeline, "Progress", Counted)
+    torch.manual_seed(0)
+    model = {"ran": mlp(ShapeBias(1e-6)), "identical": nn.Sequential(nn.ReLU()),
+             "failed": nn.Sequential(models.variant_mlp(), Float32Only()),
+             "mixing": nn.Sequential(nn.Linear(32, 8), BatchSoftmax())}[case].eval()
+    width = 16 if case == "failed" else 32
+    result = run(model, torch.randn(8, width))
+    assert result.meta.notes["precision"]["ran"] == (case == "ran")
+    (done, total), = ended
+    assert done == total  # every pass it counted on, and no more

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import fields, replace
+from functools import partial
 from typing import Any, ClassVar
 
 import pandas as pd
@@ -102,20 +103,27 @@ class Precision(Probe):
     def __init__(self) -> None:
         self.fp64: dict[str, float] = {}  # site -> rel_l2 of the float64 runs
         self.found: dict[str, Any] = {"ran": False, "why": None}
+        self._done = self._planned = 0  # the replay's passes done, and planned
 
     def after(self, ctx: Context) -> None:
         ctx.progress.stage(_LABEL)
         why = _why_not(ctx) or self._needless(ctx)
         if why is not None:
             self.found["why"] = why
-            ctx.progress.advance()
+            ctx.progress.more(-self.passes)  # none of its passes run: the bar ends full
             return
+        self._done = 0
         try:
             self._replay(ctx)
         except (RuntimeError, NotImplementedError, TypeError) as error:
             head = str(error).strip().splitlines()[0] if str(error).strip() else ""
             self.found["why"] = (f"the model could not run in float64 "
                                  f"({type(error).__name__}: {head[:160]})")
+            ctx.progress.more(self._done - self._planned)  # the passes it did not run
+
+    def _step(self, ctx: Context) -> None:
+        self._done += 1
+        ctx.progress.advance()
 
     def _needless(self, ctx: Context) -> str | None:
         """Why there is nothing for the test to decide: the samples mix, or the runs agree
@@ -145,8 +153,9 @@ class Precision(Probe):
         a = Runner.of(replace(plan.a, dtype=double), ctx.model, plan.modules,
                       plan.output_only, f"{_LABEL}, {ctx.a.name}", ctx.recorder)
         b = self._other(ctx, a)
-        passes = len(plan.a_chunks) + max(1, len(plan.b_chunks))
+        passes = self._planned = len(plan.a_chunks) + max(1, len(plan.b_chunks))
         ctx.progress.more(passes - self.passes)
+        step = partial(self._step, ctx)
         store = ctx.kind.store(plan, list(plan.samples), offload=plan.offload,
                                learn_lineage=False)
         host = Host()
@@ -154,15 +163,15 @@ class Precision(Probe):
         size = plan.batch.batch_size
         with KeptFloat64() as mode:  # float64 throughout, the model's own casts too
             a.execute(Unmoded(store, mode), plan.batch, list(plan.a_chunks),
-                      lambda _s, _e: a.name, ctx.progress.advance, ctx.check)
+                      lambda _s, _e: a.name, step, ctx.check)
             if plan.b_chunks:
                 other = ctx.kind.store(plan, list(plan.samples), offload=plan.offload,
                                        learn_lineage=False)
                 b.execute(Unmoded(other, mode), plan.batch, list(plan.b_chunks),
-                          lambda _s, _e: b.name, ctx.progress.advance, ctx.check)
+                          lambda _s, _e: b.name, step, ctx.check)
             else:
                 b.execute(Unmoded(meter, mode), plan.batch, [(0, size)],
-                          lambda _s, _e: b.name, ctx.progress.advance, ctx.check)
+                          lambda _s, _e: b.name, step, ctx.check)
         if plan.b_chunks:
             compare_stores(meter, other, size)
         meter.flush()
