@@ -26,7 +26,7 @@ from divtrace.explain.kernels import Kernels
 from divtrace.explain.local import Local
 from divtrace.explain.observer import Observer
 from divtrace.explain.precision import Precision
-from divtrace.explain.probe import Probe
+from divtrace.explain.probe import Findings, Probe, output_rows
 from divtrace.explain.registry import EXPLAIN_COLUMNS
 from divtrace.explain.repeat import Repeat
 from divtrace.generate.result import Generation
@@ -56,6 +56,7 @@ __all__ = [
     "DivtraceTypeError",
     "DivtraceValueError",
     "DivtraceWarning",
+    "Findings",
     "Fp64",
     "Generation",
     "Independence",
@@ -77,6 +78,7 @@ __all__ = [
     "compare_models",
     "diff",
     "load",
+    "output_rows",
     "overlay",
     "remedies",
     "sweep",

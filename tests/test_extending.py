@@ -218,9 +218,10 @@ def test_a_probe_of_ones_own_can_overrule_rounding() -> None:
         """The output's rel_l2 must stay under 1e-9, whatever floating point allows."""
 
         @classmethod
-        def beyond(cls, outputs: Any, meta: Any) -> str | None:
-            worst = float(outputs["rel_l2"].max())
-            return f"the output parts by {worst:.3g}, over 1e-9" if worst > 1e-9 else None
+        def findings(cls, table: Any, meta: Any) -> divtrace.Findings:
+            worst = float(divtrace.output_rows(table)["rel_l2"].max())
+            return divtrace.Findings(
+                beyond=f"the output parts by {worst:.3g}, over 1e-9" if worst > 1e-9 else None)
 
     model, x = models.variant_mlp(), torch.randn(8, 16)
     assert divtrace.compare(model, x, progress=False).verdict == "rounding"

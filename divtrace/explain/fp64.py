@@ -9,7 +9,15 @@ import pandas as pd
 import torch
 
 from divtrace.align.ragged import joined
-from divtrace.explain.probe import Context, Judged, Probe, Settings, TableView
+from divtrace.explain.probe import (
+    Context,
+    Findings,
+    Judged,
+    Probe,
+    Settings,
+    TableView,
+    output_rows,
+)
 from divtrace.explain.rounding import CHECK, budget
 from divtrace.measure.host import Deferred
 from divtrace.measure.measured import Measured
@@ -96,24 +104,8 @@ class Fp64(Probe):
                     errors[1])
 
     @classmethod
-    def beyond(cls, outputs: pd.DataFrame, meta: Settings) -> str | None:
-        if "depends_on_shape" in outputs and not outputs.empty:
-            shape = outputs["depends_on_shape"].astype("boolean")
-            if shape.notna().all() and not shape.any():
-                return None  # the precision test showed the output's difference is rounding
-        for _, out in outputs.iterrows():
-            if "b_err_fp64" not in out or math.isnan(out["b_err_fp64"]):
-                continue
-            b, a = out["b_err_fp64"], out["a_err_fp64"]
-            high, low = max(b, a), min(b, a)
-            limit, _, _ = budget(out["dtype"], meta)
-            if high > limit and (low == 0 or high / low > 100):
-                a_name, b_name = meta.names
-                worse, better = (b_name, a_name) if b > a else (a_name, b_name)
-                return (f"against a float64 run of the same samples the {worse} is off by "
-                        f"rel_l2 {sci(high)} and the {better} by {sci(low)}: floating "
-                        f"point does not explain that. {CHECK}")
-        return None
+    def findings(cls, table: pd.DataFrame, meta: Settings) -> Findings:
+        return Findings(beyond=_beyond(output_rows(table), meta))
 
     @classmethod
     def sentences(cls, result: Judged) -> list[str]:
@@ -134,3 +126,25 @@ class Fp64(Probe):
             verdict = f"the {worse} is {factor} further from it than the {better}"
         return [f"Against a float64 run of the same samples, the output of the {b_name} "
                 f"is off by rel_l2 {sci(b)} and that of the {a_name} by {sci(s_)}: {verdict}."]
+
+
+def _beyond(outputs: pd.DataFrame, meta: Settings) -> str | None:
+    """Why floating point does not explain the output rows ``outputs``: one run far
+    from float64 and the other not (None: it does)."""
+    if "depends_on_shape" in outputs and not outputs.empty:
+        shape = outputs["depends_on_shape"].astype("boolean")
+        if shape.notna().all() and not shape.any():
+            return None  # the precision test showed the output's difference is rounding
+    for _, out in outputs.iterrows():
+        if "b_err_fp64" not in out or math.isnan(out["b_err_fp64"]):
+            continue
+        b, a = out["b_err_fp64"], out["a_err_fp64"]
+        high, low = max(b, a), min(b, a)
+        limit, _, _ = budget(out["dtype"], meta)
+        if high > limit and (low == 0 or high / low > 100):
+            a_name, b_name = meta.names
+            worse, better = (b_name, a_name) if b > a else (a_name, b_name)
+            return (f"against a float64 run of the same samples the {worse} is off by "
+                    f"rel_l2 {sci(high)} and the {better} by {sci(low)}: floating "
+                    f"point does not explain that. {CHECK}")
+    return None

@@ -30,7 +30,7 @@ from divtrace.devices import upload
 from divtrace.explain.causes import cause_of, deterministic, op_cause
 from divtrace.explain.held import differing, figures_of, groups, held_store
 from divtrace.explain.mixed import first_dependent, through_shared, unmoved
-from divtrace.explain.probe import Context, Judged, Probe, Settings, TableView
+from divtrace.explain.probe import Context, Findings, Judged, Probe, Settings, TableView
 from divtrace.measure.host import Deferred, Host
 from divtrace.measure.meter import Meter
 from divtrace.measure.printcheck import PrintCheck
@@ -242,43 +242,8 @@ class Independence(Probe):
         return self.found
 
     @classmethod
-    def mixing(cls, table: pd.DataFrame, meta: Settings) -> tuple[str, str] | None:
-        found = meta.notes.get("independence") or {}
-        state = table[table["site"].isin(found.get("state") or [])]
-        if not state.empty:
-            row = state.iloc[0]
-            where = f"'{row['site']}' ({row['module_type']})"
-            return where, (
-                f"the model keeps state across calls: the same pass on the same input, "
-                f"repeated with deterministic algorithms, differs from {where} on (a "
-                f"counter, a cache filled by an earlier call), so no two runs compare "
-                f"like with like. Reset that state before each call, or compare a model "
-                f"that keeps none.")
-        row = first_dependent(table)
-        if row is None:
-            return None
-        through = found.get("through") or []
-        via = f", through {', '.join(repr(t) for t in through)}," if through else ""
-        where = f"'{row['site']}' ({row['module_type']})"
-        causes = found.get("causes") or {}
-        cause = causes.get(row["site"])
-        hint = ("Check for a statistic over the batch in eval mode, a wrong batch_dim, "
-                "padding that is not masked, activations quantized with a scale over the "
-                "batch (dynamic quantization), or routing or shapes that depend on the "
-                "whole batch (capacity-limited experts).") if cause is None else (
-                f"The cause: {cause}.")
-        return where, (
-            f"batch mixing: at {where}{via} the compared samples' rows change when only "
-            f"the other samples change, the shapes kept (rel_l2 {sci(row['others_rel_l2'])}),"
-            f" so each sample's result depends on the other samples' values — a bug "
-            f"whatever its size. {hint}")
-
-    @classmethod
-    def independent(cls, meta: Settings) -> str | None:
-        found = meta.notes.get("independence")
-        if not found or not found.get("ran"):
-            return "untested"
-        return "inconclusive" if found.get("noisy") else "independent"
+    def findings(cls, table: pd.DataFrame, meta: Settings) -> Findings:
+        return Findings(mixing=_mixing(table, meta), independent=_independent(meta))
 
     @classmethod
     def sentences(cls, result: Judged) -> list[str]:
@@ -317,3 +282,44 @@ class Independence(Probe):
                 f"({row['module_type']}){via} when only the other samples change, the "
                 f"shapes kept (rel_l2 {sci(row['others_rel_l2'])}): each sample's result "
                 f"depends on the other samples' values (batch mixing)."]
+
+
+def _mixing(table: pd.DataFrame, meta: Settings) -> tuple[str, str] | None:
+    """Where and why the samples were seen to depend on each other (None: not seen)."""
+    found = meta.notes.get("independence") or {}
+    state = table[table["site"].isin(found.get("state") or [])]
+    if not state.empty:
+        row = state.iloc[0]
+        where = f"'{row['site']}' ({row['module_type']})"
+        return where, (
+            f"the model keeps state across calls: the same pass on the same input, "
+            f"repeated with deterministic algorithms, differs from {where} on (a "
+            f"counter, a cache filled by an earlier call), so no two runs compare "
+            f"like with like. Reset that state before each call, or compare a model "
+            f"that keeps none.")
+    row = first_dependent(table)
+    if row is None:
+        return None
+    through = found.get("through") or []
+    via = f", through {', '.join(repr(t) for t in through)}," if through else ""
+    where = f"'{row['site']}' ({row['module_type']})"
+    causes = found.get("causes") or {}
+    cause = causes.get(row["site"])
+    hint = ("Check for a statistic over the batch in eval mode, a wrong batch_dim, "
+            "padding that is not masked, activations quantized with a scale over the "
+            "batch (dynamic quantization), or routing or shapes that depend on the "
+            "whole batch (capacity-limited experts).") if cause is None else (
+            f"The cause: {cause}.")
+    return where, (
+        f"batch mixing: at {where}{via} the compared samples' rows change when only "
+        f"the other samples change, the shapes kept (rel_l2 {sci(row['others_rel_l2'])}),"
+        f" so each sample's result depends on the other samples' values — a bug "
+        f"whatever its size. {hint}")
+
+
+def _independent(meta: Settings) -> str:
+    """How far the samples were shown independent."""
+    found = meta.notes.get("independence")
+    if not found or not found.get("ran"):
+        return "untested"
+    return "inconclusive" if found.get("noisy") else "independent"

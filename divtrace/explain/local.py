@@ -15,7 +15,7 @@ import torch
 from divtrace.align.sites import CONSTANT, INPUT, flatten_output, site_key
 from divtrace.align.status import Status
 from divtrace.compat import pytree
-from divtrace.explain.probe import Context, Judged, Probe, TableView, sums
+from divtrace.explain.probe import Context, Findings, Judged, Probe, Settings, TableView, sums
 from divtrace.measure.fields import INDEX
 from divtrace.measure.figures import rel_l2
 from divtrace.measure.host import Deferred
@@ -168,11 +168,8 @@ class Local(Probe):
                     else (math.inf if out.diff > 0 else math.nan))
 
     @classmethod
-    def entries(cls, table: pd.DataFrame) -> list[tuple[pd.Series, float, str]]:
-        if "local_rel_l2" not in table:
-            return []
-        return [(row, row["local_rel_l2"], "own")
-                for _, row in table[table["local_rel_l2"] > 0].iterrows()]
+    def findings(cls, table: pd.DataFrame, meta: Settings) -> Findings:
+        return Findings(entries=_entries(table))
 
     @classmethod
     def sentences(cls, result: Judged) -> list[str]:
@@ -211,3 +208,11 @@ class Local(Probe):
                          f"{top['amplification']:.3g}× at '{top['site']}' "
                          f"({top['module_type']}){relative}.")
         return lines
+
+
+def _entries(table: pd.DataFrame) -> tuple[tuple[pd.Series, float, str], ...]:
+    """The layers whose own error, on identical inputs, is not zero."""
+    if "local_rel_l2" not in table:
+        return ()
+    return tuple((row, row["local_rel_l2"], "own")
+                 for _, row in table[table["local_rel_l2"] > 0].iterrows())

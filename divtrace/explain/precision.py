@@ -33,7 +33,7 @@ import torch
 from divtrace.explain.float64 import KeptFloat64, Unmoded
 from divtrace.explain.held import figures_of
 from divtrace.explain.mixed import first_flagged
-from divtrace.explain.probe import Context, Judged, Probe, Settings, TableView
+from divtrace.explain.probe import Context, Findings, Judged, Probe, Settings, TableView
 from divtrace.explain.rounding import MODELS, two_models
 from divtrace.measure.chunked import compare_stores
 from divtrace.measure.fields import INDEX
@@ -226,38 +226,9 @@ class Precision(Probe):
     def note(self) -> Any:
         return self.found
 
-    # -- what the verdict reads --------------------------------------------------------
-
     @classmethod
-    def designed(cls, table: pd.DataFrame, meta: Settings) -> tuple[str, str] | None:
-        row = first_by_shape(table)
-        if row is None:
-            return None
-        found = meta.notes.get("precision") or {}
-        where = f"'{row['site']}' ({row['module_type']})"
-        still = (f"at {where} the runs still differ in float64 by rel_l2 "
-                 f"{sci(row['fp64_rel_l2'])} (in {row['dtype']} {sci(row['rel_l2'])}), where a "
-                 f"rounding difference would have shrunk about "
-                 f"{_shrink_words(row['dtype'], found.get('dtype', ''))} (precision test)")
-        if two_models(meta):
-            return where, f"the two models compute differently: {still}. {MODELS}"
-        if found.get("runs"):
-            return where, (f"the two configurations compute differently by design: "
-                           f"{still}.")
-        return where, (
-            f"the computation depends on the batch's shape: {still}. That is a difference "
-            f"by design, whatever its size: look there for a value taken from the batch's "
-            f"size or padded length (position ids, a mask, a scale by x.shape[0]) or a "
-            f"code path chosen by the shape.")
-
-    @classmethod
-    def precise(cls, table: pd.DataFrame, meta: Settings) -> str | None:
-        found = meta.notes.get("precision")
-        if not found or not found.get("ran"):
-            return "untested"
-        if first_unsure(table) is not None:
-            return "inconclusive"
-        return "inconclusive" if decisive(table)["depends_on_shape"].isna().all() else "shrinks"
+    def findings(cls, table: pd.DataFrame, meta: Settings) -> Findings:
+        return Findings(designed=_designed(table, meta), precise=_precise(table, meta))
 
     @classmethod
     def sentences(cls, result: Judged) -> list[str]:
@@ -328,3 +299,37 @@ def _shrink_words(dtype: str, fallback: str) -> str:
     if factor is None:
         return "by the ratio of the unit roundoffs"
     return f"2**{round(-math.log2(factor))}-fold"
+
+
+def _designed(table: pd.DataFrame, meta: Settings) -> tuple[str, str] | None:
+    """The first site whose difference keeps its size in float64, and what that means
+    (None: none)."""
+    row = first_by_shape(table)
+    if row is None:
+        return None
+    found = meta.notes.get("precision") or {}
+    where = f"'{row['site']}' ({row['module_type']})"
+    still = (f"at {where} the runs still differ in float64 by rel_l2 "
+             f"{sci(row['fp64_rel_l2'])} (in {row['dtype']} {sci(row['rel_l2'])}), where a "
+             f"rounding difference would have shrunk about "
+             f"{_shrink_words(row['dtype'], found.get('dtype', ''))} (precision test)")
+    if two_models(meta):
+        return where, f"the two models compute differently: {still}. {MODELS}"
+    if found.get("runs"):
+        return where, (f"the two configurations compute differently by design: "
+                       f"{still}.")
+    return where, (
+        f"the computation depends on the batch's shape: {still}. That is a difference "
+        f"by design, whatever its size: look there for a value taken from the batch's "
+        f"size or padded length (position ids, a mask, a scale by x.shape[0]) or a "
+        f"code path chosen by the shape.")
+
+
+def _precise(table: pd.DataFrame, meta: Settings) -> str:
+    """Whether the difference was shown to shrink as rounding does."""
+    found = meta.notes.get("precision")
+    if not found or not found.get("ran"):
+        return "untested"
+    if first_unsure(table) is not None:
+        return "inconclusive"
+    return "inconclusive" if decisive(table)["depends_on_shape"].isna().all() else "shrinks"

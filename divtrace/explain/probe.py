@@ -25,7 +25,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from divtrace.align.sites import CONSTANT, INPUT, site_key
+from divtrace.align.sites import CONSTANT, INPUT, ROOT, site_key
 from divtrace.kinds.kind import Kind
 from divtrace.measure.fields import INDEX
 from divtrace.measure.host import Host
@@ -146,6 +146,40 @@ class Context:
         self._meter = meter
 
 
+@dataclass(frozen=True)
+class Findings:
+    """What a probe found that the verdict reads; each field None (or empty) when it
+    found nothing of that.
+
+    Attributes:
+        mixing: ``(where, why)``: the compared samples depend on the other samples — not
+            rounding whatever the size (the independence test's).
+        independent: How far the samples were shown independent: ``"independent"``,
+            ``"inconclusive"`` or ``"untested"``.
+        designed: ``(where, why)``: the runs differ by design, not by rounding (the
+            difference kept its size in float64 — the precision test's).
+        precise: Whether the difference was shown to shrink with the unit roundoff:
+            ``"shrinks"``, ``"inconclusive"`` or ``"untested"``.
+        entries: Where error enters besides the sources and the first divergent site:
+            ``(row, its error, how it was seen)`` (``"own"``: a layer's own error on
+            identical inputs, the local replay's).
+        beyond: Once every error is within the rounding budget: why floating point still
+            does not explain the output (the float64 run's).
+    """
+
+    mixing: tuple[str, str] | None = None
+    independent: str | None = None
+    designed: tuple[str, str] | None = None
+    precise: str | None = None
+    entries: tuple[tuple[pd.Series, float, str], ...] = ()
+    beyond: str | None = None
+
+
+def output_rows(table: pd.DataFrame) -> pd.DataFrame:
+    """The rows of the model's output tensors (every one, when it returns several)."""
+    return table[(table["module"] == ROOT) & (table["call"] == 0) & (table["op"] == "")]
+
+
 class Probe:
     """One way of explaining a comparison: extra columns of the table and sentences of the
     summary. Subclasses set the class attributes and override the hooks they need.
@@ -241,45 +275,11 @@ class Probe:
         """What the probe's columns say about ``result``, in plain sentences."""
         return []
 
-    # -- what the verdict (divtrace.report.verdict) reads of the probe's findings -------
-
     @classmethod
-    def mixing(cls, table: pd.DataFrame, meta: Settings) -> tuple[str, str] | None:
-        """``(where, why)``: the compared samples were seen to depend on the other
-        samples — a bug whatever its size; None: not seen."""
-        return None
-
-    @classmethod
-    def independent(cls, meta: Settings) -> str | None:
-        """How far the samples were shown independent: ``"independent"``,
-        ``"inconclusive"`` or ``"untested"`` (None: not this probe's to say)."""
-        return None
-
-    @classmethod
-    def entries(cls, table: pd.DataFrame) -> list[tuple[pd.Series, float, str]]:
-        """Where error enters besides the sources and the first divergent site: ``(row,
-        its error, how it was seen)`` (``"own"``: a layer's own error on identical
-        inputs)."""
-        return []
-
-    @classmethod
-    def beyond(cls, outputs: pd.DataFrame, meta: Settings) -> str | None:
-        """Once every error is within the rounding budget: why floating point still does
-        not explain the output rows ``outputs`` (None: nothing)."""
-        return None
-
-    @classmethod
-    def designed(cls, table: pd.DataFrame, meta: Settings) -> tuple[str, str] | None:
-        """``(where, why)``: the runs differ by design, not by rounding (the difference
-        kept its size in float64 — the precision test's); None: not seen."""
-        return None
-
-    @classmethod
-    def precise(cls, table: pd.DataFrame, meta: Settings) -> str | None:
-        """Whether the difference was shown to shrink with the unit roundoff:
-        ``"shrinks"``, ``"inconclusive"`` or ``"untested"`` (None: not this probe's to
-        say)."""
-        return None
+    def findings(cls, table: pd.DataFrame, meta: Settings) -> Findings:
+        """What the probe found that the verdict (:mod:`divtrace.report.verdict`) reads,
+        from the comparison's table and settings (nothing, by default)."""
+        return Findings()
 
 
 @dataclass(frozen=True)

@@ -222,7 +222,8 @@ def find(result: Comparison, plan: Plan, model: nn.Module, given: Any = None,
     _refused(plan)
     sit = situation(plan, model)
     base = result
-    tested = next((t for p in result.probes if (t := p.independent(result.meta))), None)
+    tested = next((t for p in result.probes
+                   if (t := p.findings(result.table, result.meta).independent)), None)
     if tested in (None, "untested"):
         with quiet():  # the verdict must rest on the independence test
             base = execute(replace(plan, explain=None, keep=False, progress=False), model)

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import pandas as pd
 
-from divtrace.align.sites import ROOT
 from divtrace.explain.mixed import parted
+from divtrace.explain.probe import Findings, output_rows
 from divtrace.explain.rounding import CHECK, MODELS, budget, two_models
 from divtrace.words import sci
 
@@ -64,13 +64,13 @@ class Verdict:
     sentence: str
 
 
-def _entries(table: pd.DataFrame, first: pd.Series, probes: Probes
+def _entries(table: pd.DataFrame, first: pd.Series, meta: Meta, probes: Probes
              ) -> list[tuple[pd.Series, float, str]]:
     """Where error enters: ``(row, its error, how it was seen)``; in order of preference
     when two tie."""
     found = [(row, row["rel_l2"], "source") for _, row in table[table["role"] == "source"]
              .iterrows()]
-    found += [entry for probe in probes for entry in probe.entries(table)]
+    found += list(_found(table, meta, probes).entries)
     found.append((first, first["rel_l2"], "first"))
     jumps = table[table["leaf"] & (table["op"] == "") & (table["growth"] > JUMP)]
     found += [(row, row["rel_l2"], "jump") for _, row in jumps.iterrows()]
@@ -90,11 +90,6 @@ def _subject(row: pd.Series, error: float, seen: str) -> str:
                  f"{row['growth']:.3g}×")
         return f"the error grows {grows} at {where}, to {size.removeprefix('by ')}"
     return f"the runs first part at {where} {size}"
-
-
-def _outputs(table: pd.DataFrame) -> pd.DataFrame:
-    """The rows of the model's output tensors (every one, when it returns several)."""
-    return table[(table["module"] == ROOT) & (table["call"] == 0) & (table["op"] == "")]
 
 
 def _by_design(table: pd.DataFrame, meta: Meta, mixing: tuple[str, str] | None
@@ -146,6 +141,15 @@ def _first(found: Iterable[T | None]) -> T | None:
     return next((item for item in found if item is not None), None)
 
 
+def _found(table: pd.DataFrame, meta: Meta, probes: Probes) -> Findings:
+    """What the probes found, together: of each finding the first probe's that has one,
+    and every probe's entries."""
+    each = [probe.findings(table, meta) for probe in probes]
+    return Findings(**{name: _first(getattr(f, name) for f in each) for name in (
+        "mixing", "independent", "designed", "precise", "beyond")},
+        entries=tuple(entry for f in each for entry in f.entries))
+
+
 def _units(error: float, u_op: float, name: str) -> str:
     """``, 7.5 units of float32 rounding`` (nothing for an infinite error)."""
     return "" if math.isinf(error) else f", {error / u_op:.3g} units of {name} rounding"
@@ -167,7 +171,7 @@ def _unmeasurable(tested: str, meta: Meta) -> Verdict:
 def _apart(table: pd.DataFrame, meta: Meta, probes: Probes
            ) -> tuple[tuple[str, str] | None, str | None]:
     """What the probes found of batch mixing, and why the runs differ by design."""
-    mixing = _first(p.mixing(table, meta) for p in probes)
+    mixing = _found(table, meta, probes).mixing
     return mixing, _by_design(table, meta, mixing)
 
 
@@ -200,14 +204,15 @@ def judge(table: pd.DataFrame, meta: Meta, probes: Probes = ()) -> Verdict:
         noun = "site is" if len(ok) == 1 else f"{len(ok)} compared sites are"
         return Verdict("identical", f"Verdict: identical — {'the one' if len(ok) == 1 else 'all'}"
                                     f" {noun} bit-identical in both runs.")
-    designed = _first(p.designed(table, meta) for p in probes)
+    found = _found(table, meta, probes)
+    designed = found.designed
     if designed is not None:
         return Verdict("not rounding", f"Verdict: not rounding — {designed[1]}")
-    tested = _first(p.independent(meta) for p in probes) or "untested"
-    precise = _first(p.precise(table, meta) for p in probes) or "untested"
+    tested = found.independent or "untested"
+    precise = found.precise or "untested"
     sized = _sized(ok, diverged, tested)
     worst: tuple[float, Any] | None = None
-    entries = _entries(sized, sized[sized["mismatch"] > 0].iloc[0], probes)
+    entries = _entries(sized, sized[sized["mismatch"] > 0].iloc[0], meta, probes)
     for row, error, seen in entries:
         limit, u_op, name = budget(row["dtype"], meta)
         share = error / limit if limit > 0 else math.inf
@@ -225,7 +230,7 @@ def judge(table: pd.DataFrame, meta: Meta, probes: Probes = ()) -> Verdict:
             f"Verdict: not rounding — {_subject(row, error, seen)}"
             f"{_units(error, u_op, name)}, far beyond the "
             f"{sci(limit)} a reordered sum can give. {hint}"))
-    reason = _first(p.beyond(_outputs(table), meta) for p in probes)
+    reason = found.beyond
     if reason is not None:
         return Verdict("not rounding", f"Verdict: not rounding — {reason}")
     return _rounding(table, entries, meta, tested, precise)
@@ -289,4 +294,4 @@ def _rounding(table: pd.DataFrame, entries: list[tuple[pd.Series, float, str]], 
     return Verdict("rounding", (
         f"Verdict: rounding — {_subject(row, error, seen)}{_units(error, u_op, name)}, "
         f"{size} the {sci(limit)} a reordered sum can give"
-        f"{_at_output(_outputs(table), row)}. {_ending(tested, precise, meta)}"))
+        f"{_at_output(output_rows(table), row)}. {_ending(tested, precise, meta)}"))
