@@ -283,6 +283,19 @@ def test_a_kind_of_ones_own_runs_through_the_pipeline(tmp_path: Path) -> None:
     assert again.verdict == result.verdict
 
 
+def test_a_kind_for_a_plain_batch_refuses_prompts() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=50)
+    model = transformers.LlamaForCausalLM(config).eval()
+    prompts = divtrace.Prompts([torch.tensor([3, 4, 5]), torch.tensor([6, 7])],
+                               pad_token_id=0)
+    with pytest.raises(divtrace.DivtraceValueError, match="derive the kind from divtrace"):
+        divtrace.compare(model, prompts, kind=Autocast, progress=False)
+
+
 def test_the_command_line_takes_a_kind(tmp_path: Path, capsys: Any) -> None:
     from divtrace.cli import main
 

@@ -16,10 +16,12 @@ from typing import Any, ClassVar
 
 import torch
 
+from divtrace.errors import DivtraceValueError
 from divtrace.measure.host import Host
 from divtrace.measure.meter import Meter
 from divtrace.plan.inputs import BatchedInput
 from divtrace.plan.make import Plan
+from divtrace.plan.prompts import RaggedInput
 from divtrace.plan.runs import Run
 from divtrace.record.recorder import Sink
 from divtrace.record.rows import RowStore
@@ -71,7 +73,14 @@ class Kind:
 
     def check(self, plan: Plan) -> None:
         """Refuses a plan this kind cannot carry out (a :class:`DivtraceValueError` that
-        names the fix); called before anything runs."""
+        names the fix); called before anything runs. This one reads a plain batch:
+        prompts of different lengths need their own row stores."""
+        if isinstance(plan.batch, RaggedInput):
+            raise DivtraceValueError(
+                f"the kind {self.name!r} reads a plain batch, and x is Prompts of different "
+                f"lengths: derive the kind from divtrace.kinds.prompts.Ragged (its row "
+                f"stores and meters compare each prompt's real tokens), or pass a padded "
+                f"tensor")
 
     def store(self, plan: Plan, samples: list[int], *, offload: bool = False,
               pinned: bool = False, learn_lineage: bool = True) -> RowStore:
