@@ -7,7 +7,7 @@ Every remedy applies in production code the same way::
         y = model(x)
 """
 
-from divtrace.remedies.kinds import (
+from divtrace.remedies.catalog import (
     CudnnOff,
     Deterministic,
     FixedBatch,

@@ -20,8 +20,7 @@ from divtrace.kinds.registry import kind_of
 from divtrace.pipeline import execute
 from divtrace.plan.make import Plan
 from divtrace.plan.runs import backend_flags
-from divtrace.remedies.cost import costs, quiet
-from divtrace.remedies.kinds import (
+from divtrace.remedies.catalog import (
     REDUCTIONS,
     CudnnOff,
     Deterministic,
@@ -30,6 +29,7 @@ from divtrace.remedies.kinds import (
     MathAttention,
     PrecisionOff,
 )
+from divtrace.remedies.cost import costs, quiet
 from divtrace.remedies.remedy import Custom, Remedy, Scoped, Situation
 from divtrace.remedies.result import Remedies
 from divtrace.report.comparison import Comparison
