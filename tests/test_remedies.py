@@ -426,3 +426,24 @@ def test_a_fixed_batch_pads_both_runs_when_both_are_chunked() -> None:
         fours = torch.cat([model(x[i:i + 4]) for i in (0, 4)])
         ones = torch.cat([model(x[i:i + 1]) for i in range(8)])
     assert torch.equal(fours, ones)
+
+
+def test_the_float64_remedy_runs_experts_on_grouped_mm() -> None:
+    transformers = pytest.importorskip("transformers")
+    from divtrace.remedies.catalog import Float64
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=50, num_local_experts=4, num_experts_per_tok=2)
+    model = transformers.MixtralForCausalLM(config).eval()
+    if model.config._experts_implementation != "grouped_mm":
+        pytest.skip("this transformers runs its experts another way")
+    x = torch.randint(1, 50, (2, 5))
+    with torch.no_grad():
+        plain = model(x).logits.double()
+        with Float64().applied(model):  # grouped_mm takes no float64: eager meanwhile
+            assert model.config._experts_implementation == "eager"
+            upcast = model(x).logits.double()
+    assert model.config._experts_implementation == "grouped_mm"  # put back
+    assert float((upcast - plain).norm() / plain.norm()) < 1e-5  # the same model, nearer float64

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import copy
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,21 +29,25 @@ from divtrace.plan.precision import (
     set_tf32,
 )
 
-__all__ = ["Resources", "Run", "backend_flags"]
+__all__ = ["Resources", "Run", "backend_flags", "eager_experts"]
 
 _PRECISIONS = ("highest", "high", "medium")
 
 
-def _experts_eager(model: nn.Module) -> None:
-    """A copy cast to float64 runs its mixture-of-experts layers eagerly where they ran on
-    ``grouped_mm``, which takes no float64 (``transformers``' experts implementations);
-    in float64 the implementation changes nothing but the order of exact-enough sums."""
+def eager_experts(model: nn.Module) -> list[Callable[[], object]]:
+    """Runs ``model``'s mixture-of-experts layers eagerly where they run on
+    ``grouped_mm``, which takes no float64 (``transformers``' experts implementations;
+    in float64 the implementation changes nothing but the order of exact-enough sums).
+    Returns what puts each one back."""
+    back: list[Callable[[], object]] = []
     for module in model.modules():
         config = getattr(module, "config", None)
         switch: Any = getattr(module, "set_experts_implementation", None)
         if getattr(config, "_experts_implementation", None) == "grouped_mm" and callable(
                 switch):
             switch("eager")
+            back.append(partial(switch, "grouped_mm"))
+    return back
 
 
 def backend_flags() -> dict[str, Any]:
@@ -154,7 +159,7 @@ class Run:
         if self.dtype is not None:
             mine = mine.to(self.dtype)
             if self.dtype == torch.float64:
-                _experts_eager(mine)
+                eager_experts(mine)  # a copy: nothing to put back
         if self.channels_last:
             mine = mine.to(memory_format=torch.channels_last)
         if self.compile:

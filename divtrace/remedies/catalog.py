@@ -15,6 +15,7 @@ from divtrace.align.sites import ROOT
 from divtrace.compat import modes_off, pytree
 from divtrace.errors import DivtraceValueError
 from divtrace.plan.precision import set_tf32
+from divtrace.plan.runs import eager_experts
 from divtrace.remedies.remedy import Remedy, Scoped, Situation, targets
 
 __all__ = ["CudnnOff", "Deterministic", "FixedBatch", "Float64", "MathAttention",
@@ -123,6 +124,8 @@ class Float64(Scoped):
 
     def enter(self, model: nn.Module, stack: ExitStack) -> None:
         chosen = [model] if self.modules is None else targets(model, self.modules)
+        for back in eager_experts(model):  # grouped_mm takes no float64
+            stack.callback(back)
 
         def enter(module: nn.Module, args: tuple[Any, ...]) -> Leave:
             dtype = next((t.dtype for t in pytree.tree_leaves(args)
