@@ -250,6 +250,22 @@ def tiny_llama() -> nn.Module:
     return transformers.LlamaForCausalLM(config).eval()
 
 
+def grouped_mm_mixtral() -> nn.Module:
+    """A random-init one-layer Mixtral whose experts run on ``grouped_mm`` (skips where
+    ``transformers`` is missing or runs them another way)."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=50, num_local_experts=4, num_experts_per_tok=2)
+    model = transformers.MixtralForCausalLM(config).eval()
+    if model.config._experts_implementation != "grouped_mm":
+        pytest.skip("this transformers runs its experts another way")
+    return model
+
+
 class ShapeBias(nn.Module):
     """A bug: the output depends on the batch size."""
 

@@ -429,16 +429,9 @@ def test_a_fixed_batch_pads_both_runs_when_both_are_chunked() -> None:
 
 
 def test_the_float64_remedy_runs_experts_on_grouped_mm() -> None:
-    transformers = pytest.importorskip("transformers")
     from divtrace.remedies.catalog import Float64
 
-    torch.manual_seed(0)
-    config = transformers.MixtralConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=50, num_local_experts=4, num_experts_per_tok=2)
-    model = transformers.MixtralForCausalLM(config).eval()
-    if model.config._experts_implementation != "grouped_mm":
-        pytest.skip("this transformers runs its experts another way")
+    model = models.grouped_mm_mixtral()
     x = torch.randint(1, 50, (2, 5))
     with torch.no_grad():
         plain = model(x).logits.double()

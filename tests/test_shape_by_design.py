@@ -481,14 +481,7 @@ def test_a_function_asked_for_float32_computes_in_float64() -> None:
 
 
 def test_experts_on_grouped_mm_run_in_float64() -> None:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.MixtralConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=50, num_local_experts=4, num_experts_per_tok=2)
-    model = transformers.MixtralForCausalLM(config).eval()
-    if model.config._experts_implementation != "grouped_mm":
-        pytest.skip("this transformers runs its experts another way")
+    model = models.grouped_mm_mixtral()
     x = torch.randint(1, 50, (4, 7))
     result = divtrace.compare(model, x, explain=["fp64", "-independence"], progress=False)
     assert model.config._experts_implementation == "grouped_mm"  # the user's model as it was
