@@ -21,7 +21,7 @@ import torch
 
 from divtrace.commands import add_command, compact
 from divtrace.errors import DivtraceError
-from divtrace.target import Raised, UsageError, kind_of, load, placed
+from divtrace.target import Raised, UsageError, load, named_kind, placed
 from divtrace.version import __version__
 from divtrace.words import readable
 
@@ -75,7 +75,7 @@ def _compare(args: argparse.Namespace) -> int:
             explain=explain, rtol=args.rtol, atol=args.atol, allow_train=args.allow_train,
             a=_run(args.a, "--a"), b=_run(args.b, "--b"),
             resources=divtrace.Resources(offload=args.offload, graphs=graphs),
-            progress=not args.no_progress, kind=kind_of(args.kind))
+            progress=not args.no_progress, kind=named_kind(args.kind))
     except (UsageError, DivtraceError):
         raise
     except Exception as exc:

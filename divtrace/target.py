@@ -13,7 +13,7 @@ import torch
 
 from divtrace.compat import pytree
 
-__all__ = ["DTYPES", "Raised", "UsageError", "called", "checked_device", "kind_of", "load",
+__all__ = ["DTYPES", "Raised", "UsageError", "called", "checked_device", "load", "named_kind",
            "placed", "training"]
 
 
@@ -63,7 +63,7 @@ def load(spec: str) -> tuple[torch.nn.Module, Any]:
     return made[0], made[1]
 
 
-def kind_of(spec: str | None) -> Any:
+def named_kind(spec: str | None) -> Any:
     """The kind ``--kind`` names: what ``path/to/file.py:Name`` gives when called (a
     :class:`divtrace.Kind` class, or a function that returns one; None: none named)."""
     if spec is None:

@@ -80,8 +80,9 @@ def _step_figures(b: torch.Tensor, s: torch.Tensor) -> np.ndarray:
     logits against the split run's, as every site's are measured (the measure layer's
     fields: NaN against NaN is no mismatch), then each run's margin."""
     rtol, atol = tolerances(b.dtype, None, None)
-    fields = pair_fields(b, s, rtol, atol, max(1, b.shape[-1])).cpu().numpy()
-    mismatch = fields[:, INDEX["mismatch"]] / max(1, b.shape[-1])
+    width = max(1, b.shape[-1])
+    fields = pair_fields(b, s, rtol, atol, width).cpu().numpy()
+    mismatch = fields[:, INDEX["mismatch"]] / width
     rel = rel_l2(np.sqrt(fields[:, INDEX["sq_diff"]]), np.sqrt(fields[:, INDEX["sq_ref"]]))
     margins = torch.stack([_top2(s.double()), _top2(b.double())]).cpu().numpy()
     return np.vstack([mismatch, np.asarray(rel), fields[:, INDEX["max_abs"]], margins])

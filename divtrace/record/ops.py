@@ -146,6 +146,7 @@ class _OpMode(TorchDispatchMode):
         self.depth = recorder.depth
         self.kinds: dict[Any, Kind] = {}
         self.written: dict[Any, tuple[int, ...]] = {}
+        self.dim_at: dict[Any, int | None] = {}  # per op: the place of its ``dim`` argument
         self.sites: dict[tuple[str, int, Any, int, str], Site] = {}
 
     def scope(self) -> str | None:
@@ -218,8 +219,10 @@ class _OpMode(TorchDispatchMode):
     def _along(self, key: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                first: torch.Tensor) -> None:
         """Notes that the op at ``key`` takes a ``dim`` that is the batch's."""
-        schema = func._schema.arguments
-        at = next((i for i, arg in enumerate(schema) if arg.name == "dim"), None)
+        if func not in self.dim_at:  # read from the schema once per op
+            self.dim_at[func] = next((i for i, arg in enumerate(func._schema.arguments)
+                                      if arg.name == "dim"), None)
+        at = self.dim_at[func]
         if at is None or first.dim() == 0:
             return
         value = args[at] if at < len(args) else kwargs.get("dim")

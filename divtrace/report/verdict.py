@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import pandas as pd
@@ -64,13 +64,13 @@ class Verdict:
     sentence: str
 
 
-def _entries(table: pd.DataFrame, first: pd.Series, meta: Meta, probes: Probes
+def _entries(table: pd.DataFrame, first: pd.Series, findings: Findings
              ) -> list[tuple[pd.Series, float, str]]:
-    """Where error enters: ``(row, its error, how it was seen)``; in order of preference
-    when two tie."""
+    """Where error enters among ``table``'s rows: ``(row, its error, how it was seen)``;
+    in order of preference when two tie."""
     found = [(row, row["rel_l2"], "source") for _, row in table[table["role"] == "source"]
              .iterrows()]
-    found += list(_found(table, meta, probes).entries)
+    found += [entry for entry in findings.entries if entry[0].name in table.index]
     found.append((first, first["rel_l2"], "first"))
     jumps = table[table["leaf"] & (table["op"] == "") & (table["growth"] > JUMP)]
     found += [(row, row["rel_l2"], "jump") for _, row in jumps.iterrows()]
@@ -145,9 +145,9 @@ def _found(table: pd.DataFrame, meta: Meta, probes: Probes) -> Findings:
     """What the probes found, together: of each finding the first probe's that has one,
     and every probe's entries."""
     each = [probe.findings(table, meta) for probe in probes]
-    return Findings(**{name: _first(getattr(f, name) for f in each) for name in (
-        "mixing", "independent", "designed", "precise", "beyond")},
-        entries=tuple(entry for f in each for entry in f.entries))
+    firsts = {f.name: _first(getattr(one, f.name) for one in each)
+              for f in fields(Findings) if f.name != "entries"}
+    return Findings(**firsts, entries=tuple(entry for one in each for entry in one.entries))
 
 
 def _units(error: float, u_op: float, name: str) -> str:
@@ -168,18 +168,17 @@ def _unmeasurable(tested: str, meta: Meta) -> Verdict:
         f"the independence test did not decide."))
 
 
-def _apart(table: pd.DataFrame, meta: Meta, probes: Probes
+def _apart(table: pd.DataFrame, meta: Meta, found: Findings
            ) -> tuple[tuple[str, str] | None, str | None]:
     """What the probes found of batch mixing, and why the runs differ by design."""
-    mixing = _found(table, meta, probes).mixing
-    return mixing, _by_design(table, meta, mixing)
+    return found.mixing, _by_design(table, meta, found.mixing)
 
 
 def blocked(table: pd.DataFrame, meta: Meta, probes: Probes = ()) -> str | None:
     """Why the runs differ for reasons that are not numerical, so that no kernel or
     precision setting can make them agree: by design (train mode, random draws, other
     modules run) or because the samples mix (None: neither was found)."""
-    mixing, reason = _apart(table, meta, probes)
+    mixing, reason = _apart(table, meta, _found(table, meta, probes))
     if reason is not None:
         return reason
     return None if mixing is None else mixing[1]
@@ -190,7 +189,8 @@ def judge(table: pd.DataFrame, meta: Meta, probes: Probes = ()) -> Verdict:
     (those that explain the comparison) add what they found: batch mixing, how far the
     samples were shown independent, where error enters, what floating point does not
     explain."""
-    mixing, reason = _apart(table, meta, probes)
+    found = _found(table, meta, probes)  # asked of the probes once
+    mixing, reason = _apart(table, meta, found)
     if reason is not None:
         return Verdict("not rounding", f"Verdict: not rounding — {reason}")
     ok = table[table["status"] == "ok"]
@@ -204,7 +204,6 @@ def judge(table: pd.DataFrame, meta: Meta, probes: Probes = ()) -> Verdict:
         noun = "site is" if len(ok) == 1 else f"{len(ok)} compared sites are"
         return Verdict("identical", f"Verdict: identical — {'the one' if len(ok) == 1 else 'all'}"
                                     f" {noun} bit-identical in both runs.")
-    found = _found(table, meta, probes)
     designed = found.designed
     if designed is not None:
         return Verdict("not rounding", f"Verdict: not rounding — {designed[1]}")
@@ -212,7 +211,7 @@ def judge(table: pd.DataFrame, meta: Meta, probes: Probes = ()) -> Verdict:
     precise = found.precise or "untested"
     sized = _sized(ok, diverged, tested)
     worst: tuple[float, Any] | None = None
-    entries = _entries(sized, sized[sized["mismatch"] > 0].iloc[0], meta, probes)
+    entries = _entries(sized, sized[sized["mismatch"] > 0].iloc[0], found)
     for row, error, seen in entries:
         limit, u_op, name = budget(row["dtype"], meta)
         share = error / limit if limit > 0 else math.inf
