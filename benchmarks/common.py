@@ -92,7 +92,7 @@ def _translated(package: Any, options: dict[str, Any]) -> dict[str, Any]:
     """Options made with this divtrace's classes, remade with ``package``'s."""
     out = dict(options)
     if "explain" in out:
-        out["explain"] = [package.Repeat(p.passes) if isinstance(p, divtrace.Repeat) else p
+        out["explain"] = [package.Repeat(p.times) if isinstance(p, divtrace.Repeat) else p
                           for p in out["explain"]]
     if "resources" in out:
         given = out["resources"]

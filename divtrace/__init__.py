@@ -20,19 +20,23 @@ from divtrace.errors import (
     DivtraceValueError,
     DivtraceWarning,
 )
+from divtrace.explain.context import Context
 from divtrace.explain.fp64 import Fp64
 from divtrace.explain.independence import Independence
 from divtrace.explain.kernels import Kernels
 from divtrace.explain.local import Local
 from divtrace.explain.observer import Observer
 from divtrace.explain.precision import Precision
-from divtrace.explain.probe import Findings, Probe, output_rows
+from divtrace.explain.probe import Explained, Findings, Hooks, Judged, Probe, Spec, output_rows
 from divtrace.explain.registry import EXPLAIN_COLUMNS
 from divtrace.explain.repeat import Repeat
+from divtrace.explain.view import TableView
 from divtrace.generate.result import Generation
 from divtrace.generation import compare_generate
 from divtrace.io import load
 from divtrace.kinds.kind import Kind
+from divtrace.measure.host import Deferred
+from divtrace.measure.measured import Measured
 from divtrace.plan.prompts import Prompts
 from divtrace.plan.runs import Resources, Run
 from divtrace.report.comparison import Comparison
@@ -50,19 +54,25 @@ __all__ = [
     "BatchMixingError",
     "BatchSweep",
     "Comparison",
+    "Context",
+    "Deferred",
     "Diff",
     "DivtraceAttributeError",
     "DivtraceError",
     "DivtraceTypeError",
     "DivtraceValueError",
     "DivtraceWarning",
+    "Explained",
     "Findings",
     "Fp64",
     "Generation",
+    "Hooks",
     "Independence",
+    "Judged",
     "Kernels",
     "Kind",
     "Local",
+    "Measured",
     "Observer",
     "Precision",
     "Probe",
@@ -70,7 +80,9 @@ __all__ = [
     "Repeat",
     "Resources",
     "Run",
+    "Spec",
     "Sweep",
+    "TableView",
     "__version__",
     "compare",
     "compare_backward",

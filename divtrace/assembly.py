@@ -14,7 +14,6 @@ from torch import nn
 
 from divtrace.align.sites import ROOT
 from divtrace.errors import DivtraceValueError
-from divtrace.explain.local import Local
 from divtrace.explain.probe import Probe
 from divtrace.explain.registry import probes_for
 from divtrace.measure.figures import FIGURES, Figure
@@ -44,27 +43,27 @@ class Parts:
     def passes(self, plan: Plan) -> int:
         """Forward passes in all, for the progress bar."""
         return (len(plan.a_chunks) + max(1, len(plan.b_chunks))
-                + sum(probe.passes for probe in self.probes))
+                + sum(probe.hooks().passes for probe in self.probes))
 
     def keeps_batched(self, plan: Plan) -> bool:
         """Whether the measured run's compared rows are kept (asked for, or needed)."""
-        return plan.keep or any(probe.keeps_batched for probe in self.probes)
+        return plan.keep or any("b_kept" in probe.spec.needs for probe in self.probes)
 
     @property
     def prints_batched(self) -> bool:
         """Whether the measured run's compared rows are fingerprinted."""
-        return any(probe.prints_batched for probe in self.probes)
+        return any("b_prints" in probe.spec.needs for probe in self.probes)
 
 
 def parts_for(plan: Plan, model: nn.Module) -> Parts:
     """The parts that ``plan`` asks for: each probe is checked against the model here."""
     probes = probes_for(plan.explain, model)
-    needing = [probe.label for probe in probes if probe.whole_batch]
+    needing = [probe.label for probe in probes if "whole_batch" in probe.spec.needs]
     if plan.b.chunk is not None and needing:
         raise DivtraceValueError(
             f"explain={needing} need(s) run b to take the whole batch in one pass; got "
             f"b=Run(chunk={plan.b.chunk}). Swap a and b, or leave them out of explain=")
-    through_views = not any(isinstance(probe, Local) for probe in probes)
+    through_views = not any("op_inputs" in probe.spec.needs for probe in probes)
     return Parts(probes, FIGURES, _recorder(plan, through_views))
 
 

@@ -18,7 +18,8 @@ from torch import nn
 
 from divtrace.assembly import Parts, parts_for
 from divtrace.errors import BatchMixingError, DivtraceValueError, DivtraceWarning
-from divtrace.explain.probe import Context, Probe
+from divtrace.explain.context import Context
+from divtrace.explain.probe import Hooks, Probe
 from divtrace.explain.roles import Roles
 from divtrace.kinds.kind import Kind
 from divtrace.kinds.registry import kind_of
@@ -140,13 +141,21 @@ def _meta(plan: Plan, ctx: Context, stored_bytes: int, draws: RandomDraws,
 
 
 def _meter(plan: Plan, ctx: Context, host: Host, parts: Parts,
-           probes: tuple[Probe, ...]) -> Meter:
+           hooks: list[Hooks]) -> Meter:
     """The measured run's meter, as the kind makes it."""
-    sites = [partial(p.on_site, ctx) for p in probes if p.watches_sites]
-    calls = [partial(p.on_call, ctx) for p in probes if p.watches_calls]
+    sites = [partial(h.site, ctx) for h in hooks if h.site is not None]
+    calls = [partial(h.call, ctx) for h in hooks if h.call is not None]
     return ctx.kind.meter(plan, ctx.store, host, keep=parts.keeps_batched(plan),
                           prints=parts.prints_batched, site_watchers=sites,
                           call_watchers=calls)
+
+
+def _each(hooks: list[Hooks], when: str, ctx: Context) -> None:
+    """The probes' hooks of that time (``before``, ``start``, ``after``), in order."""
+    for hook in hooks:
+        work = getattr(hook, when)
+        if work is not None:
+            work(ctx)
 
 
 def _kind(plan: Plan) -> Kind:
@@ -186,17 +195,15 @@ def execute(plan: Plan, model: nn.Module, parts: Parts | None = None,
                       check=_random_check(plan, draws, (reference, compared)),
                       copies=InputCopies(plan.batch), recorder=parts.recorder,
                       probes=probes, kind=kind)
-        for probe in probes:
-            probe.before(ctx)
+        hooks = [probe.hooks() for probe in probes]
+        _each(hooks, "before", ctx)
         ctx.store = record(ctx, reference, plan.a_chunks)
         stored_bytes = ctx.store.stored_bytes
-        meter = ctx.meter = _meter(plan, ctx, host, parts, probes)
-        for probe in probes:
-            probe.start(ctx)
+        meter = ctx.meter = _meter(plan, ctx, host, parts, hooks)
+        _each(hooks, "start", ctx)
         _measure(ctx, meter)
         meter.flush()  # the queued copies go before the probes' passes
-        for probe in probes:
-            probe.after(ctx)
+        _each(hooks, "after", ctx)
         for site in meter.sites:
             site.prints = None  # the probes are done with them
             if not plan.keep:

@@ -353,17 +353,19 @@ def test_a_layer_that_copies_values_is_not_headlined_as_amplifying() -> None:
 def test_the_float64_sentence_says_how_far_apart_the_runs_are() -> None:
     import pandas as pd
 
+    from divtrace.explain.probe import Judged
     from divtrace.report.meta import Meta
 
-    class Result:  # the output row and the runs' names are all the sentence reads
-        def __init__(self, batched: float, split: float) -> None:
-            self.output = pd.Series({"b_err_fp64": batched, "a_err_fp64": split})
-            self.meta = Meta(4, 1, (0,), 0, 4, 0, None, None, False, "")
+    def result(batched: float, split: float) -> Judged:  # the output row and the names
+        table = pd.DataFrame({"module": ["(model)"], "call": [0], "op": [""],
+                              "dtype": ["float32"], "b_err_fp64": [batched],
+                              "a_err_fp64": [split], "role": [""]})
+        return Judged(table, Meta(4, 1, (0,), 0, 4, 0, None, None, False, ""))
 
-    apart = divtrace.Fp64.sentences(Result(5.1e-7, 1.5e-6))[0]  # type: ignore[arg-type]
+    apart = divtrace.Fp64.explain(result(5.1e-7, 1.5e-6)).sentences[0]
     assert "the split run is 2.94× further from it than the batched run" in apart
     assert "neither" not in apart
-    close = divtrace.Fp64.sentences(Result(1.0e-6, 1.1e-6))[0]  # type: ignore[arg-type]
+    close = divtrace.Fp64.explain(result(1.0e-6, 1.1e-6)).sentences[0]
     assert "neither run is clearly closer" in close
 
 

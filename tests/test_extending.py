@@ -20,10 +20,7 @@ from torch.overrides import TorchFunctionMode
 import divtrace
 from divtrace.align.sites import Site, site_key
 from divtrace.assembly import parts_for
-from divtrace.explain.probe import Context, TableView
 from divtrace.measure.figures import Figure, SiteFields
-from divtrace.measure.host import Deferred
-from divtrace.measure.measured import Measured
 from divtrace.pipeline import execute
 from divtrace.plan.make import make_plan
 from divtrace.record.recorder import Recorder, Sink, Tracker
@@ -60,26 +57,29 @@ def test_a_column_is_one_figure() -> None:
 class BatchedNorm(divtrace.Probe):
     """The norm of run b's compared rows at every site: a column and a sentence."""
 
-    columns = ("b_norm",)
-    shown = ("b_norm",)
+    spec = divtrace.Spec(columns=("b_norm",), shown=("b_norm",))
 
     def __init__(self) -> None:
-        self.found: dict[str, Deferred] = {}
+        self.found: dict[str, divtrace.Deferred] = {}
 
-    def on_site(self, ctx: Context, measured: Measured, tensor: torch.Tensor,
-                rows: torch.Tensor) -> None:
-        norm = torch.linalg.vector_norm(ctx.store.pick(tensor).double()).reshape(1)
-        self.found[measured.site.key] = ctx.host.add(norm)  # fetched with the rest
+    def hooks(self) -> divtrace.Hooks:
+        return divtrace.Hooks(site=self.norm)
 
-    def fill(self, rows: list[dict[str, Any]], view: TableView) -> None:
+    def norm(self, ctx: divtrace.Context, measured: divtrace.Measured, tensor: torch.Tensor,
+             rows: torch.Tensor) -> None:
+        norm = torch.linalg.vector_norm(ctx.pick(tensor).double()).reshape(1)
+        self.found[measured.site.key] = ctx.later(norm)  # fetched with the rest
+
+    def fill(self, rows: list[dict[str, Any]], view: divtrace.TableView) -> None:
         for row in rows:
             if row["site"] in self.found:
                 row["b_norm"] = float(self.found[row["site"]].get()[0])
 
     @classmethod
-    def sentences(cls, result: divtrace.Comparison) -> list[str]:
+    def explain(cls, result: divtrace.Judged) -> divtrace.Explained:
         top = result.table.loc[result.table["b_norm"].idxmax()]
-        return [f"The largest norm in run b is {top['b_norm']:.3g}, at '{top['site']}'."]
+        return divtrace.Explained(
+            (f"The largest norm in run b is {top['b_norm']:.3g}, at '{top['site']}'.",))
 
 
 def test_a_probe_adds_its_column_and_its_sentence() -> None:
@@ -218,10 +218,10 @@ def test_a_probe_of_ones_own_can_overrule_rounding() -> None:
         """The output's rel_l2 must stay under 1e-9, whatever floating point allows."""
 
         @classmethod
-        def findings(cls, table: Any, meta: Any) -> divtrace.Findings:
-            worst = float(divtrace.output_rows(table)["rel_l2"].max())
-            return divtrace.Findings(
-                beyond=f"the output parts by {worst:.3g}, over 1e-9" if worst > 1e-9 else None)
+        def explain(cls, result: divtrace.Judged) -> divtrace.Explained:
+            worst = float(divtrace.output_rows(result.table)["rel_l2"].max())
+            return divtrace.Explained(findings=divtrace.Findings(
+                beyond=f"the output parts by {worst:.3g}, over 1e-9" if worst > 1e-9 else None))
 
     model, x = models.variant_mlp(), torch.randn(8, 16)
     assert divtrace.compare(model, x, progress=False).verdict == "rounding"
@@ -318,3 +318,17 @@ def test_the_command_line_takes_a_kind(tmp_path: Path, capsys: Any) -> None:
     assert divtrace.load(saved).meta.kind == "autocast"
     assert main(["compare", f"{target}:pair", "--kind", f"{target}:pair"]) == 2
     assert "must give a divtrace.Kind; got tuple" in capsys.readouterr().err
+
+
+def test_a_probe_written_for_the_old_seam_is_refused_with_the_fix() -> None:
+    with pytest.raises(divtrace.DivtraceTypeError, match=r"columns: spec = Spec\(columns=") as e:
+        class Old(divtrace.Probe):
+            columns = ("b_norm",)
+
+            def on_site(self, ctx: Any, measured: Any, tensor: Any, rows: Any) -> None:
+                pass
+    assert "on_site: hooks() returns Hooks(site=...)" in str(e.value)
+    with pytest.raises(divtrace.DivtraceValueError, match=r"needs=.*'whole_batch'"):
+        divtrace.Spec(needs=frozenset({"whole batch"}))
+    with pytest.raises(divtrace.DivtraceValueError, match=r"shown=.*among its columns"):
+        divtrace.Spec(columns=("a",), shown=("b",))

@@ -193,3 +193,23 @@ def test_the_architecture_page_is_short() -> None:
     page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
     assert len(page.splitlines()) < 200  # a newcomer's page; the detail in internals.md
     assert "internals.md" in page
+
+
+def test_the_probe_seam_is_narrow() -> None:
+    import divtrace
+
+    members = sorted(name for name in vars(divtrace.Probe) if not name.startswith("_"))
+    assert members == ["check", "explain", "fill", "hooks", "label", "note", "settings", "spec"]
+    assert len(members) <= 8
+    # what a probe is read from its spec; no probe in the package sets the old attributes
+    old = {"name", "default", "columns", "shown", "leads", "passes", "blank", "whole_batch",
+           "keeps_batched", "prints_batched", "sentences", "findings", "by_default",
+           "before", "start", "on_site", "on_call", "after"}
+    from divtrace.explain.registry import PROBES
+
+    for probe in PROBES:
+        assert not old & set(vars(probe)), (probe.__name__, old & set(vars(probe)))
+    # the core asks a probe's spec, not its type
+    for module in ("assembly.py", "pipeline.py"):
+        text = (PACKAGE / module).read_text()
+        assert "isinstance(probe, " not in text, module

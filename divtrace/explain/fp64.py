@@ -9,16 +9,19 @@ import pandas as pd
 import torch
 
 from divtrace.align.ragged import joined
+from divtrace.explain.context import Context
 from divtrace.explain.probe import (
-    Context,
+    Explained,
     Findings,
+    Hooks,
     Judged,
     Probe,
     Settings,
-    TableView,
+    Spec,
     output_rows,
 )
 from divtrace.explain.rounding import CHECK, budget
+from divtrace.explain.view import TableView
 from divtrace.measure.host import Deferred
 from divtrace.measure.measured import Measured
 from divtrace.plan.runs import Run
@@ -49,17 +52,15 @@ class Fp64(Probe):
     """``"fp64"``: a float64 copy of the model (the user's stays untouched) runs
     the compared samples first; each run's rel_l2 against it, per site."""
 
-    name: ClassVar[str] = "fp64"
-    columns: ClassVar[tuple[str, ...]] = ("a_err_fp64", "b_err_fp64")
-    shown: ClassVar[tuple[str, ...]] = columns
-    passes = 1
+    spec: ClassVar[Spec] = Spec(name="fp64", columns=("a_err_fp64", "b_err_fp64"),
+                                shown=("a_err_fp64", "b_err_fp64"))
 
     def __init__(self) -> None:
         self.found: dict[str, Deferred] = {}
         self._truth: RowStore | None = None
 
 
-    def before(self, ctx: Context) -> None:
+    def _before(self, ctx: Context) -> None:
         """Runs the float64 copy on the compared samples and stores every site's rows."""
         ctx.progress.stage("float64 truth run")
         plan = ctx.plan
@@ -73,7 +74,7 @@ class Fp64(Probe):
                        check=ctx.check)
         ctx.progress.advance()
 
-    def on_site(self, ctx: Context, measured: Measured, tensor: torch.Tensor,
+    def _on_site(self, ctx: Context, measured: Measured, tensor: torch.Tensor,
                 rows: torch.Tensor) -> None:
         stored = self._truth.rows.get(measured.site.key) if self._truth is not None else None
         if stored is None or not stored.held or not tensor.is_floating_point():
@@ -95,6 +96,13 @@ class Fp64(Probe):
         self.found[measured.site.key] = ctx.host.add(
             torch.where(norm > 0, errors / norm, errors))
 
+    def hooks(self) -> Hooks:
+        return Hooks(before=self._before, site=self._on_site, passes=1)
+
+    @classmethod
+    def explain(cls, result: Judged) -> Explained:
+        return Explained(tuple(cls._sentences(result)), cls._findings(result.table, result.meta))
+
     def fill(self, rows: list[dict[str, Any]], view: TableView) -> None:
         for row in rows:
             found = self.found.get(row["site"])
@@ -104,11 +112,11 @@ class Fp64(Probe):
                     errors[1])
 
     @classmethod
-    def findings(cls, table: pd.DataFrame, meta: Settings) -> Findings:
+    def _findings(cls, table: pd.DataFrame, meta: Settings) -> Findings:
         return Findings(beyond=_beyond(output_rows(table), meta))
 
     @classmethod
-    def sentences(cls, result: Judged) -> list[str]:
+    def _sentences(cls, result: Judged) -> list[str]:
         out = result.output
         if out is None or math.isnan(out.get("b_err_fp64", math.nan)):
             return []

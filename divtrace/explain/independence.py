@@ -28,14 +28,14 @@ import torch
 
 from divtrace.devices import upload
 from divtrace.explain.causes import cause_of, deterministic, op_cause
+from divtrace.explain.context import Context
 from divtrace.explain.held import differing, figures_of, groups, held_store
 from divtrace.explain.mixed import first_dependent, through_shared, unmoved
-from divtrace.explain.probe import Context, Findings, Judged, Probe, Settings, TableView
+from divtrace.explain.probe import Explained, Findings, Hooks, Judged, Probe, Settings, Spec
+from divtrace.explain.view import TableView
 from divtrace.measure.host import Deferred, Host
-from divtrace.measure.meter import Meter
 from divtrace.measure.printcheck import PrintCheck
 from divtrace.plan.inputs import BatchedInput
-from divtrace.record.recorder import Sink
 from divtrace.record.rows import RowStore
 from divtrace.words import sci
 
@@ -44,34 +44,19 @@ __all__ = ["Independence", "first_dependent", "groups"]
 _LABEL = "independence test"
 
 
-def _run(ctx: Context, sink: Sink, batch: BatchedInput, label: str = _LABEL) -> None:
-    """One pass of the compared run over the whole ``batch``, told to ``sink``."""
-    ctx.b.execute(sink, batch, [(0, batch.batch_size)], lambda _s, _e: label,
-                         check=ctx.check, copies=ctx.copies)
-    ctx.progress.advance()
-
-
 def _checked(ctx: Context, group: list[int], batch: BatchedInput, host: Host) -> PrintCheck:
     """A pass of ``batch`` (the rows of ``group`` held), each site's held rows checked
     against the measured pass's fingerprints."""
     meter = ctx.meter
     check = PrintCheck(meter, list(group), host, getattr(meter, "layout", None))
-    _run(ctx, check, batch)
+    ctx.rerun(check, batch, _LABEL)
     return check
-
-
-def _measured(ctx: Context, store: RowStore, batch: BatchedInput, host: Host) -> Meter:
-    """A pass of ``batch``, its held rows measured against ``store`` (the figures go to
-    ``host``)."""
-    meter = ctx.meter.over(store, host)
-    _run(ctx, meter, batch)
-    return meter
 
 
 def _repeated(ctx: Context, samples: list[int]) -> RowStore:
     """The unchanged batch once more, the rows of ``samples`` kept."""
     store = ctx.kind.store(ctx.plan, samples, pinned=True, learn_lineage=False)
-    _run(ctx, store, ctx.plan.batch, f"{_LABEL}, repeated")
+    ctx.rerun(store, label=f"{_LABEL}, repeated")
     return store
 
 
@@ -101,13 +86,9 @@ class Independence(Probe):
     """``"independence"`` (on by default; ``"-independence"`` turns it off): the
     independence test behind the verdict."""
 
-    name: ClassVar[str] = "independence"
-    default: ClassVar[bool] = True
-    columns: ClassVar[tuple[str, ...]] = ("depends_on_others", "others_rel_l2")
-    shown: ClassVar[tuple[str, ...]] = ("depends_on_others",)
-    prints_batched: ClassVar[bool] = True
-    leads: ClassVar[bool] = True
-    passes = 1
+    spec: ClassVar[Spec] = Spec(
+        name="independence", default=True, columns=("depends_on_others", "others_rel_l2"),
+        shown=("depends_on_others",), leads=True, needs=frozenset({"b_prints"}))
 
     def __init__(self) -> None:
         #: the sites whose compared rows moved: how far (rel_l2; NaN where not measured)
@@ -117,7 +98,7 @@ class Independence(Probe):
         self.found: dict[str, Any] = {"ran": False, "why": None}
 
 
-    def after(self, ctx: Context) -> None:
+    def _after(self, ctx: Context) -> None:
         plan = ctx.plan
         ctx.progress.stage(_LABEL)
         if plan.b_chunks:
@@ -162,8 +143,8 @@ class Independence(Probe):
         kept = _repeated(ctx, sorted({s for group in moving for s in group}))
         host = Host()
         noise = _noisy(ctx, kept, host)
-        meters = [_measured(ctx, held_store(kept, group), ctx.plan.batch.replaced(group)[0],
-                            host) for group in moving]
+        meters = [ctx.measure(held_store(kept, group), ctx.plan.batch.replaced(group)[0],
+                              host, _LABEL) for group in moving]
         host.fetch()
         self.noisy = [key for key, deferred in noise.items() if deferred.get().any()]
         values: dict[str, float] = {}  # the fingerprints saw bits; here values count
@@ -215,6 +196,13 @@ class Independence(Probe):
         self.found["why"] = why
         ctx.progress.advance()
 
+    def hooks(self) -> Hooks:
+        return Hooks(after=self._after, passes=1)
+
+    @classmethod
+    def explain(cls, result: Judged) -> Explained:
+        return Explained(tuple(cls._sentences(result)), cls._findings(result.table, result.meta))
+
     def fill(self, rows: list[dict[str, Any]], view: TableView) -> None:
         if not self.found["ran"]:
             return
@@ -242,11 +230,11 @@ class Independence(Probe):
         return self.found
 
     @classmethod
-    def findings(cls, table: pd.DataFrame, meta: Settings) -> Findings:
+    def _findings(cls, table: pd.DataFrame, meta: Settings) -> Findings:
         return Findings(mixing=_mixing(table, meta), independent=_independent(meta))
 
     @classmethod
-    def sentences(cls, result: Judged) -> list[str]:
+    def _sentences(cls, result: Judged) -> list[str]:
         found = result.meta.notes.get("independence")
         if found is None:
             return []

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from divtrace.explain.probe import Context, Judged, Probe, TableView
+from divtrace.explain.context import Context
+from divtrace.explain.probe import Explained, Hooks, Judged, Probe, Spec
 from divtrace.explain.profiling import kernel_family, kernels_by_site
+from divtrace.explain.view import TableView
 
 __all__ = ["Kernels"]
 
@@ -14,18 +16,16 @@ class Kernels(Probe):
     """``"kernels"``: ``torch.profiler`` over one pass of each run, a range per module
     call; per site, the GPU kernels it launched (on the CPU, its innermost ops)."""
 
-    name: ClassVar[str] = "kernels"
-    columns: ClassVar[tuple[str, ...]] = ("kernels_a", "kernels_b", "kernels_differ")
-    shown: ClassVar[tuple[str, ...]] = ("kernels_differ",)
-    whole_batch: ClassVar[bool] = True
-    passes = 2
+    spec: ClassVar[Spec] = Spec(
+        name="kernels", columns=("kernels_a", "kernels_b", "kernels_differ"),
+        shown=("kernels_differ",), needs=frozenset({"whole_batch"}))
 
     def __init__(self) -> None:
         self.batched: dict[str, list[str]] = {}
         self.split: dict[str, list[str]] = {}
 
 
-    def after(self, ctx: Context) -> None:
+    def _after(self, ctx: Context) -> None:
         ctx.progress.stage("profiling")
         batch = ctx.plan.batch
         start, stop = ctx.plan.a_chunks[0]
@@ -37,6 +37,13 @@ class Kernels(Probe):
                                              *runner.feed(*rows)))
             ctx.progress.advance()
 
+    def hooks(self) -> Hooks:
+        return Hooks(after=self._after, passes=2)
+
+    @classmethod
+    def explain(cls, result: Judged) -> Explained:
+        return Explained(tuple(cls._sentences(result)))
+
     def fill(self, rows: list[dict[str, Any]], view: TableView) -> None:
         for row in rows:
             key = view.call_key(row)
@@ -46,7 +53,7 @@ class Kernels(Probe):
             row["kernels_differ"] = sorted(set(batched)) != sorted(set(split))
 
     @classmethod
-    def sentences(cls, result: Judged) -> list[str]:
+    def _sentences(cls, result: Judged) -> list[str]:
         if "kernels_b" not in result.table:
             return []
         lines = []

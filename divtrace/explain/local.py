@@ -15,7 +15,9 @@ import torch
 from divtrace.align.sites import CONSTANT, INPUT, flatten_output, site_key
 from divtrace.align.status import Status
 from divtrace.compat import pytree
-from divtrace.explain.probe import Context, Findings, Judged, Probe, Settings, TableView, sums
+from divtrace.explain.context import Context
+from divtrace.explain.probe import Explained, Findings, Hooks, Judged, Probe, Settings, Spec
+from divtrace.explain.view import TableView, sums
 from divtrace.measure.fields import INDEX
 from divtrace.measure.figures import rel_l2
 from divtrace.measure.host import Deferred
@@ -64,11 +66,11 @@ class Local(Probe):
     """``"local"``: replays every leaf module of the measured run on the reference
     run's inputs for the compared rows (same values, the measured run's kernels)."""
 
-    name: ClassVar[str] = "local"
-    columns: ClassVar[tuple[str, ...]] = ("local_rel_l2", "local_max_abs", "amplification",
-                                          "local_status", "adds_error")
-    shown: ClassVar[tuple[str, ...]] = ("local_rel_l2", "adds_error", "amplification")
-    whole_batch: ClassVar[bool] = True
+    spec: ClassVar[Spec] = Spec(
+        name="local", columns=("local_rel_l2", "local_max_abs", "amplification",
+                               "local_status", "adds_error"),
+        shown=("local_rel_l2", "adds_error", "amplification"),
+        needs=frozenset({"whole_batch", "op_inputs"}))
 
     def __init__(self, skip: Iterable[str] | str = ()) -> None:
         """``skip``: glob patterns of module names not to replay (stateful modules, or
@@ -80,12 +82,12 @@ class Local(Probe):
     def settings(self) -> dict[str, Any]:
         return {"skip": list(self.skip)}
 
-    def start(self, ctx: Context) -> None:
+    def _start(self, ctx: Context) -> None:
         """A site's reference rows stay until every call that reads them has replayed."""
         ctx.store.hold(key for parts in ctx.store.lineage.values() for _, key in parts
                        if key is not None)
 
-    def on_call(self, ctx: Context, call: LeafCall, record: CallRecord) -> None:
+    def _on_call(self, ctx: Context, call: LeafCall, record: CallRecord) -> None:
         store = ctx.store
         sources = [store.rows.get(part.key)
                    if part.origin != Origin.UNKNOWN and part.key is not None else None
@@ -146,6 +148,13 @@ class Local(Probe):
             if stats is not None:
                 self.local[call.site.key, key] = ctx.host.add(stats)
 
+    def hooks(self) -> Hooks:
+        return Hooks(start=self._start, call=self._on_call)
+
+    @classmethod
+    def explain(cls, result: Judged) -> Explained:
+        return Explained(tuple(cls._sentences(result)), cls._findings(result.table, result.meta))
+
     def fill(self, rows: list[dict[str, Any]], view: TableView) -> None:
         for row in rows:
             if view.call(row) is None:
@@ -168,11 +177,11 @@ class Local(Probe):
                     else (math.inf if out.diff > 0 else math.nan))
 
     @classmethod
-    def findings(cls, table: pd.DataFrame, meta: Settings) -> Findings:
+    def _findings(cls, table: pd.DataFrame, meta: Settings) -> Findings:
         return Findings(entries=_entries(table))
 
     @classmethod
-    def sentences(cls, result: Judged) -> list[str]:
+    def _sentences(cls, result: Judged) -> list[str]:
         table = result.table
         if "local_rel_l2" not in table:
             return []

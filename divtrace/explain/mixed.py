@@ -8,8 +8,9 @@ from typing import Any
 import pandas as pd
 
 from divtrace.align.status import Status
-from divtrace.explain.probe import Settings, TableView
+from divtrace.explain.probe import Settings
 from divtrace.explain.rounding import two_models
+from divtrace.explain.view import TableView
 from divtrace.record.lineage import Origin
 
 __all__ = ["first_dependent", "first_flagged", "parted", "through_shared", "unmoved"]

@@ -10,7 +10,8 @@ from torch import nn
 from divtrace.align.sites import ROOT, flatten_output, site_key
 from divtrace.align.status import Status, comparable
 from divtrace.errors import DivtraceTypeError
-from divtrace.explain.probe import Context, Judged, Probe
+from divtrace.explain.context import Context
+from divtrace.explain.probe import Explained, Hooks, Judged, Probe, Spec
 from divtrace.measure.block import bit_equal
 from divtrace.measure.measured import Measured
 
@@ -26,9 +27,7 @@ class Observer(Probe):
     more pass of the measured run without any hook; its output must be bit-identical to
     the observed one, else the figures describe another code path than the plain one."""
 
-    name: ClassVar[str] = "observer"
-    default: ClassVar[bool] = True
-    passes = 1
+    spec: ClassVar[Spec] = Spec(name="observer", default=True)
 
     def __init__(self, always: bool = True) -> None:
         """``always``: check every model (False, the default probe: only models with
@@ -40,22 +39,18 @@ class Observer(Probe):
         self.hooked: dict[str, torch.Tensor] = {}
         self.found: dict[str, Any] | None = None
 
-    @classmethod
-    def by_default(cls) -> Observer:
-        return cls(always=False)
-
     def check(self, model: nn.Module) -> bool:
         return self.always or any(isinstance(m, HOOK_SENSITIVE) for m in model.modules())
 
     def settings(self) -> dict[str, Any]:
         return {"always": self.always}
 
-    def on_site(self, ctx: Context, measured: Measured, tensor: torch.Tensor,
+    def _on_site(self, ctx: Context, measured: Measured, tensor: torch.Tensor,
                 rows: torch.Tensor) -> None:
         if measured.site.is_output and measured.status == Status.OK:
             self.hooked[measured.site.key] = ctx.store.pick(tensor).clone()
 
-    def after(self, ctx: Context) -> None:
+    def _after(self, ctx: Context) -> None:
         ctx.progress.stage("observer check (no hooks)")
         if self.hooked:  # the measured run took the whole batch: compare its output
             runner = ctx.b
@@ -76,11 +71,18 @@ class Observer(Probe):
                         float("inf"))
         ctx.progress.advance()
 
+    def hooks(self) -> Hooks:
+        return Hooks(site=self._on_site, after=self._after, passes=1)
+
+    @classmethod
+    def explain(cls, result: Judged) -> Explained:
+        return Explained(tuple(cls._sentences(result)))
+
     def note(self) -> Any:
         return self.found
 
     @classmethod
-    def sentences(cls, result: Judged) -> list[str]:
+    def _sentences(cls, result: Judged) -> list[str]:
         found = result.meta.notes.get("observer")
         if found is None:
             return []

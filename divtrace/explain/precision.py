@@ -30,11 +30,13 @@ from typing import Any, ClassVar
 import pandas as pd
 import torch
 
+from divtrace.explain.context import Context
 from divtrace.explain.float64 import KeptFloat64, Unmoded
 from divtrace.explain.held import figures_of
 from divtrace.explain.mixed import first_flagged
-from divtrace.explain.probe import Context, Findings, Judged, Probe, Settings, TableView
+from divtrace.explain.probe import Explained, Findings, Hooks, Judged, Probe, Settings, Spec
 from divtrace.explain.rounding import MODELS, two_models
+from divtrace.explain.view import TableView
 from divtrace.measure.chunked import compare_stores
 from divtrace.measure.fields import INDEX
 from divtrace.measure.host import Host
@@ -46,6 +48,9 @@ __all__ = ["FLOOR", "Precision", "decisive", "first_by_shape", "first_unsure", "
            "shrink"]
 
 _LABEL = "precision test (float64)"
+
+#: Its passes as planned: run a and run b again in float64 (more when they are chunked).
+_PASSES = 2
 _FLOAT64 = 2.0**-53
 #: float64's rounding budget (that of the verdict, :mod:`divtrace.explain.rounding`):
 #: float64 runs this close agree whatever the first runs' difference.
@@ -93,24 +98,21 @@ class Precision(Probe):
     """``"precision"`` (on by default; ``"-precision"`` turns it off): both runs replayed
     in float64 and compared with each other (the verdict's second test)."""
 
-    name: ClassVar[str] = "precision"
-    default: ClassVar[bool] = True
-    columns: ClassVar[tuple[str, ...]] = ("depends_on_shape", "fp64_rel_l2")
-    shown: ClassVar[tuple[str, ...]] = ("depends_on_shape",)
-    leads: ClassVar[bool] = True
-    passes = 2
+    spec: ClassVar[Spec] = Spec(
+        name="precision", default=True, columns=("depends_on_shape", "fp64_rel_l2"),
+        shown=("depends_on_shape",), leads=True)
 
     def __init__(self) -> None:
         self.fp64: dict[str, float] = {}  # site -> rel_l2 of the float64 runs
         self.found: dict[str, Any] = {"ran": False, "why": None}
         self._done = self._planned = 0  # the replay's passes done, and planned
 
-    def after(self, ctx: Context) -> None:
+    def _after(self, ctx: Context) -> None:
         ctx.progress.stage(_LABEL)
         why = _why_not(ctx) or self._needless(ctx)
         if why is not None:
             self.found["why"] = why
-            ctx.progress.more(-self.passes)  # none of its passes run: the bar ends full
+            ctx.progress.more(-_PASSES)  # none of its passes run: the bar ends full
             return
         self._done = 0
         try:
@@ -154,7 +156,7 @@ class Precision(Probe):
                       plan.output_only, f"{_LABEL}, {ctx.a.name}", ctx.recorder)
         b = self._other(ctx, a)
         passes = self._planned = len(plan.a_chunks) + max(1, len(plan.b_chunks))
-        ctx.progress.more(passes - self.passes)
+        ctx.progress.more(passes - _PASSES)
         step = partial(self._step, ctx)
         store = ctx.kind.store(plan, list(plan.samples), offload=plan.offload,
                                learn_lineage=False)
@@ -202,6 +204,13 @@ class Precision(Probe):
                         plan.modules, plan.output_only, name, ctx.recorder)
         return replace(own, run=cast)  # its inputs cast to float64 too
 
+    def hooks(self) -> Hooks:
+        return Hooks(after=self._after, passes=_PASSES)
+
+    @classmethod
+    def explain(cls, result: Judged) -> Explained:
+        return Explained(tuple(cls._sentences(result)), cls._findings(result.table, result.meta))
+
     def fill(self, rows: list[dict[str, Any]], view: TableView) -> None:
         if not self.found["ran"]:
             return
@@ -227,11 +236,11 @@ class Precision(Probe):
         return self.found
 
     @classmethod
-    def findings(cls, table: pd.DataFrame, meta: Settings) -> Findings:
+    def _findings(cls, table: pd.DataFrame, meta: Settings) -> Findings:
         return Findings(designed=_designed(table, meta), precise=_precise(table, meta))
 
     @classmethod
-    def sentences(cls, result: Judged) -> list[str]:
+    def _sentences(cls, result: Judged) -> list[str]:
         found = result.meta.notes.get("precision")
         if found is None:
             return []

@@ -1,13 +1,19 @@
-"""The probe seam: one way of explaining a comparison, one class.
+"""The probe seam: one way of explaining a comparison, one class of eight members.
 
 A probe is named in ``compare(..., explain=[...])`` — by its name, or as an instance
-that holds its settings (``Repeat(3)``, a user's own probe). It checks that it can work
-on the model (:meth:`Probe.check`), may run passes of its own before run a
-(:meth:`Probe.before`) or after the measured run b (:meth:`Probe.after`), may watch the
-measured run's sites and leaf calls (:meth:`Probe.on_site`, :meth:`Probe.on_call`),
-fills its columns of the table (:meth:`Probe.fill`) and says what they mean
-(:meth:`Probe.sentences`). Every method has a default that does nothing, so a probe
-overrides only what it needs.
+that holds its settings (``Repeat(3)``, a user's own probe). Its :class:`Spec` says what
+it is (name, columns, needs); :meth:`Probe.check` whether it has work on the model;
+:meth:`Probe.hooks` when it works while the comparison runs (before run a, at each site
+or leaf call of run b, after run b), each hook given the :class:`Context`;
+:meth:`Probe.fill` writes its columns; :meth:`Probe.note` keeps what it found besides;
+:meth:`Probe.explain` says what its columns mean: sentences for the summary and the
+:class:`Findings` the verdict reads. :meth:`Probe.settings` is how the meta records it.
+
+The :class:`Context` is what a hook sees of the comparison: ``pick`` (the compared rows
+of a tensor of run b), ``later`` (a value fetched with the one transfer to the host),
+``rerun`` and ``measure`` (one more pass of run b), ``finding`` (another probe's note),
+the plan and the progress bar; the built-in probes also reach the runs, the row store
+and the meter there.
 
 A probe instance holds its settings and, once a comparison runs, what it found there;
 each comparison works on fresh copies of the probes it was given.
@@ -15,33 +21,24 @@ each comparison works on fresh copies of the probes it was given.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-import numpy as np
 import pandas as pd
 import torch
 from torch import nn
 
-from divtrace.align.sites import CONSTANT, INPUT, ROOT, site_key
-from divtrace.kinds.kind import Kind
-from divtrace.measure.fields import INDEX
-from divtrace.measure.host import Host
-from divtrace.measure.measured import CallRecord, LeafCall, Measured
-from divtrace.measure.meter import Meter
-from divtrace.measure.scale import common_arrays
-from divtrace.progress import Progress
-from divtrace.record.lineage import Origin
-from divtrace.record.loop import InputCopies
-from divtrace.record.rows import RowStore
-from divtrace.record.runner import RecorderFactory, Runner, module_hooks
+from divtrace.align.sites import ROOT
+from divtrace.errors import DivtraceTypeError, DivtraceValueError
 
 if TYPE_CHECKING:
-    from divtrace.plan.make import Plan
+    from divtrace.explain.context import Context
+    from divtrace.explain.view import TableView
+    from divtrace.measure.measured import CallRecord, LeafCall, Measured
 
-__all__ = ["Context", "Judged", "Probe", "Settings", "Sums", "TableView", "sums"]
+__all__ = ["NEEDS", "Explained", "Findings", "Hooks", "Judged", "Probe", "Settings", "Spec",
+           "output_rows"]
 
 
 class Settings(Protocol):
@@ -71,79 +68,6 @@ class Settings(Protocol):
 
     @property
     def settings(self) -> Mapping[str, Mapping[str, Any]]: ...
-
-
-class Judged(Protocol):
-    """What a probe's sentences read of a result (a :class:`~divtrace.Comparison`): its
-    table, its settings and the rows it picks out."""
-
-    @property
-    def table(self) -> pd.DataFrame: ...
-
-    @property
-    def meta(self) -> Settings: ...
-
-    @property
-    def output(self) -> pd.Series | None: ...
-
-    @property
-    def sources(self) -> pd.DataFrame: ...
-
-
-@dataclass
-class Context:
-    """What a probe sees of the comparison in progress."""
-
-    plan: Plan
-    model: nn.Module  # the user's model, as given
-    a: Runner  # run a, whose rows are stored (the split run by default)
-    b: Runner  # run b, measured against them (the batched run by default)
-    host: Host  # takes device tensors for the one transfer to the host
-    progress: Progress
-    #: called after every run with the run's name (refuses random draws)
-    check: Callable[[str], object] | None = None
-    #: the type of the measured run's output when it held no tensor
-    output_type: str | None = None
-    #: whether passes over the batch need copies of the input (learnt from the first)
-    copies: InputCopies | None = None
-    #: per chunked run (``a``, ``b``): how its passes ran (a CUDA graph, or eager and why)
-    graphed: dict[str, dict[str, Any]] = field(default_factory=dict)
-    #: makes each run's recorder (for a probe's own runs)
-    recorder: RecorderFactory = module_hooks
-    #: the comparison's probes (what one found is its :meth:`Probe.note`)
-    probes: tuple[Probe, ...] = ()
-    #: the kind of comparison: its row stores and meters, what it cannot do
-    kind: Kind = field(default_factory=Kind)
-    _store: RowStore | None = None
-    _meter: Meter | None = None
-
-    def finding(self, label: str) -> Any:
-        """What the probe of that label found so far (its note; None: no such probe)."""
-        probe = next((p for p in self.probes if p.label == label), None)
-        return None if probe is None else probe.note()
-
-    @property
-    def store(self) -> RowStore:
-        """Run a's rows (from :meth:`Probe.start` on); ``store.pick(tensor)``: the compared
-        samples' rows of a tensor of the measured run."""
-        if self._store is None:
-            raise RuntimeError("the reference run has not been recorded yet")
-        return self._store
-
-    @store.setter
-    def store(self, store: RowStore) -> None:
-        self._store = store
-
-    @property
-    def meter(self) -> Meter:
-        """The measured run's meter (from :meth:`Probe.start` on)."""
-        if self._meter is None:
-            raise RuntimeError("the measured run has not been set up yet")
-        return self._meter
-
-    @meter.setter
-    def meter(self, meter: Meter) -> None:
-        self._meter = meter
 
 
 @dataclass(frozen=True)
@@ -180,42 +104,145 @@ def output_rows(table: pd.DataFrame) -> pd.DataFrame:
     return table[(table["module"] == ROOT) & (table["call"] == 0) & (table["op"] == "")]
 
 
-class Probe:
-    """One way of explaining a comparison: extra columns of the table and sentences of the
-    summary. Subclasses set the class attributes and override the hooks they need.
+#: What a probe may need of the comparison (``Spec.needs``).
+NEEDS: dict[str, str] = {
+    "whole_batch": "run b takes the whole batch in one pass",
+    "b_kept": "run b's compared rows are kept until the probe's after hook",
+    "b_prints": "run b's compared rows are fingerprinted (Measured.prints)",
+    "op_inputs": "with ops=, every op's inputs are sites of their own, views too (the op "
+                 "recorder does not follow lineage through views)",
+}
 
-    The built-in probes are :class:`~divtrace.Independence`, :class:`~divtrace.Local`,
-    :class:`~divtrace.Fp64`, :class:`~divtrace.Repeat`, :class:`~divtrace.Kernels` and
-    :class:`~divtrace.Observer` (:data:`divtrace.explain.registry.PROBES`, in column
-    order); a probe of one's own is a subclass given to ``compare(explain=[...])``.
+
+@dataclass(frozen=True)
+class Spec:
+    """What a probe is, read before anything runs.
+
+    Attributes:
+        name: Its name in ``explain=`` and in ``Comparison.meta.explain`` ("" for a
+            probe of one's own, known by its class's name, and for the roles).
+        default: It runs unless ``explain=`` turns it off (``"-name"``).
+        columns: The table columns it adds, in order.
+        shown: Of those, the ones the HTML table shows.
+        leads: Its sentences come before those on the model's output.
+        needs: What it needs of the comparison: names of :data:`NEEDS`.
+        blank: Its columns' values in rows of sites that run b did not reach.
     """
 
-    #: Its name in ``explain=`` and in ``Comparison.meta.explain`` ("" for the roles,
-    #: which are always there).
-    name: ClassVar[str] = ""
-    #: It runs unless ``explain=`` turns it off (``"-name"``).
-    default: ClassVar[bool] = False
-    #: The table columns it adds, in order.
-    columns: ClassVar[tuple[str, ...]] = ()
-    #: Of those, the ones the HTML table shows.
-    shown: ClassVar[tuple[str, ...]] = ()
-    #: Its sentences come before those on the model's output.
-    leads: ClassVar[bool] = False
-    #: It needs the compared run to take the whole batch in one pass.
-    whole_batch: ClassVar[bool] = False
-    #: It needs the measured run's rows kept until :meth:`after`.
-    keeps_batched: ClassVar[bool] = False
-    #: It needs the fingerprints of the measured run's rows (``Measured.prints``).
-    prints_batched: ClassVar[bool] = False
-    #: Its columns' values in rows of sites that the measured run did not reach.
-    blank: ClassVar[dict[str, Any]] = {}
-    #: Forward passes of its own (for the progress bar).
+    name: str = ""
+    default: bool = False
+    columns: tuple[str, ...] = ()
+    shown: tuple[str, ...] = ()
+    leads: bool = False
+    needs: frozenset[str] = frozenset()
+    blank: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.needs) - set(NEEDS))
+        if unknown:
+            raise DivtraceValueError(
+                f"Spec(needs=...) takes {', '.join(map(repr, NEEDS))}; got {unknown}")
+        if not set(self.shown) <= set(self.columns):
+            raise DivtraceValueError(
+                f"Spec(shown=...) must be among its columns {list(self.columns)}; got "
+                f"{list(self.shown)}")
+        object.__setattr__(self, "needs", frozenset(self.needs))
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """When a probe works while a comparison runs, in the order it runs; None: nothing
+    then.
+
+    Attributes:
+        before: Before run a, ``before(ctx)``.
+        start: After run a, before run b, ``start(ctx)``.
+        site: A site of run b was measured: ``site(ctx, measured, tensor, rows)``
+            (``tensor`` the whole batch, ``rows`` run a's stored rows of the compared
+            samples).
+        call: A leaf call of run b returned, before its outputs are measured:
+            ``call(ctx, call, record)``.
+        after: After run b, ``after(ctx)``.
+        passes: Forward passes of its own (for the progress bar).
+    """
+
+    before: Callable[[Context], None] | None = None
+    start: Callable[[Context], None] | None = None
+    site: Callable[[Context, Measured, torch.Tensor, torch.Tensor], None] | None = None
+    call: Callable[[Context, LeafCall, CallRecord], None] | None = None
+    after: Callable[[Context], None] | None = None
     passes: int = 0
 
-    @classmethod
-    def by_default(cls) -> Probe:
-        """The instance that runs when ``explain=`` does not name a default probe."""
-        return cls()
+
+@dataclass(frozen=True)
+class Explained:
+    """What a probe's columns say about a comparison: plain sentences for the summary,
+    and the :class:`Findings` the verdict reads."""
+
+    sentences: tuple[str, ...] = ()
+    findings: Findings = field(default_factory=lambda: Findings())
+
+
+@dataclass(frozen=True)
+class Judged:
+    """A comparison as its probes explain it: its table and its settings (a
+    :class:`~divtrace.report.meta.Meta`), and the rows they pick out."""
+
+    table: pd.DataFrame
+    meta: Settings
+
+    @property
+    def output(self) -> pd.Series | None:
+        """The row of the model's first output tensor (None: no output row)."""
+        rows = output_rows(self.table)
+        return None if rows.empty else rows.iloc[0]
+
+    @property
+    def sources(self) -> pd.DataFrame:
+        """The leaf sites where divergence starts: input bit-identical, output not."""
+        return self.table[self.table["role"] == "source"].reset_index(drop=True)
+
+
+#: The members a probe had before :class:`Spec`, :class:`Hooks` and :class:`Explained`,
+#: and where each went (a subclass that sets one is refused with this).
+_MOVED: dict[str, str] = {
+    **{name: f"spec = Spec({name}=...)" for name in (
+        "name", "default", "columns", "shown", "leads", "blank")},
+    **{name: f"spec = Spec(needs={{{need!r}}})" for name, need in (
+        ("whole_batch", "whole_batch"), ("keeps_batched", "b_kept"),
+        ("prints_batched", "b_prints"))},
+    **{name: f"hooks() returns Hooks({hook}=...)" for name, hook in (
+        ("before", "before"), ("start", "start"), ("on_site", "site"), ("on_call", "call"),
+        ("after", "after"), ("passes", "passes"))},
+    "sentences": "explain(result) returns Explained(sentences=...)",
+    "findings": "explain(result) returns Explained(findings=...)",
+    "by_default": "a probe of one's own runs as the instance given to explain=",
+}
+
+
+class Probe:
+    """One way of explaining a comparison: extra columns of the table and sentences of the
+    summary. A subclass sets :attr:`spec` and overrides what it needs; every method has a
+    default that does nothing.
+
+    The built-in probes are :class:`~divtrace.Independence`, :class:`~divtrace.Precision`,
+    :class:`~divtrace.Local`, :class:`~divtrace.Fp64`, :class:`~divtrace.Repeat`,
+    :class:`~divtrace.Kernels` and :class:`~divtrace.Observer`
+    (:data:`divtrace.explain.registry.PROBES`, in column order); a probe of one's own is a
+    subclass given to ``compare(explain=[...])``.
+    """
+
+    #: What it is: its name, columns and needs.
+    spec: ClassVar[Spec] = Spec()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        old = sorted(set(vars(cls)) & set(_MOVED))
+        if old:
+            moved = "; ".join(f"{name}: {_MOVED[name]}" for name in old)
+            raise DivtraceTypeError(
+                f"{cls.__name__} sets {', '.join(old)}, which a probe no longer has: "
+                f"{moved}")
 
     def check(self, model: nn.Module) -> bool:
         """Whether the probe has work to do on ``model`` (False: it is left out); raises
@@ -224,123 +251,33 @@ class Probe:
         return True
 
     def settings(self) -> dict[str, Any]:
-        """Its settings, JSON-ready, as ``Comparison.meta.explain[name]`` records them."""
+        """Its settings, JSON-ready, as ``Comparison.meta.explain[label]`` records them."""
         return {}
 
     @property
     def label(self) -> str:
         """Its name, or its class's for a probe of one's own (the key of its settings and
         notes in the meta)."""
-        return self.name or type(self).__name__
+        return self.spec.name or type(self).__name__
 
     def __repr__(self) -> str:
         given = ", ".join(f"{key}={value!r}" for key, value in self.settings().items())
         return f"{type(self).__name__}({given})"
 
-    @property
-    def watches_sites(self) -> bool:
-        return type(self).on_site is not Probe.on_site
-
-    @property
-    def watches_calls(self) -> bool:
-        return type(self).on_call is not Probe.on_call
-
-    def before(self, ctx: Context) -> None:
-        """Runs before the reference run."""
-
-    def start(self, ctx: Context) -> None:
-        """Runs after the reference run, before the measured run."""
-
-    def on_site(self, ctx: Context, measured: Measured, tensor: torch.Tensor,
-                rows: torch.Tensor) -> None:
-        """A site of the measured run was measured (``tensor`` is the whole batch, ``rows``
-        the stored rows of the compared samples)."""
-
-    def on_call(self, ctx: Context, call: LeafCall, record: CallRecord) -> None:
-        """A leaf call of the measured run returned (before its outputs are measured)."""
-
-    def after(self, ctx: Context) -> None:
-        """Runs after the measured run."""
+    def hooks(self) -> Hooks:
+        """When it works while the comparison runs (nothing, by default)."""
+        return Hooks()
 
     def fill(self, rows: list[dict[str, Any]], view: TableView) -> None:
         """Writes the probe's columns into the table's rows (one dict per site)."""
 
     def note(self) -> Any:
         """What the probe found that is not a column (JSON-ready), for the comparison's
-        ``meta.notes`` under the probe's name (or class name); None for nothing."""
+        ``meta.notes`` under its label; None for nothing."""
         return None
 
     @classmethod
-    def sentences(cls, result: Judged) -> list[str]:
-        """What the probe's columns say about ``result``, in plain sentences."""
-        return []
-
-    @classmethod
-    def findings(cls, table: pd.DataFrame, meta: Settings) -> Findings:
-        """What the probe found that the verdict (:mod:`divtrace.report.verdict`) reads,
-        from the comparison's table and settings (nothing, by default)."""
-        return Findings()
-
-
-@dataclass(frozen=True)
-class Sums:
-    """Mismatch and norms summed over several parts (e.g. the inputs of a call)."""
-
-    mismatch: float  # fraction of elements not bit-identical
-    diff: float  # ‖batched − split‖ times 2**-scale
-    ref: float  # ‖split‖ times 2**-scale
-    scale: int = 0  # see divtrace.measure.scale
-
-
-def sums(parts: list[tuple[np.ndarray, int]]) -> Sums:
-    """:class:`Sums` over ``(per-sample fields, compared elements)`` parts."""
-    count = sum(float(a[:, INDEX["mismatch"]].sum()) for a, _ in parts)
-    numel = sum(n for _, n in parts)
-    arrays, scale = common_arrays([a for a, _ in parts])  # their sums at one scale
-    diff = math.sqrt(sum(float(a[:, INDEX["sq_diff"]].sum()) for a in arrays))
-    ref = math.sqrt(sum(float(a[:, INDEX["sq_ref"]].sum()) for a in arrays))
-    return Sums(count / numel if numel else 0.0, diff, ref, scale)
-
-
-class TableView:
-    """What probes read while the table is filled: every site's fields (on the host) and
-    the leaf calls' lineage."""
-
-    def __init__(self, fields: dict[str, tuple[np.ndarray, int]], calls: dict[str, CallRecord],
-                 batch: int, n_samples: int, call_keys: Mapping[str, str] | None = None
-                 ) -> None:
-        self.fields = fields  # site key -> (per-sample fields, compared elements)
-        self.calls = calls
-        self.batch, self.n_samples = batch, n_samples
-        self.call_keys = call_keys or {}  # site key -> key of its call, where it differs
-        self._inputs: dict[str, Sums | None] = {}
-
-    def call(self, row: Mapping[str, Any]) -> CallRecord | None:
-        """The leaf call a row belongs to (None for other rows)."""
-        return self.calls.get(self.call_key(row)) if row["leaf"] else None
-
-    def call_key(self, row: Mapping[str, Any]) -> str:
-        """The key of the call a row belongs to: a module call, or an op call."""
-        found = self.call_keys.get(row["site"])
-        return found if found is not None else site_key(row["module"], row["call"], "")
-
-    def inputs(self, call_key: str) -> Sums | None:
-        """The call's inputs taken together (None when one of them is not known); the
-        model's own input counts as identical."""
-        if call_key not in self._inputs:
-            self._inputs[call_key] = self._input_sums(self.calls[call_key])
-        return self._inputs[call_key]
-
-    def _input_sums(self, call: CallRecord) -> Sums | None:
-        parts: list[tuple[np.ndarray, int]] = []
-        for origin, key, measured in call.inputs:
-            if origin == Origin.SITE and key in (INPUT, CONSTANT):
-                continue  # the model's own input, or no per-sample data: the same in both
-            if origin == Origin.SITE and key in self.fields:
-                parts.append(self.fields[key])
-            elif origin == Origin.INPUT and measured is not None and measured.stats is not None:
-                count = np.broadcast_to(measured.per_sample(self.batch), self.n_samples).sum()
-                parts.append((measured.stats.get(), int(count)))
-            else:
-                return None
-        return sums(parts)
+    def explain(cls, result: Judged) -> Explained:
+        """What the probe's columns say about ``result``: its sentences and what the
+        verdict (:mod:`divtrace.report.verdict`) reads (nothing, by default)."""
+        return Explained()

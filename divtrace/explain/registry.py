@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 from torch import nn
@@ -18,18 +19,24 @@ from divtrace.explain.probe import Probe
 from divtrace.explain.repeat import Repeat
 from divtrace.explain.roles import Roles
 
-__all__ = ["EXPLAIN_COLUMNS", "NAMES", "PROBES", "Explain", "probes_for"]
+__all__ = ["BY_DEFAULT", "EXPLAIN_COLUMNS", "NAMES", "PROBES", "Explain", "probes_for"]
 
 #: Every built-in probe; a new one is one more entry here (and its own file).
 PROBES: tuple[type[Probe], ...] = (Roles, Independence, Precision, Local, Fp64, Repeat,
                                    Kernels, Observer)
 
 #: The names ``explain=`` takes, each with its probe.
-NAMES: dict[str, type[Probe]] = {probe.name: probe for probe in PROBES if probe.name}
+NAMES: dict[str, type[Probe]] = {probe.spec.name: probe for probe in PROBES if probe.spec.name}
+
+#: The probes that run unless ``explain=`` turns them off, each as it runs then (the
+#: observer only for models with hook-sensitive modules; named, for every model).
+BY_DEFAULT: dict[str, Callable[[], Probe]] = {
+    name: probe for name, probe in NAMES.items() if probe.spec.default} | {
+    "observer": partial(Observer, always=False)}
 
 #: The columns each named probe adds.
 EXPLAIN_COLUMNS: dict[str, tuple[str, ...]] = {
-    name: probe.columns for name, probe in NAMES.items() if probe.columns}
+    name: probe.spec.columns for name, probe in NAMES.items() if probe.spec.columns}
 
 #: What ``explain=`` takes: names, ``"-name"`` (a default probe off), probes.
 Explain = Iterable["str | Probe | type[Probe]"] | str | None
@@ -51,7 +58,7 @@ def _named(item: Any) -> tuple[str, Probe | None]:
             f"explain= has no probe {name!r}; the probes are {', '.join(NAMES)} (or a "
             f"divtrace.Probe of your own)")
     if item.startswith("-"):
-        if not NAMES[name].default:
+        if name not in BY_DEFAULT:
             raise DivtraceValueError(
                 f"explain={item!r} turns off a default probe, but {name!r} runs only when "
                 f"named; leave it out")
@@ -74,9 +81,9 @@ def probes_for(explain: Explain, model: nn.Module) -> tuple[Probe, ...]:
             off.add(name)
         else:
             chosen[name] = probe
-    for name, kind in NAMES.items():
-        if kind.default and name not in chosen and name not in off:
-            chosen[name] = kind.by_default()
+    for name, made in BY_DEFAULT.items():
+        if name not in chosen and name not in off:
+            chosen[name] = made()
     order = {kind: i for i, kind in enumerate(PROBES)}
     built_in = sorted((p for p in chosen.values() if type(p) in order),
                       key=lambda p: order[type(p)])

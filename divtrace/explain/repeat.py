@@ -6,7 +6,9 @@ import math
 from typing import Any, ClassVar
 
 from divtrace.errors import DivtraceValueError
-from divtrace.explain.probe import Context, Judged, Probe, TableView
+from divtrace.explain.context import Context
+from divtrace.explain.probe import Explained, Hooks, Judged, Probe, Spec
+from divtrace.explain.view import TableView
 from divtrace.measure.figures import site_figures
 from divtrace.measure.host import Deferred
 from divtrace.plan.checks import whole_number
@@ -22,23 +24,21 @@ class Repeat(Probe):
     """``Repeat(n)`` (``"repeat"``: two): n more passes of the measured run, each compared
     with the first."""
 
-    name: ClassVar[str] = "repeat"
-    columns: ClassVar[tuple[str, ...]] = ("noise_mismatch", "noise_rel_l2")
-    shown: ClassVar[tuple[str, ...]] = ("noise_mismatch",)
-    whole_batch: ClassVar[bool] = True
-    keeps_batched: ClassVar[bool] = True
+    spec: ClassVar[Spec] = Spec(
+        name="repeat", columns=("noise_mismatch", "noise_rel_l2"),
+        shown=("noise_mismatch",), needs=frozenset({"whole_batch", "b_kept"}))
 
     def __init__(self, times: int = 2) -> None:
         """``times``: how many more passes (at least 1)."""
         if isinstance(times, bool) or not hasattr(times, "__index__") or times < 1:
             raise DivtraceValueError(f"Repeat(times) takes a whole number >= 1; got {times!r}")
-        self.passes = whole_number(times, "Repeat(times)")
+        self.times = whole_number(times, "Repeat(times)")
         self.noise: list[dict[str, Deferred]] = []  # per repeat: site key -> stats
 
     def settings(self) -> dict[str, Any]:
-        return {"times": self.passes}
+        return {"times": self.times}
 
-    def after(self, ctx: Context) -> None:
+    def _after(self, ctx: Context) -> None:
         first = RowStore(ctx.store.samples, ctx.store.batch_dim, False, pinned=True)
         for measured in ctx.meter.sites:
             if measured.kept is not None:
@@ -47,14 +47,17 @@ class Repeat(Probe):
                 first.rows[measured.site.key] = StoredRows(
                     measured.site, measured.shape, None, (), measured.dtype,
                     filled=len(first.samples), parts=list(measured.kept_parts))
-        batch = ctx.plan.batch
-        for _ in range(self.passes):
+        for _ in range(self.times):
             ctx.progress.stage(_LABEL)
-            again = ctx.meter.over(first)
-            ctx.b.execute(again, batch, [(0, batch.batch_size)], lambda _s, _e: _LABEL,
-                                 check=ctx.check, copies=ctx.copies)
+            again = ctx.measure(first, label=_LABEL)
             self.noise.append({m.site.key: m.stats for m in again.sites if m.stats is not None})
-            ctx.progress.advance()
+
+    def hooks(self) -> Hooks:
+        return Hooks(after=self._after, passes=self.times)
+
+    @classmethod
+    def explain(cls, result: Judged) -> Explained:
+        return Explained(tuple(cls._sentences(result)))
 
     def fill(self, rows: list[dict[str, Any]], view: TableView) -> None:
         for i, repeat in enumerate(self.noise):
@@ -69,7 +72,7 @@ class Repeat(Probe):
                     row["noise_rel_l2"] = math.nan
 
     @classmethod
-    def sentences(cls, result: Judged) -> list[str]:
+    def _sentences(cls, result: Judged) -> list[str]:
         table = result.table
         if "noise_mismatch" not in table:
             return []

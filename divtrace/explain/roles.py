@@ -6,7 +6,8 @@ import math
 from enum import StrEnum
 from typing import Any, ClassVar
 
-from divtrace.explain.probe import Judged, Probe, TableView
+from divtrace.explain.probe import Explained, Judged, Probe, Spec
+from divtrace.explain.view import TableView
 from divtrace.words import listed
 
 __all__ = ["Role", "Roles"]
@@ -25,9 +26,12 @@ class Roles(Probe):
     """``input_mismatch`` and ``role`` of every leaf site, from the measured run's lineage.
     Always on."""
 
-    columns: ClassVar[tuple[str, ...]] = ("input_mismatch", "role")
-    leads: ClassVar[bool] = True
-    blank: ClassVar[dict[str, Any]] = {"role": ""}
+    spec: ClassVar[Spec] = Spec(columns=("input_mismatch", "role"), leads=True,
+                                blank={"role": ""})
+
+    @classmethod
+    def explain(cls, result: Judged) -> Explained:
+        return Explained(tuple(cls._sentences(result)))
 
     def fill(self, rows: list[dict[str, Any]], view: TableView) -> None:
         for row in rows:
@@ -47,7 +51,7 @@ class Roles(Probe):
                 row["role"] = (Role.SOURCE if inputs.mismatch == 0 else Role.CARRIER).value
 
     @classmethod
-    def sentences(cls, result: Judged) -> list[str]:
+    def _sentences(cls, result: Judged) -> list[str]:
         table = result.table
         sources = result.sources
         if sources.empty:

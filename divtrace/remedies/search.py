@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from divtrace.align.sites import ROOT
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
+from divtrace.explain.probe import Judged
 from divtrace.kinds.padded import Padded
 from divtrace.kinds.registry import kind_of
 from divtrace.pipeline import execute
@@ -222,8 +223,9 @@ def find(result: Comparison, plan: Plan, model: nn.Module, given: Any = None,
     _refused(plan)
     sit = situation(plan, model)
     base = result
-    tested = next((t for p in result.probes
-                   if (t := p.findings(result.table, result.meta).independent)), None)
+    judged = Judged(result.table, result.meta)
+    tested = next((t for p in result.probes if (t := p.explain(judged).findings.independent)),
+                  None)
     if tested in (None, "untested"):
         with quiet():  # the verdict must rest on the independence test
             base = execute(replace(plan, explain=None, keep=False, progress=False), model)

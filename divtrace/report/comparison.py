@@ -92,7 +92,7 @@ class Comparison:
         text: a non-zero figure never reads 0). :attr:`table` has every column, as
         numbers."""
         table = self._table
-        shown = [*html.COMPACT, *(c for p in self._probes for c in p.shown if c in table)]
+        shown = [*html.COMPACT, *(c for p in self._probes for c in p.spec.shown if c in table)]
         view = readable(table[shown]).astype(object)
         return view.where(view.notna(), "")
 

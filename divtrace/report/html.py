@@ -111,7 +111,7 @@ def _tables(result: Comparison, probes: Sequence[type[Probe]]) -> str:
     table = result.table
     first = result.first_divergence
     at = None if first is None else int(first.name)
-    shown = [*COMPACT, *(c for probe in probes for c in probe.shown if c in table)]
+    shown = [*COMPACT, *(c for probe in probes for c in probe.spec.shown if c in table)]
     folded, kinds = compact(table, at, shown)
     every = [_kind(row, at) for _, row in table.iterrows()]
     return (f"{styled(folded, kinds)}<details><summary>All {len(table)} sites, every "

@@ -16,8 +16,9 @@ import torch
 from divtrace.align.order import merge
 from divtrace.align.ragged import joined
 from divtrace.align.status import Status
-from divtrace.explain.probe import Probe, TableView
+from divtrace.explain.probe import Probe
 from divtrace.explain.registry import PROBES
+from divtrace.explain.view import TableView
 from divtrace.measure.elements import ELEMENTWISE
 from divtrace.measure.figures import FIGURES, Figure, many_site_figures
 from divtrace.measure.host import Host
@@ -42,12 +43,12 @@ SAMPLE_COLUMNS = ("site", "sample", "mismatch", "rel_l2", "max_abs")
 def columns(figures: tuple[Figure, ...], probes: tuple[type[Probe], ...]) -> tuple[str, ...]:
     """The table's columns: the site, its figures, ``growth``, then each probe's."""
     return (*SITE_COLUMNS, *(f.name for f in figures), "growth",
-            *(c for probe in probes for c in probe.columns))
+            *(c for probe in probes for c in probe.spec.columns))
 
 
 #: The columns of :attr:`Comparison.table` of a plain ``compare()`` (the options that are
 #: on by default), in order. They are an API: stable names.
-COLUMNS = columns(FIGURES, tuple(p for p in PROBES if not p.name or p.default))
+COLUMNS = columns(FIGURES, tuple(p for p in PROBES if not p.spec.name or p.spec.default))
 
 
 def _site_row(site: Measured, blank: dict[str, Any]) -> dict[str, Any]:
@@ -127,7 +128,7 @@ def _in_order(rows: list[dict[str, Any]], store: RowStore, probes: tuple[Probe, 
               figures: tuple[Figure, ...]) -> list[dict[str, Any]]:
     """The rows with those of the sites only the reference run reached, in order."""
     reference = [key for key, stored in store.rows.items() if stored.site.input is None]
-    blank = _blank(figures) | {k: v for probe in probes for k, v in probe.blank.items()}
+    blank = _blank(figures) | {k: v for probe in probes for k, v in probe.spec.blank.items()}
     ordered: list[dict[str, Any]] = []
     measured, seen = iter(rows), {row["site"] for row in rows}
     for key in merge([row["site"] for row in rows], reference):
@@ -170,7 +171,7 @@ def build(plan: Plan, probes: tuple[Probe, ...], meter: Meter, meta: Meta, host:
         if count in data:
             data[count] = pd.array(data[count], dtype="Int64")
     for probe in probes:  # yes/no columns, missing where a site was not judged
-        for column in probe.columns:
+        for column in probe.spec.columns:
             if _flags(data[column]):
                 data[column] = pd.array([None if _missing(v) else bool(v)
                                          for v in data[column]], dtype="boolean")

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 import torch
 
+from divtrace.explain.probe import Judged
 from divtrace.explain.rounding import reduced
 from divtrace.measure.elements import ALLCLOSE, NEAR_ZERO
 from divtrace.measure.stats import tolerances
@@ -168,13 +169,11 @@ def summary(result: Comparison, probes: Sequence[type[Probe]] = ()) -> str:
             f"{before}: {percent(first['mismatch'])} of its elements differ, rel_l2 "
             f"{sci(first['rel_l2'])}.")
         lines.append(f"{identical} of {len(ok)} compared sites are bit-identical.")
-    for probe in probes:
-        if probe.leads:
-            lines.extend(probe.sentences(result))
+    judged = Judged(table, result.meta)
+    said = [(probe.spec.leads, probe.explain(judged).sentences) for probe in probes]
+    lines.extend(line for leads, sentences in said if leads for line in sentences)
     lines.extend(_output_sentences(result))
-    for probe in probes:
-        if not probe.leads:
-            lines.extend(probe.sentences(result))
+    lines.extend(line for leads, sentences in said if not leads for line in sentences)
     nonfinite = ok[ok["nonfinite"] > 0]
     if not nonfinite.empty:
         lines.append(

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pandas as pd
 
 from divtrace.explain.mixed import parted
-from divtrace.explain.probe import Findings, output_rows
+from divtrace.explain.probe import Findings, Judged, output_rows
 from divtrace.explain.rounding import CHECK, MODELS, budget, two_models
 from divtrace.words import sci
 
@@ -144,7 +144,8 @@ def _first(found: Iterable[T | None]) -> T | None:
 def _found(table: pd.DataFrame, meta: Meta, probes: Probes) -> Findings:
     """What the probes found, together: of each finding the first probe's that has one,
     and every probe's entries."""
-    each = [probe.findings(table, meta) for probe in probes]
+    judged = Judged(table, meta)
+    each = [probe.explain(judged).findings for probe in probes]
     firsts = {f.name: _first(getattr(one, f.name) for one in each)
               for f in fields(Findings) if f.name != "entries"}
     return Findings(**firsts, entries=tuple(entry for one in each for entry in one.entries))
