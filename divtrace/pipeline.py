@@ -180,10 +180,10 @@ def execute(plan: Plan, model: nn.Module, parts: Parts | None = None,
     walk = plan.walk if plan.walk is not None and plan.walk.model is model else Walk.of(model)
     reference = replace(Runner.of(plan.a, model, plan.modules, plan.output_only,
                                   plan.name("a"), parts.recorder, walk=walk),
-                        around=partial(kind.around, "a"))
+                        around=partial(kind.around, "a"), wrap=kind.wrap)
     compared = replace(Runner.of(plan.b, model, plan.modules, plan.output_only,
                                  plan.name("b"), parts.recorder, beside=reference, walk=walk),
-                       around=partial(kind.around, "b"))
+                       around=partial(kind.around, "b"), wrap=kind.wrap)
     host = Host()
     probes = copy.deepcopy(parts.probes)  # fresh ones: this run's findings are their own
     devices = cuda_devices((walk, reference.model, compared.model), plan.batch.leaves)

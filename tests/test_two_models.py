@@ -201,3 +201,4 @@ def test_batched_against_split_on_the_tensor_parallel_model(tmp_path) -> None:  
         assert rel[site] == pytest.approx(by_hand, rel=1e-9, abs=0)
     assert first["verdict"] in ("identical", "rounding")
     assert "independence test" in first["summary"]
+    assert first["kind"] == "on ranks"  # the kind of a sharded model with itself

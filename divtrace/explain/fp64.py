@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import pandas as pd
@@ -67,8 +68,8 @@ class Fp64(Probe):
         device = next((p.device for p in ctx.model.parameters()), torch.device("cpu"))
         exact = Run(device="cpu" if device.type == "mps" else device,  # mps: no float64
                     dtype=torch.float64)
-        runner = Runner.of(exact, ctx.model, plan.modules, False, "float64 truth run",
-                           ctx.recorder)
+        runner = replace(Runner.of(exact, ctx.model, plan.modules, False,
+                                   "float64 truth run", ctx.recorder), wrap=ctx.a.wrap)
         picked, self._truth, passes = ctx.kind.alone(plan)
         runner.execute(self._truth, picked, passes, lambda _s, _e: "float64 truth run",
                        check=ctx.check)

@@ -152,9 +152,10 @@ class Precision(Probe):
     def _replay(self, ctx: Context) -> None:
         plan = ctx.plan
         double = torch.float64
-        a = Runner.of(replace(plan.a, dtype=double), ctx.model, plan.modules,
-                      plan.output_only, f"{_LABEL}, {ctx.a.name}", ctx.recorder)
-        b = self._other(ctx, a)
+        a = replace(Runner.of(replace(plan.a, dtype=double), ctx.model, plan.modules,
+                              plan.output_only, f"{_LABEL}, {ctx.a.name}", ctx.recorder),
+                    wrap=ctx.a.wrap)
+        b = replace(self._other(ctx, a), wrap=ctx.b.wrap)
         passes = self._planned = len(plan.a_chunks) + max(1, len(plan.b_chunks))
         ctx.progress.more(passes - _PASSES)
         step = partial(self._step, ctx)

@@ -114,3 +114,8 @@ class Kind:
     def around(self, which: str) -> AbstractContextManager[Any]:
         """A context around each pass of run ``which`` (``"a"`` or ``"b"``)."""
         return nullcontext()
+
+    def wrap(self, sink: Sink) -> Sink:
+        """What every pass of either run — the probes' too — hands its tensors to, before
+        ``sink`` (``sink`` itself, or an adapter before it)."""
+        return sink

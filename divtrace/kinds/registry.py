@@ -6,6 +6,7 @@ from divtrace.kinds.kind import Kind
 from divtrace.kinds.models import TwoModels
 from divtrace.kinds.prompts import Ragged
 from divtrace.kinds.sharded import Sharded
+from divtrace.kinds.shards import OnRanks
 from divtrace.plan.make import Plan
 
 __all__ = ["KINDS", "PAIRS", "ROWS", "kind_of"]
@@ -13,9 +14,10 @@ __all__ = ["KINDS", "PAIRS", "ROWS", "kind_of"]
 #: The built-in kinds a plan made without ``kind=`` may be of, asked in turn (the first
 #: that claims it): how the input's rows are read (prompts of different lengths, else
 #: :class:`Kind` itself, the batched run against the split run), then which runs are
-#: paired (another model, sharded or not), which reads the rows as the first one does.
+#: paired (another model, sharded or not; a sharded model with itself), which reads the
+#: rows as the first one does.
 ROWS: tuple[type[Kind], ...] = (Ragged, Kind)
-PAIRS: tuple[type[TwoModels], ...] = (Sharded, TwoModels)
+PAIRS: tuple[type[TwoModels | OnRanks], ...] = (Sharded, TwoModels, OnRanks)
 KINDS: tuple[type[Kind], ...] = (*PAIRS, *ROWS)
 
 

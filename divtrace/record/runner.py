@@ -20,7 +20,6 @@ from divtrace.record.hooks import ModuleHooks
 from divtrace.record.loop import InputCopies, drive
 from divtrace.record.recorder import Recorder, Sink
 from divtrace.record.rows import RowStore
-from divtrace.record.sharded import Stacked, sharded
 
 __all__ = ["RecorderFactory", "Runner", "module_hooks"]
 
@@ -44,9 +43,9 @@ class Runner:
     modules: dict[str, nn.Module]
     recorder: Recorder
     name: str
-    #: the model is sharded over ranks and compared with itself: every rank's parts of
-    #: each tensor are measured (:class:`~divtrace.record.sharded.Stacked`)
-    stacked: bool = False
+    #: what every pass hands its tensors to, before the sink it is given (the kind's,
+    #: :meth:`divtrace.Kind.wrap`: every rank's part of a sharded model's tensors)
+    wrap: Callable[[Sink], Sink] | None = None
     #: a context around each of its executions (the kind's, :meth:`divtrace.Kind.around`)
     around: Callable[[], AbstractContextManager[Any]] = nullcontext
 
@@ -61,13 +60,12 @@ class Runner:
         ``walk``: a walk of ``model`` already made (used when the run runs ``model``).
         """
         mine = run.model(model)
-        stack = run.other_model is None and sharded(mine)  # (another one: reassembled)
         if beside is not None and beside.model is mine:
-            return cls(run, mine, beside.modules, beside.recorder, name, stack)
+            return cls(run, mine, beside.modules, beside.recorder, name)
         walked = walk.named if walk is not None and walk.model is mine else None
         selected = {ROOT: mine} if output_only else select_modules(mine, modules, walked)
         selected = run.renamed(selected)
-        return cls(run, mine, selected, recorder(mine, selected), name, stack)
+        return cls(run, mine, selected, recorder(mine, selected), name)
 
     def feed(self, args: tuple[Any, ...], kwargs: dict[str, Any]
              ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -89,8 +87,8 @@ class Runner:
         ``graphs``: replays passes from a CUDA graph where it can (``sink`` is then a row
         store; ``unsuitable`` says why it cannot, when that is known beforehand).
         """
-        if self.stacked:
-            sink = Stacked(sink)
+        if self.wrap is not None:
+            sink = self.wrap(sink)
         with self.run.flags(), self.around():
             feed = self.run.tensor if self.run.changes_inputs else None
             if graphs is not None and isinstance(sink, RowStore):

@@ -49,7 +49,8 @@ class Meta:
         settings: Per run (``a``, ``b``): its label, device, dtype and the backend flags
             in force.
         kind: The kind of comparison, by name (:attr:`divtrace.Kind.name`: ``"batched"``,
-            ``"prompts"``, ``"two models"``, ...; ``"batched"`` in files saved before it).
+            ``"prompts"``, ``"two models"``, ``"sharded"``, ``"on ranks"``, ...; ``"batched"``
+            in files saved before it).
     """
 
     batch_size: int

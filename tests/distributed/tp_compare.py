@@ -155,7 +155,7 @@ def split(out: Path) -> None:
     first = found.first_divergence
     (out / f"split{dist.get_rank()}.json").write_text(json.dumps({
         "table": found.table[["site", "status", "role", "mismatch", "rel_l2"]].to_dict("list"),
-        "verdict": found.verdict, "summary": found.summary(),
+        "verdict": found.verdict, "summary": found.summary(), "kind": found.meta.kind,
         "by_hand": {name: _stacked_by_hand(model, x, name, 1) for name in ("0.up", "1.down")},
         "first": None if first is None else first["site"], "hooks_left": _hooks(model) - before}))
 
@@ -192,7 +192,7 @@ def pair(out: Path, case: str) -> None:
     first = found.first_divergence
     (out / f"{case}{dist.get_rank()}.json").write_text(json.dumps({
         "table": found.table[["site", "status", "role", "mismatch", "rel_l2"]].to_dict("list"),
-        "verdict": found.verdict, "summary": found.summary(),
+        "verdict": found.verdict, "summary": found.summary(), "kind": found.meta.kind,
         "by_hand": _by_hand(single, sharded, x, sites),
         "first": None if first is None else first["site"], "hooks_left": left}))
 
