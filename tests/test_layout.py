@@ -159,8 +159,8 @@ def test_imports_follow_the_layers() -> None:
 
 #: Where each kind may be named besides its own file and the registry: a kind derived
 #: from it, and the fixed-batch remedy's replay, which is of the padded kind.
-KIND_USERS = {"Sharded": set(), "OnRanks": set(), "TwoModels": {"divtrace.kinds.sharded"}, "Ragged": set(),
-              "Padded": {"divtrace.remedies.search"}}
+KIND_USERS = {"Sharded": set(), "OnRanks": set(), "TwoModels": {"divtrace.kinds.sharded"},
+              "Ragged": set(), "Padded": {"divtrace.remedies.search"}}
 #: The types a kind is told by, asked for only in the kinds and where they are defined.
 KIND_TYPES = {"RaggedInput": {"divtrace.plan.prompts"}, "OtherModel": {"divtrace.plan.other"}}
 

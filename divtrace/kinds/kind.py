@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -26,7 +27,7 @@ from divtrace.plan.runs import Run
 from divtrace.record.recorder import Sink
 from divtrace.record.rows import RowStore
 
-__all__ = ["CANNOT", "Kind"]
+__all__ = ["CANNOT", "Kind", "Paired"]
 
 #: What a kind may say it cannot do (:attr:`Kind.cannot`): replay chunked passes from a
 #: CUDA graph, the precision test, remedies, every pass padded to one batch size (the
@@ -119,3 +120,30 @@ class Kind:
         """What every pass of either run — the probes' too — hands its tensors to, before
         ``sink`` (``sink`` itself, or an adapter before it)."""
         return sink
+
+
+@dataclass(frozen=True)
+class Paired(Kind):
+    """A kind that pairs the runs its own way and reads the input's rows as ``rows``
+    does (prompts of different lengths, or a plain batch): its row stores, meters and
+    checks are those of ``rows``."""
+
+    rows: Kind = field(default_factory=Kind)
+
+    def check(self, plan: Plan) -> None:
+        self.rows.check(plan)
+
+    def store(self, plan: Plan, samples: list[int], *, offload: bool = False,
+              pinned: bool = False, learn_lineage: bool = True) -> RowStore:
+        return self.rows.store(plan, samples, offload=offload, pinned=pinned,
+                               learn_lineage=learn_lineage)
+
+    def meter(self, plan: Plan, store: RowStore, host: Host, **options: Any) -> Meter:
+        return self.rows.meter(plan, store, host, **options)
+
+    def alone(self, plan: Plan) -> tuple[BatchedInput, RowStore, list[tuple[int, int]]]:
+        return self.rows.alone(plan)
+
+    def real(self, plan: Plan, chunk: tuple[int, int]
+             ) -> Callable[[torch.Tensor], torch.Tensor]:
+        return self.rows.real(plan, chunk)

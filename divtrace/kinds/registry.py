@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from divtrace.kinds.kind import Kind
+from divtrace.kinds.kind import Kind, Paired
 from divtrace.kinds.models import TwoModels
 from divtrace.kinds.prompts import Ragged
 from divtrace.kinds.sharded import Sharded
@@ -17,7 +17,7 @@ __all__ = ["KINDS", "PAIRS", "ROWS", "kind_of"]
 #: paired (another model, sharded or not; a sharded model with itself), which reads the
 #: rows as the first one does.
 ROWS: tuple[type[Kind], ...] = (Ragged, Kind)
-PAIRS: tuple[type[TwoModels | OnRanks], ...] = (Sharded, TwoModels, OnRanks)
+PAIRS: tuple[type[Paired], ...] = (Sharded, TwoModels, OnRanks)
 KINDS: tuple[type[Kind], ...] = (*PAIRS, *ROWS)
 
 
