@@ -100,11 +100,10 @@ class Sweep:
         return f"<divtrace.Sweep: {len(self.table)} settings, {same} bit-identical>"
 
     def _repr_html_(self) -> str:
-        from divtrace.report.html import escape
+        from divtrace.report.html import shown_result
         from divtrace.words import readable
 
-        words = "".join(f"<p>{escape(line)}</p>" for line in self.summary().splitlines())
-        return f"<div>{words}{readable(self.table).to_html(index=False)}</div>"
+        return shown_result("divtrace sweep", self.summary(), readable(self.table))
 
     def save(self, path: str | Path) -> Path:
         """Writes the sweep and each comparison as versioned JSON (see

@@ -4,10 +4,9 @@ weights test, the forward comparison, and the verdict on all of them."""
 
 from __future__ import annotations
 
-import html
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -184,32 +183,21 @@ class Backward:
                 f"{len(self.of('param'))} parameters — {self.verdict.kind}>")
 
     def _repr_html_(self) -> str:
-        words = "".join(f"<p>{html.escape(line)}</p>" for line in self.summary().splitlines())
-        return (f"<div><h4>divtrace backward</h4>{words}"
-                f"{self.sites.to_html(index=False, na_rep='')}</div>")
+        from divtrace.report.html import shown_result
+
+        return shown_result("divtrace backward", self.summary(), self.sites,
+                            self.verdict.kind)
 
     def to_html(self, path: str | Path, title: str = "divtrace backward") -> Path:
         """A self-contained HTML report: the summary, both plots, the weights test and
         the table."""
-        import matplotlib.pyplot as plt
+        from divtrace.report.html import drawn, result_page, section
 
-        from divtrace.report.html import png
-
-        images = []
-        for kind in ("grad", "param"):
-            figure, ax = plt.subplots(figsize=(10, 4))
-            self.plot(ax, kind)
-            images.append(png(figure))
-            plt.close(figure)
-        pictures = "".join(f"<img style='max-width:100%' src='data:image/png;base64,{i}'>"
-                           for i in images)
-        checked = ("" if self.weights.table.empty else
-                   f"<h3>The weights test (at {html.escape(str(self.weights.site))})</h3>"
-                   f"{readable(self.weights.table).to_html(index=False)}")
-        page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>"
-                f"{html.escape(title)}</title></head><body style='font-family:sans-serif'>"
-                f"<h1>{html.escape(title)}</h1>{self._repr_html_()}{pictures}{checked}"
-                f"</body></html>")
+        parts = [drawn(partial(self.plot, kind=kind), (10, 4))
+                 for kind in ("grad", "param")]
+        if not self.weights.table.empty:
+            parts.append(section(f"The weights test (at {self.weights.site})",
+                                 readable(self.weights.table)))
         path = Path(path)
-        path.write_text(page)
+        path.write_text(result_page(title, self._repr_html_(), parts))
         return path

@@ -3,7 +3,6 @@ and the layer-wise comparison of any step."""
 
 from __future__ import annotations
 
-import html
 import math
 import warnings
 from collections.abc import Iterable
@@ -235,25 +234,15 @@ class Generation:
     def to_html(self, path: str | Path, title: str = "divtrace generation") -> Path:
         """Writes a self-contained HTML report: the summary, the first divergence per
         prompt, the plot and the token table."""
-        import matplotlib.pyplot as plt
+        from divtrace.report.html import drawn, result_page, section
 
-        from divtrace.report.html import png
-
-        figure, ax = plt.subplots(figsize=(min(14.0, 3 + 0.18 * self.new_tokens),
-                                           min(10.0, 1.5 + 0.28 * len(self.samples))))
-        self.plot(ax)
-        image = png(figure)
-        plt.close(figure)
-        page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>"
-                f"{html.escape(title)}</title></head><body style='font-family:sans-serif'>"
-                f"<h1>{html.escape(title)}</h1>{self._repr_html_()}"
-                f"<img style='max-width:100%' src='data:image/png;base64,{image}'>"
-                f"<h3>Every step</h3>{self.table.to_html(index=False)}</body></html>")
+        size = (min(14.0, 3 + 0.18 * self.new_tokens), min(10.0, 1.5 + 0.28 * len(self.samples)))
         path = Path(path)
-        path.write_text(page)
+        path.write_text(result_page(title, self._repr_html_(), [
+            drawn(self.plot, size), section("Every step", self.table)]))
         return path
 
     def _repr_html_(self) -> str:
-        words = "".join(f"<p>{html.escape(line)}</p>" for line in self.summary().splitlines())
-        return (f"<div><h4>divtrace generation</h4>{words}"
-                f"{self.per_prompt.to_html(index=False, na_rep='')}</div>")
+        from divtrace.report.html import shown_result
+
+        return shown_result("divtrace generation", self.summary(), self.per_prompt)

@@ -118,17 +118,59 @@ def _tables(result: Comparison, probes: Sequence[type[Probe]]) -> str:
             f"column</summary>{styled(table, every)}</details>")
 
 
-def _words(result: Comparison) -> str:
-    lines = result.summary().splitlines()
-    kind = result.verdict.replace(" ", "-")
-    return (f'<p class="verdict {kind}">{escape(lines[0])}</p>'
+def said(summary: str, verdict: str | None = None) -> str:
+    """A summary as HTML: its first line as the verdict (coloured by ``verdict``:
+    ``"identical"``, ``"rounding"``, ``"not rounding"``; plain when None)."""
+    lines = summary.splitlines() or [""]
+    kind = "" if verdict is None else " " + verdict.replace(" ", "-")
+    return (f'<p class="verdict{kind}">{escape(lines[0])}</p>'
             f'<p class="summary">{escape(chr(10).join(lines[1:]))}</p>')
+
+
+def _words(result: Comparison) -> str:
+    return said(result.summary(), result.verdict)
 
 
 def fragment(result: Comparison, probes: Sequence[type[Probe]] = ()) -> str:
     """The HTML that Jupyter shows for a comparison."""
     return (f'<style>{CSS}</style><div class="divtrace">{_words(result)}'
             f"{_tables(result, probes)}</div>")
+
+
+def shown_result(title: str, summary: str, frame: pd.DataFrame,
+                 verdict: str | None = None) -> str:
+    """The HTML that Jupyter shows for a result other than a comparison (a generation, a
+    backward comparison, a sweep): its title, its summary and one table, in the
+    comparison's style."""
+    return (f'<style>{CSS}</style><div class="divtrace"><h4>{escape(title)}</h4>'
+            f"{said(summary, verdict)}{frame.to_html(index=False, na_rep='')}</div>")
+
+
+def drawn(draw: Callable[[Any], object], size: tuple[float, float]) -> str:
+    """``draw(ax)`` on a new figure of ``size`` inches, as an <img> of base64 PNG."""
+    import matplotlib.pyplot as plt
+
+    figure, ax = plt.subplots(figsize=size)
+    try:
+        draw(ax)
+        image = png(figure)
+    finally:
+        plt.close(figure)
+    return f"<img style='max-width:100%' src='data:image/png;base64,{image}'>"
+
+
+def result_page(title: str, shown: str, parts: Sequence[str] = ()) -> str:
+    """A self-contained HTML page of a result other than a comparison: its title, what
+    Jupyter shows of it, then ``parts`` (pictures, sections) in order."""
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'>"
+            f"<meta name='viewport' content='width=device-width, initial-scale=1'>"
+            f"<title>{escape(title)}</title></head><body><main class='divtrace'>"
+            f"<h1>{escape(title)}</h1>{shown}{''.join(parts)}</main></body></html>")
+
+
+def section(title: str, frame: pd.DataFrame) -> str:
+    """A titled table of a result page."""
+    return f"<h3>{escape(title)}</h3>{frame.to_html(index=False, na_rep='')}"
 
 
 def png(figure: object) -> str:
