@@ -77,7 +77,9 @@ class Sweep:
         same = [str(n) for n in self.table.loc[self.table["verdict"] == "identical",
                                                "setting"]]
         lines = [f"{len(self.table)} setting(s); bit-identical at every compared site under "
-                 f"{len(same)}" + (f": {'; '.join(same)}." if same else ".")]
+                 f"{len(same)}: {'; '.join(same)}." if same else
+                 f"{len(self.table)} setting(s); under none of them are the runs "
+                 f"bit-identical at every compared site."]
         for row in self.table.itertuples():
             if row.verdict == "identical":
                 continue

@@ -41,11 +41,12 @@ def percent(fraction: float) -> str:
 #: Columns that hold fractions of elements (shown as percentages) and error figures
 #: (shown in scientific notation), wherever a table or a row is printed.
 FRACTIONS = frozenset({"mismatch", "exceed", "input_mismatch", "noise_mismatch",
-                       "mismatch_a", "mismatch_b"})
+                       "mismatch_a", "mismatch_b", "output_mismatch"})
 ERRORS = frozenset({"max_abs", "mean_abs", "rel_l2", "others_rel_l2", "local_rel_l2",
                     "local_max_abs", "b_err_fp64", "a_err_fp64", "fp64_rel_l2", "noise_rel_l2",
                     "rel_l2_a", "rel_l2_b", "logits_rel_l2", "logits_max_abs",
-                    "output_rel_l2", "output_change"})
+                    "output_rel_l2", "output_max_abs", "output_change",
+                    "logits_max_abs_at_split"})
 #: Columns that hold how many times one figure is another (shown as ``2.07×``).
 RATIOS = frozenset({"growth", "amplification"})
 

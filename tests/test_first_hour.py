@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import divtrace
 from divtrace.cli import main, parser
 from divtrace.compare import KEYWORDS
+from divtrace.words import sci
 from tests import models
 
 
@@ -220,7 +221,10 @@ def test_a_sweep_says_what_it_found() -> None:
     assert repr(found) == (f"<divtrace.Sweep: 3 settings, "
                            f"{int((found.table['verdict'] == 'identical').sum())} bit-identical>")
     lines = found.summary().splitlines()
-    assert lines[0].startswith("3 setting(s); bit-identical at every compared site under ")
+    same = (found.table["verdict"] == "identical").sum()
+    assert lines[0].startswith(
+        f"3 setting(s); bit-identical at every compared site under {same}: " if same else
+        "3 setting(s); under none of them are the runs bit-identical")
     parted = found.table[found.table["verdict"] != "identical"]
     for row in parted.itertuples():
         assert any(line.startswith(f"{row.setting}: {row.verdict}") for line in lines)
@@ -229,7 +233,11 @@ def test_a_sweep_says_what_it_found() -> None:
     float64 = found.table.set_index("setting").loc["dtype=float64"]
     if float64["verdict"] != "identical":
         assert f"its passes take {float64['cost']:.3g}× as long" in found.summary()
-    assert "<table" in found._repr_html_()
+    shown = found._repr_html_()
+    assert "<table" in shown
+    for row in parted.itertuples():  # a tiny figure never reads 0 in the HTML
+        assert f"<td>{sci(row.output_rel_l2)}</td>" in shown
+        assert row.output_max_abs == 0 or f"<td>{sci(row.output_max_abs)}</td>" in shown
     import matplotlib
 
     matplotlib.use("Agg")

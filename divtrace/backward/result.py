@@ -191,7 +191,7 @@ class Backward:
     def to_html(self, path: str | Path, title: str = "divtrace backward") -> Path:
         """A self-contained HTML report: the summary, both plots, the weights test and
         the table."""
-        from divtrace.report.html import drawn, result_page, section
+        from divtrace.report.html import drawn, result_page, section, shown_result
 
         parts = [drawn(partial(self.plot, kind=kind), (10, 4))
                  for kind in ("grad", "param")]
@@ -199,5 +199,6 @@ class Backward:
             parts.append(section(f"The weights test (at {self.weights.site})",
                                  readable(self.weights.table)))
         path = Path(path)
-        path.write_text(result_page(title, self._repr_html_(), parts))
+        shown = shown_result("", self.summary(), self.sites, self.verdict.kind)
+        path.write_text(result_page(title, shown, parts))
         return path

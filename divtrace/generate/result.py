@@ -234,11 +234,12 @@ class Generation:
     def to_html(self, path: str | Path, title: str = "divtrace generation") -> Path:
         """Writes a self-contained HTML report: the summary, the first divergence per
         prompt, the plot and the token table."""
-        from divtrace.report.html import drawn, result_page, section
+        from divtrace.report.html import drawn, result_page, section, shown_result
 
         size = (min(14.0, 3 + 0.18 * self.new_tokens), min(10.0, 1.5 + 0.28 * len(self.samples)))
         path = Path(path)
-        path.write_text(result_page(title, self._repr_html_(), [
+        shown = shown_result("", self.summary(), self.per_prompt)
+        path.write_text(result_page(title, shown, [
             drawn(self.plot, size), section("Every step", self.table)]))
         return path
 

@@ -119,12 +119,15 @@ def _tables(result: Comparison, probes: Sequence[type[Probe]]) -> str:
 
 
 def said(summary: str, verdict: str | None = None) -> str:
-    """A summary as HTML: its first line as the verdict (coloured by ``verdict``:
-    ``"identical"``, ``"rounding"``, ``"not rounding"``; plain when None)."""
+    """A summary as HTML: its verdict line (the one that opens with "Verdict:", else the
+    first) coloured by ``verdict`` (``"identical"``, ``"rounding"``, ``"not rounding"``;
+    plain when None), before the other lines in order."""
     lines = summary.splitlines() or [""]
+    at = next((i for i, line in enumerate(lines) if line.startswith("Verdict:")), 0)
     kind = "" if verdict is None else " " + verdict.replace(" ", "-")
-    return (f'<p class="verdict{kind}">{escape(lines[0])}</p>'
-            f'<p class="summary">{escape(chr(10).join(lines[1:]))}</p>')
+    rest = lines[:at] + lines[at + 1:]
+    return (f'<p class="verdict{kind}">{escape(lines[at])}</p>'
+            f'<p class="summary">{escape(chr(10).join(rest))}</p>')
 
 
 def _words(result: Comparison) -> str:
@@ -140,10 +143,11 @@ def fragment(result: Comparison, probes: Sequence[type[Probe]] = ()) -> str:
 def shown_result(title: str, summary: str, frame: pd.DataFrame,
                  verdict: str | None = None) -> str:
     """The HTML that Jupyter shows for a result other than a comparison (a generation, a
-    backward comparison, a sweep): its title, its summary and one table, in the
-    comparison's style."""
-    return (f'<style>{CSS}</style><div class="divtrace"><h4>{escape(title)}</h4>'
-            f"{said(summary, verdict)}{frame.to_html(index=False, na_rep='')}</div>")
+    backward comparison, a sweep): its title (none: ""), its summary and one table, in
+    the comparison's style."""
+    head = f"<h4>{escape(title)}</h4>" if title else ""
+    return (f'<style>{CSS}</style><div class="divtrace">{head}'
+            f"{said(summary, verdict)}{_plain(frame)}</div>")
 
 
 def drawn(draw: Callable[[Any], object], size: tuple[float, float]) -> str:
@@ -170,7 +174,21 @@ def result_page(title: str, shown: str, parts: Sequence[str] = ()) -> str:
 
 def section(title: str, frame: pd.DataFrame) -> str:
     """A titled table of a result page."""
-    return f"<h3>{escape(title)}</h3>{frame.to_html(index=False, na_rep='')}"
+    return f"<h3>{escape(title)}</h3>{_plain(frame)}"
+
+
+def _plain(frame: pd.DataFrame) -> str:
+    """A table as HTML, missing values (NaN, ``pd.NA``) left blank and numbers to six
+    significant digits (a non-zero one never reads 0)."""
+    def cell(value: Any) -> str:
+        if value is None or (not isinstance(value, str) and pd.isna(value)):
+            return ""
+        if isinstance(value, float):
+            return f"{value:.6g}"
+        return str(value)
+
+    return pd.DataFrame({c: [cell(v) for v in frame[c].tolist()] for c in frame.columns},
+                        columns=frame.columns).to_html(index=False)
 
 
 def png(figure: object) -> str:
