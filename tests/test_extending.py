@@ -332,3 +332,56 @@ def test_a_probe_written_for_the_old_seam_is_refused_with_the_fix() -> None:
         divtrace.Spec(needs=frozenset({"whole batch"}))
     with pytest.raises(divtrace.DivtraceValueError, match=r"shown=.*among its columns"):
         divtrace.Spec(columns=("a",), shown=("b",))
+
+
+class Again(divtrace.Probe):
+    """Run b once more, from outside the package: are its compared rows the same at every
+    site? A column, through the public Context only (pick, later, rows)."""
+
+    spec = divtrace.Spec(columns=("b_again_same",))
+
+    def __init__(self) -> None:
+        self.first: dict[str, torch.Tensor] = {}
+        self.same: dict[str, bool] = {}
+
+    def hooks(self) -> divtrace.Hooks:
+        return divtrace.Hooks(site=self.keep, after=self.again, passes=1)
+
+    def keep(self, ctx: divtrace.Context, measured: divtrace.Measured, tensor: torch.Tensor,
+             rows: torch.Tensor) -> None:
+        self.first[measured.site.key] = ctx.pick(tensor).clone()
+
+    def again(self, ctx: divtrace.Context) -> None:
+        for key, rows in ctx.rows(label="run b again").items():
+            if key in self.first:
+                self.same[key] = bool(torch.equal(rows, self.first[key]))
+
+    def fill(self, rows: list[dict[str, Any]], view: divtrace.TableView) -> None:
+        for row in rows:
+            if row["site"] in self.same:
+                row["b_again_same"] = self.same[row["site"]]
+
+
+def test_a_probe_reruns_run_b_through_the_context() -> None:
+    model, x = models.variant_mlp(), torch.randn(8, 16)
+    result = divtrace.compare(model, x, samples=[2, 5], explain=[Again()], progress=False)
+    table = result.table
+    assert table["b_again_same"].notna().all()
+    assert table["b_again_same"].all()
+
+    class Other(Again):  # the other rows given other values: a mixing model's rows move
+        def again(self, ctx: divtrace.Context) -> None:
+            batch, _ = ctx.plan.batch.replaced([2, 5])
+            for key, rows in ctx.rows(batch).items():
+                if key in self.first:
+                    self.same[key] = bool(torch.equal(rows, self.first[key]))
+
+    class Centred(nn.Module):  # each row less the batch's mean: rows depend on the others
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return h - h.mean(0, keepdim=True)
+
+    mixing = nn.Sequential(nn.Linear(16, 8), Centred()).eval()
+    moved = divtrace.compare(mixing, x, samples=[2, 5], explain=[Other()],
+                             progress=False).table.set_index("site")
+    assert bool(moved.loc["0", "b_again_same"])  # the Linear's rows are their own
+    assert not bool(moved.loc["1", "b_again_same"])  # the centred ones moved with the others

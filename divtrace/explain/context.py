@@ -80,6 +80,16 @@ class Context:
         self.rerun(meter, batch, label)
         return meter
 
+    def rows(self, batch: BatchedInput | None = None, label: str = "") -> dict[str, torch.Tensor]:
+        """One more pass of run b (:meth:`rerun`; ``batch``: e.g. ``plan.batch.replaced
+        (samples)[0]``, the other rows given other values): the compared samples' rows at
+        every site it reached (by site key; batch dimension first, as :meth:`pick` gives
+        them; prompts of different lengths: only sites whose rows share a shape)."""
+        store = self.kind.store(self.plan, list(self.plan.samples), learn_lineage=False)
+        self.rerun(store, batch, label)
+        return {key: stored.rows for key, stored in store.rows.items()
+                if stored.rows is not None}
+
     def finding(self, label: str) -> Any:
         """What the probe of that label found so far (its note; None: no such probe)."""
         probe = next((p for p in self.probes if p.label == label), None)

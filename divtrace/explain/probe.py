@@ -11,7 +11,7 @@ or leaf call of run b, after run b), each hook given the :class:`Context`;
 
 The :class:`Context` is what a hook sees of the comparison: ``pick`` (the compared rows
 of a tensor of run b), ``later`` (a value fetched with the one transfer to the host),
-``rerun`` and ``measure`` (one more pass of run b), ``finding`` (another probe's note),
+``rows``, ``rerun`` and ``measure`` (one more pass of run b), ``finding`` (another probe's note),
 the plan and the progress bar; the built-in probes also reach the runs, the row store
 and the meter there.
 
