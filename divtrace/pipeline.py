@@ -20,7 +20,7 @@ from divtrace.assembly import Parts, parts_for
 from divtrace.errors import BatchMixingError, DivtraceValueError, DivtraceWarning
 from divtrace.explain.context import Context
 from divtrace.explain.probe import Hooks, Probe
-from divtrace.explain.roles import Roles
+from divtrace.explain.registry import chosen
 from divtrace.kinds.kind import Kind
 from divtrace.kinds.registry import kind_of
 from divtrace.measure.chunked import compare_stores
@@ -127,7 +127,7 @@ def _meta(plan: Plan, ctx: Context, stored_bytes: int, draws: RandomDraws,
         a_passes=len(plan.a_chunks), stored_bytes=stored_bytes, rtol=plan.rtol,
         atol=plan.atol, train_mode=bool(plan.train_mode), mixing=plan.train_mode,
         torch=torch.__version__,
-        explain={p.label: p.settings() for p in probes if not isinstance(p, Roles)},
+        explain={p.label: p.settings() for p in chosen(probes)},
         ops=plan.ops,
         resources={"keep": plan.keep, "offload": plan.offload, "graphs": plan.graphs},
         names=(plan.name("a"), plan.name("b")),

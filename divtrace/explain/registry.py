@@ -19,7 +19,7 @@ from divtrace.explain.probe import Probe
 from divtrace.explain.repeat import Repeat
 from divtrace.explain.roles import Roles
 
-__all__ = ["BY_DEFAULT", "EXPLAIN_COLUMNS", "NAMES", "PROBES", "Explain", "probes_for"]
+__all__ = ["BY_DEFAULT", "EXPLAIN_COLUMNS", "NAMES", "PROBES", "Explain", "chosen", "probes_for"]
 
 #: Every built-in probe; a new one is one more entry here (and its own file).
 PROBES: tuple[type[Probe], ...] = (Roles, Independence, Precision, Local, Fp64, Repeat,
@@ -64,6 +64,12 @@ def _named(item: Any) -> tuple[str, Probe | None]:
                 f"named; leave it out")
         return name, None
     return name, NAMES[name]()
+
+
+def chosen(probes: Iterable[Probe]) -> tuple[Probe, ...]:
+    """Of ``probes``, those ``explain=`` chose: every one but a built-in probe without a
+    name (the roles, which always run)."""
+    return tuple(p for p in probes if p.spec.name or type(p) not in PROBES)
 
 
 def probes_for(explain: Explain, model: nn.Module) -> tuple[Probe, ...]:
