@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import pandas as pd
 import torch
 
-from divtrace.align.sites import ROOT
 from divtrace.errors import DivtraceValueError, moved
+from divtrace.explain.probe import output_rows
 from divtrace.measure.stats import tolerances
 from divtrace.report import files, html, text
 from divtrace.report.meta import Meta
@@ -156,8 +156,7 @@ class Comparison:
     @property
     def output(self) -> pd.Series | None:
         """The row of the model's final output (its first tensor, if it returns several)."""
-        table = self._table
-        rows = table[(table["module"] == ROOT) & (table["call"] == 0) & (table["op"] == "")]
+        rows = output_rows(self._table)
         return None if rows.empty else _row(rows)
 
     def first_exceeding(self, rtol: float | None = None,

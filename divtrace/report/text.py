@@ -150,7 +150,9 @@ def summary(result: Comparison, probes: Sequence[type[Probe]] = ()) -> str:
         head = f"Run b ({run_b}) vs run a ({run_a}), B={meta.batch_size}"
     else:
         head = f"Batched run (B={meta.batch_size}) vs split run ({chunking})"
-    lines = [judge(table, meta, probes).sentence,
+    judged = Judged(table, meta)
+    explained = [probe.explain(judged) for probe in probes]  # once each, for both uses
+    lines = [judge(table, meta, probes, explained).sentence,
              f"{head}, {len(samples)} compared sample(s) [{shown}], {len(ok)} compared sites."]
     lines.extend(_caveats(result, ok))
     identical = int((ok["mismatch"] == 0).sum())
@@ -169,8 +171,7 @@ def summary(result: Comparison, probes: Sequence[type[Probe]] = ()) -> str:
             f"{before}: {percent(first['mismatch'])} of its elements differ, rel_l2 "
             f"{sci(first['rel_l2'])}.")
         lines.append(f"{identical} of {len(ok)} compared sites are bit-identical.")
-    judged = Judged(table, result.meta)
-    said = [(probe.spec.leads, probe.explain(judged).sentences) for probe in probes]
+    said = [(probe.spec.leads, e.sentences) for probe, e in zip(probes, explained, strict=True)]
     lines.extend(line for leads, sentences in said if leads for line in sentences)
     lines.extend(_output_sentences(result))
     lines.extend(line for leads, sentences in said if not leads for line in sentences)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pandas as pd
 
 from divtrace.explain.mixed import parted
-from divtrace.explain.probe import Findings, Judged, output_rows
+from divtrace.explain.probe import Explained, Findings, Judged, output_rows
 from divtrace.explain.rounding import CHECK, MODELS, budget, two_models
 from divtrace.words import sci
 
@@ -141,11 +141,14 @@ def _first(found: Iterable[T | None]) -> T | None:
     return next((item for item in found if item is not None), None)
 
 
-def _found(table: pd.DataFrame, meta: Meta, probes: Probes) -> Findings:
+def _found(table: pd.DataFrame, meta: Meta, probes: Probes,
+           explained: Sequence[Explained] | None = None) -> Findings:
     """What the probes found, together: of each finding the first probe's that has one,
-    and every probe's entries."""
-    judged = Judged(table, meta)
-    each = [probe.explain(judged).findings for probe in probes]
+    and every probe's entries (``explained``: what the probes said already, in order)."""
+    if explained is None:
+        judged = Judged(table, meta)
+        explained = [probe.explain(judged) for probe in probes]
+    each = [said.findings for said in explained]
     firsts = {f.name: _first(getattr(one, f.name) for one in each)
               for f in fields(Findings) if f.name != "entries"}
     return Findings(**firsts, entries=tuple(entry for one in each for entry in one.entries))
@@ -185,12 +188,13 @@ def blocked(table: pd.DataFrame, meta: Meta, probes: Probes = ()) -> str | None:
     return None if mixing is None else mixing[1]
 
 
-def judge(table: pd.DataFrame, meta: Meta, probes: Probes = ()) -> Verdict:
+def judge(table: pd.DataFrame, meta: Meta, probes: Probes = (),
+          explained: Sequence[Explained] | None = None) -> Verdict:
     """The verdict on a comparison's table (see the module's documentation); ``probes``
     (those that explain the comparison) add what they found: batch mixing, how far the
     samples were shown independent, where error enters, what floating point does not
-    explain."""
-    found = _found(table, meta, probes)  # asked of the probes once
+    explain. ``explained``: what they said of it, when the caller has it already."""
+    found = _found(table, meta, probes, explained)  # asked of the probes once
     mixing, reason = _apart(table, meta, found)
     if reason is not None:
         return Verdict("not rounding", f"Verdict: not rounding — {reason}")
