@@ -11,6 +11,7 @@ Example:
 from divtrace import remedies
 from divtrace.accumulation import compare_backward
 from divtrace.backward.result import Backward
+from divtrace.batch_sweep import BatchSweep, sweep_batch
 from divtrace.compare import compare
 from divtrace.errors import (
     BatchMixingError,
@@ -42,8 +43,9 @@ from divtrace.plan.runs import Resources, Run
 from divtrace.report.comparison import Comparison
 from divtrace.report.diff import Diff, diff
 from divtrace.report.plot import overlay
+from divtrace.report.result import Result
 from divtrace.report.table import COLUMNS
-from divtrace.sweep import BatchSweep, Sweep, sweep, sweep_batch
+from divtrace.sweep import Sweep, sweep
 from divtrace.two_models import compare_models
 from divtrace.version import __version__
 
@@ -79,6 +81,7 @@ __all__ = [
     "Prompts",
     "Repeat",
     "Resources",
+    "Result",
     "Run",
     "Spec",
     "Sweep",

@@ -73,7 +73,7 @@ def _compare(args: argparse.Namespace) -> int:
         result = divtrace.compare(
             model, x, samples=samples, batch_dim=args.batch_dim, modules=modules, ops=ops,
             explain=explain, rtol=args.rtol, atol=args.atol, allow_train=args.allow_train,
-            a=_run(args.a, "--a"), b=_run(args.b, "--b"),
+            chunk=args.chunk, a=_run(args.a, "--a"), b=_run(args.b, "--b"),
             resources=divtrace.Resources(offload=args.offload, graphs=graphs),
             progress=not args.no_progress, kind=named_kind(args.kind))
     except (UsageError, DivtraceError):
@@ -128,17 +128,10 @@ def _diff(args: argparse.Namespace) -> int:
     import divtrace
 
     a, b = _load(args.a), _load(args.b)
-    if isinstance(a, divtrace.Backward) and isinstance(b, divtrace.Backward):
-        moved = a.diff(b)
-        moved = moved[moved["change"]]
-        print(f"{len(moved)} row(s) changed (rel_l2 apart by more than 2×, a status, or "
-              f"bit-identical in one only)")
-        if not moved.empty:
-            print(readable(moved if args.all else moved.head(20)).to_string(index=False))
-        return 1 if args.fail_on_change and not moved.empty else 0
-    if not isinstance(a, divtrace.Comparison) or not isinstance(b, divtrace.Comparison):
-        raise UsageError("diff takes two saved comparisons (Comparison.save) or two saved "
-                         "backward comparisons (Backward.save)")
+    if type(a) is not type(b):
+        raise UsageError(f"diff takes two saved results of one sort (two comparisons, two "
+                         f"backward comparisons, ...); got a {type(a).__name__} and a "
+                         f"{type(b).__name__}")
     found = divtrace.diff(a, b)
     print(found.summary())
     changed = found.changed
@@ -188,6 +181,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--atol", type=float, help="absolute tolerance of the exceed column")
     run.add_argument("--allow-train", action="store_true",
                      help="compare although train-mode modules mix samples")
+    run.add_argument("--chunk", type=int, help="run a's batch size (default 1: per sample); "
+                     "the same as --a chunk=N")
     run.add_argument("--a", metavar="FIELDS", help="run a as Run fields, e.g. chunk=4 "
                      "(default chunk=1: per sample)")
     run.add_argument("--b", metavar="FIELDS", help="run b as Run fields, e.g. "
@@ -242,8 +237,8 @@ def _saved_commands(commands: Any) -> None:
 
 
 #: Options people reach for that divtrace spells another way.
-_SPELT = {"--chunk": "--a chunk=N", "--chunks": "--a chunk=N", "--chunk-size": "--a chunk=N",
-          "--batch-size": "--a chunk=N (the batch itself is the x the target returns)",
+_SPELT = {"--chunks": "--chunk N", "--chunk-size": "--chunk N",
+          "--batch-size": "--chunk N (the batch itself is the x the target returns)",
           "--train": "--allow-train", "--local": "--explain local",
           "--fp64": "--explain fp64", "--out": "--json, --html or --csv"}
 

@@ -1,4 +1,5 @@
-"""``divtrace.load``: a saved comparison, sweep, batch sweep or generation, back."""
+"""``divtrace.load``: a saved result of any sort (comparison, backward comparison,
+generation, sweep, batch sweep, remedies), back."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ from divtrace.explain.registry import PROBES
 from divtrace.report import saved
 from divtrace.report.comparison import Comparison
 from divtrace.report.meta import Meta
+from divtrace.report.result import Result
 
 if TYPE_CHECKING:
     from divtrace.backward.result import Backward
+    from divtrace.batch_sweep import BatchSweep
     from divtrace.generate.result import Generation
     from divtrace.remedies.result import Remedies
-    from divtrace.sweep import BatchSweep, Sweep
+    from divtrace.sweep import Sweep
 
 __all__ = ["load"]
 
@@ -41,16 +44,6 @@ def _comparison(doc: dict[str, Any]) -> Comparison:
                       {}, _probes(doc["probes"]))
 
 
-def _remedies(doc: dict[str, Any]) -> Remedies:
-    from divtrace.remedies.result import Remedies, Saved
-
-    return Remedies(saved.frame_from_json(doc["table"]),
-                    tuple(Saved(spec) for spec in doc["candidates"]),
-                    {name: _comparison(value) for name, value in doc["comparisons"]},
-                    saved.number(doc["before"]),
-                    tuple(doc["names"]), doc["reason"], doc["needed"], doc["verdict"])
-
-
 def load(path: str | Path
          ) -> Comparison | Sweep | BatchSweep | Generation | Remedies | Backward:
     """Reads a file that ``.save(path)`` wrote: the same table (every column and dtype),
@@ -67,26 +60,20 @@ def load(path: str | Path
     """
     doc = saved.read(path)
     kind = doc.get("kind")
-    if kind == "comparison":
-        return _comparison(doc)
-    if kind in ("sweep", "batch_sweep"):
-        from divtrace.sweep import BatchSweep, Sweep
+    sort = _sorts().get(str(kind))
+    if sort is None:
+        raise DivtraceValueError(f"{path} holds a divtrace {kind!r}, which this divtrace does "
+                                 f"not know; upgrade divtrace")
+    return sort._restored(doc, _comparison)  # type: ignore[return-value]
 
-        comparisons: dict[Any, Comparison] = {
-            key: _comparison(value) for key, value in doc["comparisons"]}
-        table = saved.frame_from_json(doc["table"])
-        if kind == "sweep":
-            return Sweep(table, comparisons)
-        return BatchSweep(table, saved.frame_from_json(doc["onset"]), comparisons)
-    if kind == "remedies":
-        return _remedies(doc)
-    if kind == "backward":
-        from divtrace.backward.result import Backward
 
-        return Backward.from_saved(doc, _comparison)
-    if kind == "generation":
-        from divtrace.generate.result import Generation
+def _sorts() -> dict[str, type[Result]]:
+    """Each sort of result by the name its saved files give (``kind``)."""
+    from divtrace.backward.result import Backward
+    from divtrace.batch_sweep import BatchSweep
+    from divtrace.generate.result import Generation
+    from divtrace.remedies.result import Remedies
+    from divtrace.sweep import Sweep
 
-        return Generation.from_saved(doc)
-    raise DivtraceValueError(f"{path} holds a divtrace {kind!r}, which this divtrace does "
-                             f"not know; upgrade divtrace")
+    return {sort.document: sort for sort in (Comparison, Sweep, BatchSweep, Remedies,
+                                             Backward, Generation)}

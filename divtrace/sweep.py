@@ -1,4 +1,4 @@
-"""Sweeps: many comparisons at once — over run settings, or over batch sizes."""
+"""Sweeps over run settings: many comparisons at once, one per setting."""
 
 from __future__ import annotations
 
@@ -6,10 +6,9 @@ import itertools
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import pandas as pd
 import torch
@@ -18,18 +17,19 @@ from tqdm.auto import tqdm
 
 from divtrace.compare import compare
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
-from divtrace.plan.inputs import each_once, prepare_input
+from divtrace.plan.inputs import each_once
 from divtrace.plan.make import make_plan
-from divtrace.plan.runs import Run
+from divtrace.plan.runs import Run, split_run
 from divtrace.remedies.cost import sync
 from divtrace.report import saved
 from divtrace.report.comparison import Comparison
-from divtrace.words import sci
+from divtrace.report.result import Result, rows_of
+from divtrace.words import readable, sci
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-__all__ = ["BatchSweep", "Sweep", "sweep", "sweep_batch"]
+__all__ = ["Sweep", "model_type", "sweep"]
 
 _RUN_FIELDS = {f.name for f in fields(Run)} - {"name"}
 
@@ -57,7 +57,7 @@ def _settings(settings: Mapping[str, Any] | Sequence[Run]) -> dict[str, Run]:
 
 
 @dataclass(frozen=True)
-class Sweep:
+class Sweep(Result):
     """Comparisons of several run settings against one reference run.
 
     Attributes:
@@ -70,6 +70,8 @@ class Sweep:
 
     table: pd.DataFrame
     comparisons: dict[str, Comparison]
+    document: ClassVar[str] = "sweep"
+    title: ClassVar[str] = "divtrace sweep"
 
     def summary(self) -> str:
         """A line per setting: its verdict, where its runs first part, the output's rel_l2;
@@ -101,28 +103,40 @@ class Sweep:
         same = int((self.table["verdict"] == "identical").sum())
         return f"<divtrace.Sweep: {len(self.table)} settings, {same} bit-identical>"
 
-    def _repr_html_(self) -> str:
-        from divtrace.report.html import shown_result
-        from divtrace.words import readable
+    @property
+    def sites(self) -> pd.DataFrame:
+        """The compact view: :attr:`table`, figures as text."""
+        return readable(self.table)
 
-        return shown_result("divtrace sweep", self.summary(), readable(self.table))
+    def rows(self) -> pd.DataFrame:
+        """A row per setting: its output's figures."""
+        return rows_of(self.table, list(self.table["setting"]), mismatch="output_mismatch",
+                       rel_l2="output_rel_l2")
 
-    def save(self, path: str | Path) -> Path:
-        """Writes the sweep and each comparison as versioned JSON (see
-        :func:`divtrace.load`)."""
-        return saved.write(path, "sweep", {
-            "table": saved.frame_to_json(self.table),
-            "comparisons": [[name, saved.comparison_fields(c)]
-                            for name, c in self.comparisons.items()]})
+    def _fields(self) -> dict[str, Any]:
+        return {"table": saved.frame_to_json(self.table),
+                "comparisons": [[name, saved.comparison_fields(c)]
+                                for name, c in self.comparisons.items()]}
+
+    @classmethod
+    def _restored(cls, doc: dict[str, Any],
+                  comparison: Callable[[dict[str, Any]], Comparison]) -> Sweep:
+        return cls(saved.frame_from_json(doc["table"]),
+                   {name: comparison(value) for name, value in doc["comparisons"]})
+
+    def _parts(self) -> list[str]:
+        from divtrace.report.html import drawn
+
+        return [drawn(self.plot, (10, 4))]
 
     def plot(self, ax: Axes | None = None, metric: str = "output_rel_l2") -> Axes:
         """One bar per setting; bit-identical settings are drawn on a grey floor."""
         from divtrace.report.plot_sweeps import plot_sweep
 
-        return plot_sweep(self, ax=ax, metric=metric, model=_model(self.comparisons))
+        return plot_sweep(self, ax=ax, metric=metric, model=model_type(self.comparisons))
 
 
-def _model(comparisons: Mapping[Any, Comparison]) -> str | None:
+def model_type(comparisons: Mapping[Any, Comparison]) -> str | None:
     """The model's type, from the output row of a sweep's first comparison."""
     first = next(iter(comparisons.values()), None)
     out = None if first is None else first.output
@@ -183,7 +197,7 @@ def _cost(model: nn.Module, x: Any, run: Run, batch_dim: Any, repeats: int = 5) 
 
 
 def sweep(model: nn.Module, x: Any, settings: Mapping[str, Any] | Sequence[Run], *,
-          a: Run | None = None, chunk: int = 1, progress: bool = True,
+          a: Run | None = None, chunk: int | None = None, progress: bool = True,
           **options: Any) -> Sweep:
     """Runs the model under several settings: does each one diverge, and where?
 
@@ -199,7 +213,8 @@ def sweep(model: nn.Module, x: Any, settings: Mapping[str, Any] | Sequence[Run],
             e.g. ``{"cudnn": [True, False], "tf32_matmul": [False, True]}``.
         a: The run each setting is compared with (default: none — split vs batched
             under each setting).
-        chunk: Run a's batch size under each setting, when ``a`` is not given.
+        chunk: Run a's batch size (as in every face): without ``a``, that of each
+            setting's split run (default 1: per sample); with ``a``, ``a``'s.
         progress: A progress bar over the settings, on stderr.
         **options: Passed to :func:`divtrace.compare` (``samples``, ``modules``, ...).
 
@@ -215,17 +230,16 @@ def sweep(model: nn.Module, x: Any, settings: Mapping[str, Any] | Sequence[Run],
         ['dtype=float64']
     """
     named = _settings(settings)
-    if a is not None and chunk != 1:
-        raise DivtraceValueError(
-            "chunk= splits each setting when a= is not given; with a=, give run a's "
-            "batch size as Run(chunk=...)")
+    if a is not None:
+        a = split_run(a, chunk)
     if not named:
         raise DivtraceValueError("settings is empty; give at least one Run")
     rows, comparisons = [], {}
     for name, run in tqdm(named.items(), desc="divtrace: sweep", disable=not progress,
                           leave=False):
         if a is None:  # split vs batched, both under this setting
-            first, second = replace(run, chunk=chunk), replace(run, chunk=None)
+            first, second = replace(run, chunk=1 if chunk is None else chunk), (
+                replace(run, chunk=None))
         else:
             first, second = a, run
         result = compare(model, x, a=first, b=second, progress=False, **options)
@@ -247,89 +261,3 @@ def sweep(model: nn.Module, x: Any, settings: Mapping[str, Any] | Sequence[Run],
             "cost": _cost(model, x, second, options.get("batch_dim", 0)),
         })
     return Sweep(pd.DataFrame(rows), comparisons)
-
-
-@dataclass(frozen=True)
-class BatchSweep:
-    """Batched runs of growing batch size against per-sample runs of the same samples.
-
-    Attributes:
-        table: Long form: one row per (site, batch_size) with ``mismatch`` and ``rel_l2``.
-        onset: One row per site: the smallest swept batch size at which it is no longer
-            bit-identical (``NaN``: identical at every size).
-        comparisons: The :class:`~divtrace.Comparison` of each batch size.
-    """
-
-    table: pd.DataFrame
-    onset: pd.DataFrame
-    comparisons: dict[int, Comparison]
-
-    def save(self, path: str | Path) -> Path:
-        """Writes the batch sweep and each comparison as versioned JSON (see
-        :func:`divtrace.load`)."""
-        return saved.write(path, "batch_sweep", {
-            "table": saved.frame_to_json(self.table), "onset": saved.frame_to_json(self.onset),
-            "comparisons": [[size, saved.comparison_fields(c)]
-                            for size, c in self.comparisons.items()]})
-
-    def plot(self, ax: Axes | None = None, metric: str = "rel_l2") -> Axes:
-        """A site × batch-size heatmap of log10(``metric``); grey where bit-identical."""
-        from divtrace.report.plot_sweeps import plot_batch_sweep
-
-        return plot_batch_sweep(self, ax=ax, metric=metric, model=_model(self.comparisons))
-
-
-def sweep_batch(model: nn.Module, x: Any, sizes: Iterable[int] | None = None, *,
-                samples: Sequence[int] = (0,), batch_dim: int = 0, progress: bool = True,
-                **options: Any) -> BatchSweep:
-    """At which batch size does each site start to diverge?
-
-    For each batch size s, the first s rows of ``x`` run as one batch and are compared
-    with per-sample runs of ``samples`` (which must lie in every swept batch).
-
-    Args:
-        model: The model.
-        x: Its input, as for :func:`divtrace.compare`, with the largest batch.
-        sizes: Batch sizes to sweep (default 2, 4, 8, ... up to B, and B).
-        samples: The rows compared at every size.
-        batch_dim: The batch dimension.
-        progress: A progress bar over the sizes, on stderr.
-        **options: Passed to :func:`divtrace.compare` (``modules``, ``rtol``, ...).
-
-    Returns:
-        A :class:`BatchSweep`.
-    """
-    batch = prepare_input(x, batch_dim, stacklevel=3)
-    total = batch.batch_size
-    if sizes is None:
-        sizes = sorted({*(2 ** k for k in range(1, total.bit_length()) if 2 ** k <= total),
-                        total})
-    sizes = sorted(set(sizes))
-    compared = list(samples)
-    bad = [s for s in sizes if isinstance(s, bool) or not isinstance(s, int)
-           or not 2 <= s <= total]
-    if bad:
-        raise DivtraceValueError(f"batch sizes must be whole numbers from 2 to B={total}; "
-                                 f"got {bad}")
-    if not compared or max(compared) >= sizes[0]:
-        raise DivtraceValueError(
-            f"samples {compared} must lie in every swept batch; the smallest is "
-            f"{sizes[0]} rows, so samples must be below {sizes[0]}")
-    rows, comparisons = [], {}
-    for size in tqdm(sizes, desc="divtrace: batch sizes", disable=not progress,
-                     leave=False):
-        args, kwargs = batch.rows(0, size)  # x's first rows, in x's own form
-        part: Any = args[0] if isinstance(x, torch.Tensor) else (
-            args if isinstance(x, tuple) else kwargs)
-        result = compare(model, part, samples=compared, batch_dim=batch_dim,
-                         progress=False, **options)
-        comparisons[size] = result
-        for row in result.table.itertuples():
-            rows.append({"site": row.site, "batch_size": size, "status": row.status,
-                         "mismatch": row.mismatch, "rel_l2": row.rel_l2})
-    table = pd.DataFrame(rows, columns=["site", "batch_size", "status", "mismatch", "rel_l2"])
-    diverged = table[table["mismatch"] > 0]
-    onset = (diverged.groupby("site", sort=False)["batch_size"].min()
-             .reindex(list(dict.fromkeys(table["site"]))).rename("diverges_from")
-             .reset_index())
-    return BatchSweep(table, onset, comparisons)

@@ -64,6 +64,73 @@ def test_sweeps_and_generations_round_trip(tmp_path: Path) -> None:
         loaded.at(0)
 
 
+def _results(tmp_path: Path) -> list[divtrace.Result]:
+    """One result of every sort, each made on the smallest case that has it."""
+    model, x = models.variant_mlp(), torch.randn(8, 16)
+    found = divtrace.compare(model, x, progress=False)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    pair = (torch.randn(8, 4), torch.randn(8, 1))
+    mse = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    results: list[divtrace.Result] = [
+        found, found.remedies(progress=False),
+        divtrace.sweep(model, x, {"dtype": [torch.float64]}, a=divtrace.Run(), progress=False),
+        divtrace.sweep_batch(model, x, progress=False),
+        divtrace.compare_backward(net, pair, mse, chunk=2, progress=False)]
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    lm = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50)).eval()
+    results.append(divtrace.compare_generate(
+        lm, [torch.tensor([1, 2, 3]), torch.tensor([4])], max_new_tokens=3,
+        eos_token_id=None, progress=False))
+    return results
+
+
+def test_every_result_is_one_family(tmp_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    results = _results(tmp_path)
+    assert len({type(r) for r in results}) == 6
+    for result in results:
+        sort = type(result)
+        assert isinstance(result, divtrace.Result)
+        # the shared faces are written once, in Result: no sort writes its own
+        assert not {"save", "to_html", "_repr_html_", "diff"} & set(vars(sort)), sort
+        back = divtrace.load(result.save(tmp_path / f"{sort.document}.json"))
+        assert type(back) is sort
+        assert back.summary() == result.summary()
+        assert back.rows().equals(result.rows()), sort
+        assert list(back.rows().columns) == list(divtrace.report.result.ROWS)
+        assert back.rows()["site"].is_unique, sort
+        same = result.diff(back)
+        assert same.changed.empty, (sort, same.changed)
+        assert len(same.table) == len(result.rows())
+        assert same.plot() is not None
+        page = result.to_html(tmp_path / f"{sort.document}.html").read_text()
+        assert page.startswith("<!DOCTYPE html>")
+        assert f"<h1>{sort.title}</h1>" in page
+        shown = result._repr_html_()
+        assert result.summary().splitlines()[0][:40].replace("'", "&#x27;") in shown
+    with pytest.raises(divtrace.DivtraceTypeError, match="of one sort"):
+        divtrace.diff(results[0], results[2])
+
+
+def test_a_diff_of_two_backward_comparisons_names_what_moved(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    pair = (torch.randn(8, 4), torch.randn(8, 1))
+    mse = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    before = divtrace.compare_backward(net, pair, mse, chunk=2, progress=False)
+    doubled = lambda m, b: 2 * torch.nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    after = divtrace.compare_backward(net, pair, doubled, chunk=2,
+                                      weight=lambda part: 1.0, progress=False)
+    found = divtrace.diff(before, after)
+    assert not found.changed.empty
+    assert "verdict" in found.summary()
+    assert set(found.table["site"]) == set(before.rows()["site"])
+
+
 def test_files_that_are_not_divtraces_are_refused(tmp_path: Path) -> None:
     other = tmp_path / "other.json"
     other.write_text('{"hello": 1}')

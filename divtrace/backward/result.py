@@ -7,13 +7,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, partial
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import pandas as pd
 
 from divtrace.backward.verdict import judge
 from divtrace.backward.weights import Weights
+from divtrace.report.result import Result, rows_of
 from divtrace.report.verdict import Verdict
 from divtrace.words import readable, sci
 
@@ -28,7 +28,7 @@ _SHOWN = ("site", "kind", "type", "dtype", "status", "mismatch", "rel_l2", "max_
 
 
 @dataclass(frozen=True)
-class Backward:
+class Backward(Result):
     """One backward over the batch (the batched run) against gradient accumulation over
     chunks (the split run).
 
@@ -53,6 +53,8 @@ class Backward:
     forward: Comparison | None
     settings: dict[str, Any]
     forward_why: str | None = None
+    document: ClassVar[str] = "backward"
+    title: ClassVar[str] = "divtrace backward"
 
     @cached_property
     def verdict(self) -> Verdict:
@@ -136,24 +138,22 @@ class Backward:
 
         return plot_backward(self, kind, ax)
 
-    def save(self, path: str | Path) -> Path:
-        """Writes everything but the model as versioned JSON (see :func:`divtrace.load`)."""
+    def _fields(self) -> dict[str, Any]:
         from divtrace.report import saved
 
         w = self.weights
-        return saved.write(path, "backward", {
+        return {
             "table": saved.frame_to_json(self.table),
             "steps": saved.frame_to_json(self.steps),
             "weights": {"site": w.site, "dtype": w.dtype, "limit": w.limit, "why": w.why,
                         "table": saved.frame_to_json(w.table)},
             "forward": None if self.forward is None else saved.comparison_fields(
                 self.forward),
-            "forward_why": self.forward_why, "settings": saved.plain(self.settings)})
+            "forward_why": self.forward_why, "settings": saved.plain(self.settings)}
 
     @classmethod
-    def from_saved(cls, doc: dict[str, Any],
-                   comparison: Callable[[dict[str, Any]], Comparison]) -> Backward:
-        """The result of a saved document (``comparison`` reads its forward comparison)."""
+    def _restored(cls, doc: dict[str, Any],
+                  comparison: Callable[[dict[str, Any]], Comparison]) -> Backward:
         from divtrace.report import saved
 
         w = doc["weights"]
@@ -163,18 +163,12 @@ class Backward:
         return cls(saved.frame_from_json(doc["table"]), saved.frame_from_json(doc["steps"]),
                    weights, forward, dict(doc["settings"]), doc["forward_why"])
 
-    def diff(self, other: Backward) -> pd.DataFrame:
-        """``other`` against this result, row by row: rel_l2 and mismatch in each, and
-        ``change`` (rel_l2 apart by more than a factor of 2, or one bit-identical)."""
-        keys = ["kind", "site"]
-        mine = self.table[[*keys, "status", "mismatch", "rel_l2"]]
-        theirs = other.table[[*keys, "status", "mismatch", "rel_l2"]]
-        joined = mine.merge(theirs, on=keys, how="outer", suffixes=("_a", "_b"))
-        ratio = joined["rel_l2_b"] / joined["rel_l2_a"]
-        flipped = (joined["mismatch_a"] > 0) != (joined["mismatch_b"] > 0)
-        joined["change"] = (flipped | (ratio > 2) | (ratio < 0.5)
-                            | (joined["status_a"] != joined["status_b"]))
-        return joined
+    def rows(self) -> pd.DataFrame:
+        """A row per loss, gradient and parameter, named ``kind:site``."""
+        table = self.table
+        return rows_of(table, [f"{k}:{s}" for k, s in zip(table["kind"], table["site"],
+                                                          strict=True)],
+                       module_type=table["type"].to_numpy(), status=table["status"].to_numpy())
 
     def __repr__(self) -> str:
         grads = self.of("grad")
@@ -182,23 +176,16 @@ class Backward:
                 f"{self.settings['chunk']}, {len(grads)} gradient sites, "
                 f"{len(self.of('param'))} parameters — {self.verdict.kind}>")
 
-    def _repr_html_(self) -> str:
-        from divtrace.report.html import shown_result
+    def _shade(self) -> str:
+        return self.verdict.kind
 
-        return shown_result("divtrace backward", self.summary(), self.sites,
-                            self.verdict.kind)
-
-    def to_html(self, path: str | Path, title: str = "divtrace backward") -> Path:
-        """A self-contained HTML report: the summary, both plots, the weights test and
-        the table."""
-        from divtrace.report.html import drawn, result_page, section, shown_result
+    def _parts(self) -> list[str]:
+        """Both plots and the weights test."""
+        from divtrace.report.html import drawn, section
 
         parts = [drawn(partial(self.plot, kind=kind), (10, 4))
                  for kind in ("grad", "param")]
         if not self.weights.table.empty:
             parts.append(section(f"The weights test (at {self.weights.site})",
                                  readable(self.weights.table)))
-        path = Path(path)
-        shown = shown_result("", self.summary(), self.sites, self.verdict.kind)
-        path.write_text(result_page(title, shown, parts))
-        return path
+        return parts

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import pandas as pd
@@ -17,6 +16,7 @@ from torch import nn
 from divtrace.errors import DivtraceValueError, DivtraceWarning
 from divtrace.generate.step import GenerationStep
 from divtrace.plan.prompts import Prompts, ragged_input
+from divtrace.report.result import Result, rows_of
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -27,7 +27,7 @@ __all__ = ["Generation"]
 
 
 @dataclass(frozen=True)
-class Generation:
+class Generation(Result):
     """How greedy decoding of prompts in a batch and alone compares, step by step.
 
     Attributes:
@@ -48,23 +48,25 @@ class Generation:
     new_tokens: int
     _model: nn.Module | None = field(repr=False)
     _options: dict[str, Any] = field(default_factory=dict, repr=False)
+    document: ClassVar[str] = "generation"
+    title: ClassVar[str] = "divtrace generation"
 
-    def save(self, path: str | Path) -> Path:
-        """Writes the token table, the prompts and the settings as versioned JSON (see
-        :func:`divtrace.load`); the model is not saved, so ``at()`` needs a fresh run."""
+    def _fields(self) -> dict[str, Any]:
+        """The token table, the prompts and the settings (the model is not saved, so
+        ``at()`` needs a fresh run)."""
         from divtrace.report import saved
 
         prompts = self.prompts
-        return saved.write(path, "generation", {
+        return {
             "table": saved.frame_to_json(self.table),
             "prompts": [p.tolist() for p in prompts.prompts],
             "padding_side": prompts.padding_side, "pad_token_id": prompts.pad_token_id,
             "settings": self.settings, "chunk": self.chunk, "samples": list(self.samples),
-            "new_tokens": self.new_tokens})
+            "new_tokens": self.new_tokens}
 
     @classmethod
-    def from_saved(cls, doc: dict[str, Any]) -> Generation:
-        """The generation of a saved document (without its model)."""
+    def _restored(cls, doc: dict[str, Any],
+                  comparison: Callable[[dict[str, Any]], Comparison]) -> Generation:
         import torch
 
         from divtrace.report import saved
@@ -74,6 +76,19 @@ class Generation:
                           position_ids=False)
         return cls(saved.frame_from_json(doc["table"]), prompts, dict(doc["settings"]),
                    int(doc["chunk"]), tuple(doc["samples"]), int(doc["new_tokens"]), None)
+
+    @property
+    def sites(self) -> pd.DataFrame:
+        """The compact view: :attr:`per_prompt`."""
+        return self.per_prompt
+
+    def rows(self) -> pd.DataFrame:
+        """A row per (prompt, step), named ``prompt P, step S``: its logits' figures."""
+        table = self.table
+        return rows_of(table, [f"prompt {p}, step {t}" for p, t in
+                               zip(table["prompt"], table["step"], strict=True)],
+                       module_type="logits", mismatch="logits_mismatch",
+                       rel_l2="logits_rel_l2")
 
     @property
     def first_divergence(self) -> pd.Series | None:
@@ -112,6 +127,7 @@ class Generation:
         model's own ``generate()``, for the compared prompts (or ``samples`` of them).
         Only prompts whose runs generated the same tokens before ``step`` are compared
         (the others see different inputs: a warning names them)."""
+        from divtrace.kinds.decode import DecodeStep
         from divtrace.pipeline import execute
         from divtrace.plan.make import make_plan
         from divtrace.plan.runs import Run
@@ -144,9 +160,9 @@ class Generation:
                 f"other tokens before it (or had ended), so they see different inputs",
                 DivtraceWarning, stacklevel=2)
         driver = GenerationStep(step, self.settings)
-        driven = ragged_input(self.prompts, driver, step)
-        plan = make_plan(self._model, driven, a=Run(chunk=self.chunk), samples=same,
-                         explain=["-observer"], **self._options)
+        plan = make_plan(self._model, ragged_input(self.prompts), a=Run(chunk=self.chunk),
+                         samples=same, explain=["-observer"], kind=DecodeStep(step, driver),
+                         **self._options)
         result = execute(plan, self._model)
         self._check_repeated(driver, plan.a_chunks, same, step)
         return result
@@ -231,19 +247,9 @@ class Generation:
         return (f"<divtrace.Generation: {len(first)} prompts, {self.new_tokens} new tokens, "
                 f"{flips} with a token flip>")
 
-    def to_html(self, path: str | Path, title: str = "divtrace generation") -> Path:
-        """Writes a self-contained HTML report: the summary, the first divergence per
-        prompt, the plot and the token table."""
-        from divtrace.report.html import drawn, result_page, section, shown_result
+    def _parts(self) -> list[str]:
+        """The plot and the token table."""
+        from divtrace.report.html import drawn, section
 
         size = (min(14.0, 3 + 0.18 * self.new_tokens), min(10.0, 1.5 + 0.28 * len(self.samples)))
-        path = Path(path)
-        shown = shown_result("", self.summary(), self.per_prompt)
-        path.write_text(result_page(title, shown, [
-            drawn(self.plot, size), section("Every step", self.table)]))
-        return path
-
-    def _repr_html_(self) -> str:
-        from divtrace.report.html import shown_result
-
-        return shown_result("divtrace generation", self.summary(), self.per_prompt)
+        return [drawn(self.plot, size), section("Every step", self.table)]

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import pandas as pd
 from torch import nn
@@ -16,6 +15,7 @@ from divtrace.errors import DivtraceValueError
 from divtrace.remedies.remedy import Remedy
 from divtrace.report import html, saved
 from divtrace.report.comparison import Comparison
+from divtrace.report.result import Result, rows_of
 from divtrace.words import sci
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ def _times(value: float) -> str:
 
 
 @dataclass(frozen=True)
-class Remedies:
+class Remedies(Result):
     """The remedies tried on a comparison, each verified by running it again under the
     remedy, and costed.
 
@@ -111,6 +111,8 @@ class Remedies:
     reason: str | None = None
     needed: bool = True
     verdict: str = "rounding"
+    document: ClassVar[str] = "remedies"
+    title: ClassVar[str] = "divtrace remedies"
 
     @classmethod
     def untried(cls, base: Comparison, reason: str | None) -> Remedies:
@@ -205,14 +207,15 @@ class Remedies:
             f"best: {best.name}" if best is not None else "no remedy")
         return f"<divtrace.Remedies: {len(self.table)} candidates, {tail}>"
 
-    def _repr_html_(self) -> str:
-        lines = self.summary().splitlines()
-        kind = "identical" if not self.needed else (
-            "rounding" if self.best is not None else "not-rounding")
-        words = (f'<p class="verdict {kind}">{html.escape(lines[0])}</p>'
-                 f'<p class="summary">{html.escape(chr(10).join(lines[1:]))}</p>')
-        if self.table.empty:
-            return f'<style>{html.CSS}</style><div class="divtrace">{words}</div>'
+    def _shade(self) -> str:
+        return "identical" if not self.needed else (
+            "rounding" if self.best is not None else "not rounding")
+
+    @property
+    def sites(self) -> pd.DataFrame:
+        """The compact view: each candidate, whether it makes the runs bit-identical (and
+        at how many of the compared sites), the output's rel_l2, both costs, how far it
+        moves the output, and its note."""
         table = self.table
         frame = table[["remedy", "identical", "output_rel_l2", "cost", "a_cost",
                        "output_change", "note"]].astype(object)
@@ -221,13 +224,32 @@ class Remedies:
                                   zip(table["identical_sites"], table["sites"], strict=True)])
         for column in ("cost", "a_cost"):
             frame[column] = [None if v is None else _times(v) for v in frame[column]]
+        return frame
+
+    def rows(self) -> pd.DataFrame:
+        """A row per candidate: the output's figures under it (status ``skipped`` where it
+        was not tried)."""
+        table = self.table
+        outputs = [None if name not in self.comparisons else self.comparisons[name].output
+                   for name in table["remedy"]]
+        mismatch = [math.nan if out is None else out["mismatch"] for out in outputs]
+        return rows_of(table.assign(mismatch=mismatch), list(table["remedy"]),
+                       module_type=table["kind"].to_numpy(),
+                       status=["skipped" if pd.isna(v) else "ok" for v in table["identical"]],
+                       rel_l2="output_rel_l2")
+
+    def _shown(self, title: str = "") -> str:
+        head = f"<h4>{html.escape(title)}</h4>" if title else ""
+        words = html.said(self.summary(), self._shade())
+        if self.table.empty:
+            return f'<style>{html.CSS}</style><div class="divtrace">{head}{words}</div>'
         best = self.best
         kinds = ["first" if best is not None and name == best.name else
                  "skipped" if pd.isna(same) else "identical" if same else "diverged"
                  for name, same in zip(self.table["remedy"], self.table["identical"],
                                        strict=True)]
-        return (f'<style>{html.CSS}{_CSS}</style><div class="divtrace remedies">{words}'
-                f"{html.styled(frame, kinds)}</div>")
+        return (f'<style>{html.CSS}{_CSS}</style><div class="divtrace remedies">{head}{words}'
+                f"{html.styled(self.sites, kinds)}</div>")
 
     def plot(self, ax: Axes | None = None) -> Axes:
         """Cost against output error, one point per tried remedy (see
@@ -236,13 +258,25 @@ class Remedies:
 
         return plot_remedies(self, ax=ax)
 
-    def save(self, path: str | Path) -> Path:
-        """Writes the remedies, their table and the comparison under each, as versioned
-        JSON (see :func:`divtrace.load`; the remedies read back hold no code)."""
-        return saved.write(path, "remedies", {
+    def _parts(self) -> list[str]:
+        return [] if self.table.empty else [html.drawn(self.plot, (8, 5))]
+
+    def _fields(self) -> dict[str, Any]:
+        """The remedies (read back, they hold no code), their table and the comparison
+        under each."""
+        return {
             "table": saved.frame_to_json(self.table),
             "candidates": [remedy.to_dict() for remedy in self.candidates],
             "comparisons": [[name, saved.comparison_fields(c)]
                             for name, c in self.comparisons.items()],
             "before": saved.plain(self.before), "names": list(self.names),
-            "reason": self.reason, "needed": self.needed, "verdict": self.verdict})
+            "reason": self.reason, "needed": self.needed, "verdict": self.verdict}
+
+    @classmethod
+    def _restored(cls, doc: dict[str, Any],
+                  comparison: Callable[[dict[str, Any]], Comparison]) -> Remedies:
+        return cls(saved.frame_from_json(doc["table"]),
+                   tuple(Saved(spec) for spec in doc["candidates"]),
+                   {name: comparison(value) for name, value in doc["comparisons"]},
+                   saved.number(doc["before"]), tuple(doc["names"]), doc["reason"],
+                   doc["needed"], doc["verdict"])

@@ -15,6 +15,7 @@ from divtrace.explain.probe import output_rows
 from divtrace.measure.stats import tolerances
 from divtrace.report import files, html, text
 from divtrace.report.meta import Meta
+from divtrace.report.result import ROWS, Result
 from divtrace.report.verdict import judge
 from divtrace.words import readable, shown
 
@@ -22,7 +23,6 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
     from divtrace.explain.probe import Probe
-    from divtrace.report.diff import Diff
 
 __all__ = ["Comparison", "Origin", "SiteRow"]
 
@@ -54,7 +54,7 @@ def _row(frame: pd.DataFrame, position: int = 0) -> SiteRow:
     return SiteRow(frame.iloc[position])
 
 
-class Comparison:
+class Comparison(Result):
     """How a batched run and a split run of one model compare, site by site.
 
     Immutable: :attr:`table` and :attr:`per_sample` return copies, and :meth:`select`
@@ -68,6 +68,8 @@ class Comparison:
     """
 
     __slots__ = ("_meta", "_origin", "_pairs", "_probes", "_samples", "_table")
+    document = "comparison"
+    title = "divtrace report"
 
     def __init__(self, table: pd.DataFrame,
                  samples: pd.DataFrame | Callable[[], pd.DataFrame], meta: Meta,
@@ -267,11 +269,17 @@ class Comparison:
             f", output rel_l2 {out['rel_l2']:.3g}")
         return f"<divtrace.Comparison: {len(self._table)} sites, {where}{tail}>"
 
-    def _repr_html_(self) -> str:
-        try:
-            return html.fragment(self, self._probes)
-        except Exception:  # a notebook must always show something
-            return f"<pre>{html.escape(self.summary())}</pre>"
+    def _shade(self) -> str:
+        return self.verdict
+
+    def rows(self) -> pd.DataFrame:
+        return self._table[list(ROWS)].copy()
+
+    def _shown(self, title: str = "") -> str:
+        return html.fragment(self, self._probes)
+
+    def _page(self, title: str) -> str:
+        return html.page(self, title, self._probes)
 
     # -- pictures ------------------------------------------------------------------
 
@@ -299,25 +307,12 @@ class Comparison:
         """Writes :attr:`table` as CSV and returns the path."""
         return files.write_csv(self, path)
 
-    def save(self, path: str | Path) -> Path:
-        """Writes the comparison losslessly as versioned JSON — the settings (meta, with the
-        environment), the summary, the table with its dtypes and the per-sample figures,
-        each table column-wise (``columns``, ``dtypes``, ``data``); :func:`divtrace.load`
-        and ``divtrace show`` read it back. The kept tensors of ``Resources(keep=True)`` are not
-        saved."""
+    def _fields(self) -> dict[str, Any]:
         from divtrace.report import saved
 
-        return saved.write(path, "comparison", saved.comparison_fields(self))
+        return saved.comparison_fields(self)
 
-    def diff(self, other: Comparison) -> Diff:
-        """How ``other`` differs from this comparison, site by site (see
-        :func:`divtrace.diff`)."""
-        from divtrace.report.diff import diff
-
-        return diff(self, other)
-
-    def to_html(self, path: str | Path, title: str = "divtrace report") -> Path:
-        """Writes a self-contained HTML report (plots embedded) and returns the path."""
-        path = Path(path)
-        path.write_text(html.page(self, title, self._probes))
-        return path
+    @classmethod
+    def _restored(cls, doc: dict[str, Any],
+                  comparison: Callable[[dict[str, Any]], Comparison]) -> Comparison:
+        return comparison(doc)

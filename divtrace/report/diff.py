@@ -1,5 +1,5 @@
-"""How two comparisons of the same model differ, site by site: before and after an upgrade,
-on two GPUs, with two settings."""
+"""How two results of the same sort differ, row by row (a comparison's: site by site):
+before and after an upgrade, on two GPUs, with two settings."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from divtrace.words import sci
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from divtrace.report.comparison import Comparison
+    from divtrace.report.result import Result
 
 __all__ = ["DIFF_COLUMNS", "Diff", "diff"]
 
@@ -68,17 +68,18 @@ def _ratio(a: float | None, b: float | None) -> float:
 
 @dataclass(frozen=True)
 class Diff:
-    """Two comparisons side by side: ``a`` (before) and ``b`` (after).
+    """Two results of one sort side by side: ``a`` (before) and ``b`` (after).
 
     Attributes:
-        table: One row per site in either (see :data:`DIFF_COLUMNS`); ``change`` says what
-            changed ("" for nothing: same status and role, rel_l2 within a factor of 2).
-        a, b: The two comparisons.
+        table: One row per site (a row of :meth:`Result.rows`) in either (see
+            :data:`DIFF_COLUMNS`); ``change`` says what changed ("" for nothing: same
+            status and role, rel_l2 within a factor of 2).
+        a, b: The two results.
     """
 
     table: pd.DataFrame
-    a: Comparison
-    b: Comparison
+    a: Result
+    b: Result
 
     @property
     def changed(self) -> pd.DataFrame:
@@ -87,17 +88,16 @@ class Diff:
 
     def summary(self) -> str:
         """Plain sentences: the settings of both, how many sites changed, the first one."""
-        first_a, first_b = self.a.meta, self.b.meta
-
-        def where(meta: Any) -> str:
-            env = meta.environment
-            gpus = env.get("gpus") or env.get("devices") or ""
-            device = f", {gpus[0] if isinstance(gpus, list) and gpus else gpus}" if gpus else ""
-            return f"torch {meta.torch}{device}"
+        def where(result: Result) -> str:
+            meta = getattr(result, "meta", None)
+            said = [] if meta is None else [_where(meta)]
+            verdict = result._shade()
+            return ", ".join(said + ([] if verdict is None else [f"verdict {verdict}"]))
 
         both = self.table[~self.table["change"].isin(["only in a", "only in b"])]
-        lines = [f"a: {where(first_a)}, verdict {self.a.verdict}; b: {where(first_b)}, "
-                 f"verdict {self.b.verdict}. {len(both)} sites in both, "
+        named = "; ".join(f"{n}: {w}" for n, w in (("a", where(self.a)), ("b", where(self.b)))
+                          if w)
+        lines = [f"{named + '. ' if named else ''}{len(both)} sites in both, "
                  f"{int((self.table['change'] == 'only in a').sum())} only in a, "
                  f"{int((self.table['change'] == 'only in b').sum())} only in b."]
         for said in (self._settings_apart(), self._other_models()):
@@ -111,7 +111,7 @@ class Diff:
             top = changed.iloc[0]
             lines.append(f"{len(changed)} site(s) changed; the first in execution order is "
                          f"'{top['site']}' ({top['module_type']}): {top['change']}.")
-        out_a, out_b = self.a.output, self.b.output
+        out_a, out_b = getattr(self.a, "output", None), getattr(self.b, "output", None)
         if out_a is not None and out_b is not None:
             lines.append(f"At the output, rel_l2 {sci(out_a['rel_l2'])} (a) and "
                          f"{sci(out_b['rel_l2'])} (b).")
@@ -120,7 +120,9 @@ class Diff:
     def _settings_apart(self) -> str:
         """The settings in which the two comparisons differ, as ``name: a vs b`` ("" when
         none does)."""
-        ma, mb = self.a.meta, self.b.meta
+        ma, mb = getattr(self.a, "meta", None), getattr(self.b, "meta", None)
+        if ma is None or mb is None:
+            return ""
         pairs = [("B", ma.batch_size, mb.batch_size), ("batch_dim", ma.batch_dim, mb.batch_dim),
                  ("run a's passes of", ma.a_chunk, mb.a_chunk),
                  ("compared samples", len(ma.samples), len(mb.samples))]
@@ -137,7 +139,7 @@ class Diff:
     def _other_models(self) -> str:
         """A warning when the two comparisons are not of one model ("" when they are):
         sites of the same name hold other module types, or few sites are shared."""
-        a, b = self.a.table, self.b.table
+        a, b = self.a.rows(), self.b.rows()
         types = a.drop_duplicates("site").set_index("site")["module_type"]
         theirs = b.drop_duplicates("site").set_index("site")["module_type"]
         shared = types.index.intersection(theirs.index)
@@ -153,7 +155,8 @@ class Diff:
                 f"name only.")
 
     def plot(self, ax: Axes | None = None) -> Axes:
-        """rel_l2 of both comparisons by depth (leaf sites), bit-identical sites on a lane."""
+        """rel_l2 of both by depth (a comparison's leaf sites; another result's rows in
+        order), bit-identical ones on a lane."""
         from divtrace.report.plot import overlay
 
         return overlay([self.a, self.b], ["a", "b"], ax=ax)
@@ -162,9 +165,19 @@ class Diff:
         return f"<divtrace.Diff: {len(self.table)} sites, {len(self.changed)} changed>"
 
 
-def diff(a: Comparison, b: Comparison, factor: float = FACTOR) -> Diff:
-    """How comparison ``b`` differs from comparison ``a``, site by site (sites in one of
-    them only are rows too).
+def _where(meta: Any) -> str:
+    """``torch 2.11, NVIDIA H200``: where a comparison ran."""
+    env = meta.environment
+    gpus = env.get("gpus") or env.get("devices") or ""
+    device = f", {gpus[0] if isinstance(gpus, list) and gpus else gpus}" if gpus else ""
+    return f"torch {meta.torch}{device}"
+
+
+def diff(a: Result, b: Result, factor: float = FACTOR) -> Diff:
+    """How result ``b`` differs from result ``a`` of the same sort (two comparisons, two
+    backward comparisons, two generations, two sweeps, ...), row by row: a comparison's
+    sites, a backward comparison's gradients and parameters, a generation's (prompt,
+    step) logits, a sweep's settings. Rows in one of them only are rows too.
 
     Example:
         >>> import torch, divtrace
@@ -174,12 +187,13 @@ def diff(a: Comparison, b: Comparison, factor: float = FACTOR) -> Diff:
         >>> divtrace.diff(first, first).changed.empty
         True
     """
-    if not all(hasattr(c, "table") and hasattr(c, "meta") and hasattr(c, "verdict")
-               for c in (a, b)):  # duck-typed: this module sits below the Comparison
+    if not all(callable(getattr(r, "rows", None)) and hasattr(r, "document")  # a Result
+               for r in (a, b)) or type(a) is not type(b):
         raise DivtraceTypeError(
-            f"diff takes two divtrace.Comparison objects (or divtrace.load of saved ones); "
-            f"got {type(a).__name__} and {type(b).__name__}")
-    ta, tb = a.table.set_index("site"), b.table.set_index("site")
+            f"diff takes two divtrace results of one sort (two Comparison, two Backward, "
+            f"two Generation, ..., or divtrace.load of saved ones); got "
+            f"{type(a).__name__} and {type(b).__name__}")
+    ta, tb = a.rows().set_index("site"), b.rows().set_index("site")
     rows = []
     for site in merge(list(ta.index), list(tb.index)):
         ra = ta.loc[site] if site in ta.index else None

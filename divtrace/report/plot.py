@@ -8,7 +8,7 @@ log axis, and a comparison where every site is identical says so.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 import numpy as np
 import pandas as pd
@@ -34,8 +34,18 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
     from divtrace.report.comparison import Comparison
+    from divtrace.report.result import Result
 
 __all__ = ["overlay", "plot_samples", "plot_snowball", "plot_sources"]
+
+def _sited(result: Result) -> TypeGuard[Comparison]:
+    """Whether ``result`` is a comparison (drawn over its leaf sites by depth)."""
+    return result.document == "comparison"
+
+
+def _ok(rows: pd.DataFrame) -> pd.DataFrame:
+    return rows[rows["status"] == "ok"].reset_index(drop=True)
+
 
 def _leaf_rows(result: Comparison) -> pd.DataFrame:
     table = result.table
@@ -196,10 +206,12 @@ def plot_samples(result: Comparison, ax: Axes | None = None, metric: str = "rel_
     return ax
 
 
-def overlay(comparisons: Sequence[Comparison], labels: Sequence[str] | None = None,
+def overlay(comparisons: Sequence[Result], labels: Sequence[str] | None = None,
             ax: Axes | None = None, metric: str = "rel_l2") -> Axes:
     """Several snowball curves on one Axes, e.g. a whole network against one of its layers;
-    each curve's bit-identical sites in its own row of the lane below.
+    each curve's bit-identical sites in its own row of the lane below. Results other than
+    comparisons are drawn over their rows (:meth:`~divtrace.report.result.Result.rows`)
+    in order.
 
     Example:
         >>> import torch, divtrace
@@ -213,6 +225,7 @@ def overlay(comparisons: Sequence[Comparison], labels: Sequence[str] | None = No
     check_metric(metric)
     if not comparisons:
         raise DivtraceValueError("overlay() needs at least one comparison")
+    sites = all(_sited(result) for result in comparisons)
     labels = [f"comparison {i}" for i in range(len(comparisons))] if labels is None else labels
     if len(labels) != len(comparisons):
         raise DivtraceValueError(
@@ -224,13 +237,15 @@ def overlay(comparisons: Sequence[Comparison], labels: Sequence[str] | None = No
     strip.set_yticks([(len(comparisons) - 1) / 2], [IDENTICAL], fontsize=7)
     drawn: list[np.ndarray] = []
     for i, (result, label) in enumerate(zip(comparisons, labels, strict=True)):
-        rows = _leaf_rows(result)
+        rows = _leaf_rows(result) if _sited(result) else _ok(result.rows())
         values = rows[metric].to_numpy(dtype=float)
         depth, positive = np.arange(len(rows)), values > 0
-        marker, noun = MARKERS[i % len(MARKERS)], "site" if len(rows) == 1 else "sites"
+        marker = MARKERS[i % len(MARKERS)]
+        noun = ("site" if sites else "row") + ("" if len(rows) == 1 else "s")
+        verdict = result._shade()
         line = ax.plot(depth[positive], values[positive], marker=marker, markersize=5,
-                       linewidth=1.2,
-                       label=f"{label} ({len(rows)} {noun}; {result.verdict})")[0]
+                       linewidth=1.2, label=f"{label} ({len(rows)} {noun}"
+                       f"{'' if verdict is None else '; ' + verdict})")[0]
         strip.scatter(depth[~positive], np.full(int((~positive).sum()), i), marker=marker,
                      s=22, color=line.get_color())
         drawn.append(values[positive])
@@ -239,8 +254,9 @@ def overlay(comparisons: Sequence[Comparison], labels: Sequence[str] | None = No
     else:
         empty(ax, f"every site of every comparison is {IDENTICAL}")
     strip.xaxis.set_major_locator(MaxNLocator(integer=True))
-    strip.set_xlabel("depth (leaf sites in execution order)")
-    names = {result.meta.names for result in comparisons}  # the same two runs in all?
+    strip.set_xlabel("depth (leaf sites in execution order)" if sites else "rows in order")
+    names = {result.meta.names for result in comparisons  # the same two runs in all?
+             if _sited(result)}
     ax.set_ylabel(f"{metric} ({versus(names.pop() if len(names) == 1 else ('run a', 'run b'))})")
     ax.set_title(f"divtrace: {metric} by depth, {len(comparisons)} comparison"
                  f"{'s' if len(comparisons) > 1 else ''} (each one's verdict in the legend)",
