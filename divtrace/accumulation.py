@@ -5,7 +5,6 @@ gradient, the weights test, and the forward sites."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 from typing import Any
 
 import pandas as pd
@@ -20,6 +19,7 @@ from divtrace.backward.result import Backward
 from divtrace.backward.training import Passes, Training
 from divtrace.backward.weights import check_weights
 from divtrace.errors import BatchMixingError, DivtraceTypeError
+from divtrace.kinds.accumulation import Accumulation
 from divtrace.measure.host import Host
 from divtrace.pipeline import execute
 from divtrace.plan.inputs import prepare_input
@@ -194,10 +194,9 @@ def _compared(model: nn.Module, loss: Loss, x: Any, passes: Passes,
     passes. The observer check is left out: a training pass takes no fast path that hooks
     could turn off (PyTorch's are for passes without autograd)."""
     objective = Objective(model, loss, x)
+    kind = Accumulation(Training(passes), tuple(chunks))
     plan = make_plan(objective, x, samples=passes.samples, batch_dim=passes.batch.batch_dim,
                      a=Run(chunk=chunks[0][1]), explain=["-observer"], rtol=rtol, atol=atol,
                      allow_train=allow_train, resources=Resources(graphs=False),
-                     progress=progress)
-    driver = Training(passes)
-    plan = replace(plan, batch=replace(plan.batch, driver=driver), a_chunks=tuple(chunks))
+                     progress=progress, kind=kind)
     return execute(plan, objective)

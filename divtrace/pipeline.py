@@ -158,16 +158,18 @@ def _each(hooks: list[Hooks], when: str, ctx: Context) -> None:
             work(ctx)
 
 
-def _kind(plan: Plan) -> Kind:
-    """The kind ``plan`` is of, its checks passed (before anything runs)."""
+def _kind(plan: Plan) -> tuple[Kind, Plan]:
+    """The kind ``plan`` is of and the plan as it carries it out, its checks passed
+    (before anything runs)."""
     kind = kind_of(plan)
+    plan = kind.prepared(plan)
     kind.check(plan)
     obstacle = kind.cannot.get("graphs")
     if plan.graphs is True and obstacle is not None:
         raise DivtraceValueError(
             f"Resources(graphs=True), but the split run cannot be replayed from a CUDA "
             f"graph: {obstacle}. Pass Resources(graphs='auto') or False")
-    return kind
+    return kind, plan
 
 
 def execute(plan: Plan, model: nn.Module, parts: Parts | None = None,
@@ -175,7 +177,7 @@ def execute(plan: Plan, model: nn.Module, parts: Parts | None = None,
     """Carries out ``plan`` on ``model`` with ``parts`` (default: those the plan asks for,
     :func:`~divtrace.assembly.parts_for`); the model comes back untouched. ``origin``:
     how the comparison runs again, for :meth:`Comparison.remedies`."""
-    kind = _kind(plan)
+    kind, plan = _kind(plan)
     parts = parts_for(plan, model) if parts is None else parts
     walk = plan.walk if plan.walk is not None and plan.walk.model is model else Walk.of(model)
     reference = replace(Runner.of(plan.a, model, plan.modules, plan.output_only,

@@ -385,3 +385,44 @@ def test_a_probe_reruns_run_b_through_the_context() -> None:
                              progress=False).table.set_index("site")
     assert bool(moved.loc["0", "b_again_same"])  # the Linear's rows are their own
     assert not bool(moved.loc["1", "b_again_same"])  # the centred ones moved with the others
+
+
+class Zeroed(divtrace.Kind):
+    """The batched run against the split run, the independence test's other samples set
+    to zero (the kind lays out the test's passes)."""
+
+    name = "zeroed"
+
+    def held(self, plan: Any, group: list[int]) -> Any:
+        (x,) = plan.batch.leaves
+        x = x.clone()
+        x[[row for row in range(len(x)) if row not in group]] = 0
+        return replace(plan.batch, leaves=(x,)), []
+
+
+def test_a_kind_lays_out_the_independence_tests_passes() -> None:
+    class Centred(nn.Module):  # each row less the batch's mean: rows depend on the others
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return h - h.mean(0, keepdim=True)
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 16)
+    mixing = nn.Sequential(nn.Linear(16, 8), Centred()).eval()
+    seen: list[torch.Tensor] = []
+    hook = mixing.register_forward_pre_hook(lambda _m, args: seen.append(args[0].clone()))
+    try:
+        result = divtrace.compare(mixing, x, samples=[2, 5], kind=Zeroed, progress=False)
+    finally:
+        hook.remove()
+    held = [t for t in seen if len(t) == 6 and t.dtype == x.dtype and not t.equal(x)]
+    assert held, "no pass of the independence test ran on the kind's input"
+    for batch in held:  # the held rows kept (a compared sample's), every other row zero
+        kept = [row for row in range(6) if batch[row].any()]
+        assert kept, "every row zero"
+        assert set(kept) <= {2, 5}
+        assert batch[kept].equal(x[kept])
+    table = result.table.set_index("site")
+    assert not bool(table.loc["0", "depends_on_others"])
+    assert bool(table.loc["1", "depends_on_others"])
+    assert result.meta.kind == "zeroed"
+    assert result.verdict == "not rounding"

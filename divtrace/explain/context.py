@@ -12,6 +12,7 @@ from torch import nn
 from divtrace.kinds.kind import Kind
 from divtrace.measure.host import Deferred, Host
 from divtrace.measure.meter import Meter
+from divtrace.measure.printcheck import PrintCheck
 from divtrace.progress import Progress
 from divtrace.record.loop import InputCopies
 from divtrace.record.recorder import Sink
@@ -89,6 +90,30 @@ class Context:
         self.rerun(store, batch, label)
         return {key: stored.rows for key, stored in store.rows.items()
                 if stored.rows is not None}
+
+    def held(self, group: list[int]) -> tuple[BatchedInput, list[int]]:
+        """The batch with the rows of ``group`` held and every other sample given other
+        valid data, as the kind lays it out (:meth:`Kind.held`), and the rows that could
+        not be made to differ."""
+        return self.kind.held(self.plan, group)
+
+    def moved(self, group: list[int], batch: BatchedInput, host: Host,
+              label: str = "") -> dict[str, Deferred]:
+        """One more pass of run b over ``batch`` (:meth:`rerun`), each site's rows of the
+        samples ``group`` checked bit for bit against the measured pass's, by their
+        fingerprints: per site key, whether they moved (a boolean tensor, after ``host``
+        fetched; any element True: moved)."""
+        meter = self.meter
+        check = PrintCheck(meter, list(group), host, getattr(meter, "layout", None))
+        self.rerun(check, batch, label)
+        return check.moved
+
+    def kept(self, samples: list[int], label: str = "") -> RowStore:
+        """One more pass of run b over the unchanged batch (:meth:`rerun`), the rows of
+        ``samples`` kept, in pinned memory where they go to the host."""
+        store = self.kind.store(self.plan, samples, pinned=True, learn_lineage=False)
+        self.rerun(store, label=label)
+        return store
 
     def finding(self, label: str) -> Any:
         """What the probe of that label found so far (its note; None: no such probe)."""

@@ -3,7 +3,7 @@
 Kernels are chosen from shapes, not from values. So the measured run (the whole batch in
 one pass) runs once more with the same shapes: the compared samples' rows unchanged, at
 their own positions, every other sample's rows given other valid data
-(:meth:`~divtrace.plan.inputs.BatchedInput.replaced`). At every site the compared rows
+(:meth:`divtrace.Kind.held`: the kind lays it out). At every site the compared rows
 of the two passes are compared bit for bit, by their fingerprints
 (:mod:`~divtrace.measure.prints`: eight bytes per row, not a copy of the rows). Rows
 that move have let other samples in (batch mixing: a statistic over the batch, a wrong
@@ -34,30 +34,12 @@ from divtrace.explain.mixed import first_dependent, through_shared, unmoved
 from divtrace.explain.probe import Explained, Findings, Hooks, Judged, Probe, Settings, Spec
 from divtrace.explain.view import TableView
 from divtrace.measure.host import Deferred, Host
-from divtrace.measure.printcheck import PrintCheck
-from divtrace.plan.inputs import BatchedInput
 from divtrace.record.rows import RowStore
 from divtrace.words import sci
 
 __all__ = ["Independence", "first_dependent", "groups"]
 
 _LABEL = "independence test"
-
-
-def _checked(ctx: Context, group: list[int], batch: BatchedInput, host: Host) -> PrintCheck:
-    """A pass of ``batch`` (the rows of ``group`` held), each site's held rows checked
-    against the measured pass's fingerprints."""
-    meter = ctx.meter
-    check = PrintCheck(meter, list(group), host, getattr(meter, "layout", None))
-    ctx.rerun(check, batch, _LABEL)
-    return check
-
-
-def _repeated(ctx: Context, samples: list[int]) -> RowStore:
-    """The unchanged batch once more, the rows of ``samples`` kept."""
-    store = ctx.kind.store(ctx.plan, samples, pinned=True, learn_lineage=False)
-    ctx.rerun(store, label=f"{_LABEL}, repeated")
-    return store
 
 
 def _noisy(ctx: Context, store: RowStore, host: Host) -> dict[str, Deferred]:
@@ -109,12 +91,12 @@ class Independence(Probe):
         ctx.progress.more(len(held) - 1)
         host, checks, unchanged_rows = Host(), [], set()
         for group in held:
-            batch, unchanged = plan.batch.replaced(group)
+            batch, unchanged = ctx.held(group)
             if len(unchanged) == size - len(group):
                 ctx.progress.advance()
                 continue  # no other row could be given other values
             unchanged_rows.update(unchanged)
-            checks.append((group, _checked(ctx, group, batch, host)))
+            checks.append((group, ctx.moved(group, batch, host, _LABEL)))
             del batch  # one replaced input at a time
         if not checks:
             self.found["why"] = ("the other samples could not be given other values (they "
@@ -123,8 +105,8 @@ class Independence(Probe):
         host.fetch()  # one wait for every pass of the test
         moving = []
         for group, check in checks:
-            moved = [key for key, deferred in check.moved.items() if deferred.get().any()]
-            self.tested.update(check.moved)
+            moved = [key for key, deferred in check.items() if deferred.get().any()]
+            self.tested.update(check)
             self.moved.update(dict.fromkeys(moved, math.nan))
             if moved:
                 moving.append(group)
@@ -140,11 +122,11 @@ class Independence(Probe):
         the batched run is not deterministic), then each moving pass again, measured
         against them (how far the rows moved)."""
         ctx.progress.more(1 + len(moving))
-        kept = _repeated(ctx, sorted({s for group in moving for s in group}))
+        kept = ctx.kept(sorted({s for group in moving for s in group}), f"{_LABEL}, repeated")
         host = Host()
         noise = _noisy(ctx, kept, host)
-        meters = [ctx.measure(held_store(kept, group), ctx.plan.batch.replaced(group)[0],
-                              host, _LABEL) for group in moving]
+        meters = [ctx.measure(held_store(kept, group), ctx.held(group)[0], host, _LABEL)
+                  for group in moving]
         host.fetch()
         self.noisy = [key for key, deferred in noise.items() if deferred.get().any()]
         values: dict[str, float] = {}  # the fingerprints saw bits; here values count
@@ -173,7 +155,7 @@ class Independence(Probe):
         ctx.progress.more(2)
         with warnings.catch_warnings(), deterministic():
             warnings.simplefilter("ignore", UserWarning)  # ops with no deterministic kind
-            one, two = _repeated(ctx, samples), _repeated(ctx, samples)
+            one, two = (ctx.kept(samples, f"{_LABEL}, repeated") for _ in range(2))
         self.found["passes"] += 2
         self.found["state"] = differing(one, two, ctx.meter)
 

@@ -1,10 +1,11 @@
 """The seam of a kind of comparison: :class:`Kind`.
 
-A kind says how a comparison's two runs are carried out and read: the row store that
-keeps run a's compared rows, the meter that measures run b against them, the sink run b
-hands its tensors to, the compared samples run by themselves (the float64 truth run),
-the part of a pass's output that holds results, a context around each pass of either
-run, and what the kind cannot do, with the reason. Its defaults are those of the batched
+A kind says how a comparison's two runs are carried out and read: the plan as it carries
+it out, the row store that keeps run a's compared rows, the meter that measures run b
+against them, the sink run b hands its tensors to, the compared samples run by themselves
+(the float64 truth run), the part of a pass's output that holds results, the input of
+the independence test's passes, a context around each pass of either run, and what the
+kind cannot do, with the reason. Its defaults are those of the batched
 run against the split run; a kind overrides what it does differently.
 """
 
@@ -72,6 +73,11 @@ class Kind:
         split run and the batched run)."""
         return a, b
 
+    def prepared(self, plan: Plan) -> Plan:
+        """``plan`` as this kind carries it out (default: as made): e.g. its input run by
+        a driver, or other chunks of run a. Called before :meth:`check`."""
+        return plan
+
     def check(self, plan: Plan) -> None:
         """Refuses a plan this kind cannot carry out (a :class:`DivtraceValueError` that
         names the fix); called before anything runs. This one reads a plain batch:
@@ -112,6 +118,12 @@ class Kind:
         """What of a pass's output over ``chunk`` holds results (all of it)."""
         return lambda tensor: tensor
 
+    def held(self, plan: Plan, group: list[int]) -> tuple[BatchedInput, list[int]]:
+        """The input of an independence test's pass: ``plan.batch`` with the rows of
+        ``group`` held where they are and every other sample given other valid data of
+        the same shapes; and the rows that could not be made to differ."""
+        return plan.batch.replaced(group)
+
     def around(self, which: str) -> AbstractContextManager[Any]:
         """A context around each pass of run ``which`` (``"a"`` or ``"b"``)."""
         return nullcontext()
@@ -130,6 +142,9 @@ class Paired(Kind):
 
     rows: Kind = field(default_factory=Kind)
 
+    def prepared(self, plan: Plan) -> Plan:
+        return self.rows.prepared(plan)
+
     def check(self, plan: Plan) -> None:
         self.rows.check(plan)
 
@@ -147,3 +162,6 @@ class Paired(Kind):
     def real(self, plan: Plan, chunk: tuple[int, int]
              ) -> Callable[[torch.Tensor], torch.Tensor]:
         return self.rows.real(plan, chunk)
+
+    def held(self, plan: Plan, group: list[int]) -> tuple[BatchedInput, list[int]]:
+        return self.rows.held(plan, group)

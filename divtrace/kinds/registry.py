@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from divtrace.kinds.accumulation import Accumulation
+from divtrace.kinds.decode import DecodeStep
 from divtrace.kinds.kind import Kind, Paired
 from divtrace.kinds.models import TwoModels
+from divtrace.kinds.padded import Padded
 from divtrace.kinds.prompts import Ragged
 from divtrace.kinds.sharded import Sharded
 from divtrace.kinds.shards import OnRanks
 from divtrace.plan.make import Plan
 
-__all__ = ["KINDS", "PAIRS", "ROWS", "kind_of"]
+__all__ = ["GIVEN", "KINDS", "PAIRS", "ROWS", "kind_of"]
 
 #: The built-in kinds a plan made without ``kind=`` may be of, asked in turn (the first
 #: that claims it): how the input's rows are read (prompts of different lengths, else
@@ -19,6 +22,9 @@ __all__ = ["KINDS", "PAIRS", "ROWS", "kind_of"]
 ROWS: tuple[type[Kind], ...] = (Ragged, Kind)
 PAIRS: tuple[type[Paired], ...] = (Sharded, TwoModels, OnRanks)
 KINDS: tuple[type[Kind], ...] = (*PAIRS, *ROWS)
+#: The built-in kinds that are only ever given: by a face (one backward over the batch
+#: against accumulation, one step of decoding) or a remedy's replay (every pass padded).
+GIVEN: tuple[type[Kind], ...] = (Accumulation, DecodeStep, Padded)
 
 
 def kind_of(plan: Plan) -> Kind:
