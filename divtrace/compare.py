@@ -13,7 +13,7 @@ from divtrace.kinds.kind import Kind
 from divtrace.pipeline import execute
 from divtrace.plan.checks import unexpected
 from divtrace.plan.make import make_plan
-from divtrace.plan.runs import Resources, Run
+from divtrace.plan.runs import Resources, Run, split_run
 from divtrace.plan.selection import ModuleSpec
 from divtrace.remedies.search import Again
 from divtrace.report.comparison import Comparison
@@ -21,7 +21,7 @@ from divtrace.report.comparison import Comparison
 __all__ = ["KEYWORDS", "compare"]
 
 #: ``compare()``'s keyword arguments.
-KEYWORDS = ("samples", "batch_dim", "modules", "ops", "explain", "rtol", "atol",
+KEYWORDS = ("samples", "chunk", "batch_dim", "modules", "ops", "explain", "rtol", "atol",
             "allow_train", "a", "b", "resources", "progress", "kind")
 
 
@@ -30,6 +30,7 @@ def compare(
     x: Any,
     *,
     samples: Iterable[int] | None = None,
+    chunk: int | None = None,
     batch_dim: int = 0,
     modules: ModuleSpec = None,
     ops: bool | str = False,
@@ -63,6 +64,8 @@ def compare(
             Every tensor whose size at ``batch_dim`` equals B (that of the first tensor)
             is cut; everything else passes through whole.
         samples: The rows to compare (default: all). Only the chunks that hold them run.
+        chunk: Run a's batch size (default 1: per sample), as in every face; the same as
+            ``a=Run(chunk=...)``, which also takes run a's other settings.
         batch_dim: The batch dimension of the inputs and of the observed outputs.
         modules: Glob patterns on qualified module names and/or module types to observe
             (default: every module). The model's own output is always observed.
@@ -88,7 +91,7 @@ def compare(
         allow_train: Compare even when train-mode BatchNorm or Dropout make the runs
             differ for reasons that are not numerical (buffers are restored afterwards).
         a: Run a, the reference (:class:`Run`; default ``Run(chunk=1)``: per sample).
-            ``a=Run(chunk=4)``: in chunks of 4.
+            ``a=Run(chunk=4)`` (or ``chunk=4``): in chunks of 4.
         b: Run b, measured against a (default ``Run()``: the whole batch in one pass);
             the figures are b against a.
         resources: Memory and time (:class:`Resources`: ``keep`` run b's rows for
@@ -101,7 +104,7 @@ def compare(
             around each pass of either run), its row stores and meters, and what it
             cannot do.
         **misspelt: Nothing: a keyword compare() does not take is refused with the way to
-            give it (``chunk=2`` is ``a=divtrace.Run(chunk=2)``) or the closest name.
+            give it (``dtype=`` is ``a=/b=divtrace.Run(dtype=...)``) or the closest name.
 
     Returns:
         A :class:`Comparison`, one row per site.
@@ -124,7 +127,8 @@ def compare(
         raise unexpected("compare", misspelt, KEYWORDS)
     plan = make_plan(
         model, x, samples=samples, batch_dim=batch_dim, modules=modules, ops=ops,
-        explain=explain, rtol=rtol, atol=atol, allow_train=allow_train, a=a, b=b,
+        explain=explain, rtol=rtol, atol=atol, allow_train=allow_train,
+        a=split_run(a, chunk), b=b,
         resources=resources, progress=progress, kind=_kind(kind))
     return execute(plan, model, origin=Again(plan, model))
 

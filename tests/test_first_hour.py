@@ -55,8 +55,8 @@ def test_a_cut_along_the_wrong_dimension_is_named() -> None:
 
 def test_a_misspelt_keyword_gets_the_way_to_give_it() -> None:
     with pytest.raises(divtrace.DivtraceTypeError, match=r"chunks= is given as "
-                       r"a=divtrace.Run\(chunk=...\); sample= is not one \(did you mean "
-                       r"samples=\?\)\. It takes samples, batch_dim"):
+                       r"chunk=...; sample= is not one \(did you mean "
+                       r"samples=\?\)\. It takes samples, chunk, batch_dim"):
         _compare(torch.randn(3, 4), chunks=2, sample=[1])
     with pytest.raises(TypeError, match=r"keep= is given as resources=divtrace.Resources"):
         _compare(torch.randn(3, 4), keep=True)
@@ -70,7 +70,7 @@ def test_the_command_line_has_each_of_compares_options() -> None:
     flags = {flag for action in run._actions for flag in action.option_strings}
     ways = {"samples": "--samples", "batch_dim": "--batch-dim", "modules": "--modules",
             "ops": "--ops", "explain": "--explain", "rtol": "--rtol", "atol": "--atol",
-            "allow_train": "--allow-train", "a": "--a", "b": "--b",
+            "allow_train": "--allow-train", "a": "--a", "b": "--b", "chunk": "--chunk",
             "resources": "--offload", "progress": "--no-progress", "kind": "--kind"}
     assert set(ways) == set(KEYWORDS)
     assert set(ways.values()) <= flags
@@ -124,10 +124,33 @@ def test_a_model_that_raises_exits_3_and_spellings_are_named(
                        r"mean keep=\?\)\. It takes keep, offload, graphs"):
         divtrace.Resources(keep_rows=True)
     with pytest.raises(SystemExit) as exited:
-        main(["compare", f"{target}:build", "--chunk", "2", "--train"])
+        main(["compare", f"{target}:build", "--chunks", "2", "--train"])
     assert exited.value.code == 2
-    assert ("unrecognized arguments: --chunk 2 --train (--chunk is spelt --a chunk=N; "
+    assert ("unrecognized arguments: --chunks 2 --train (--chunks is spelt --chunk N; "
             "--train is spelt --allow-train)") in capsys.readouterr().err
+
+
+def test_chunk_is_spelt_one_way_in_every_face(target: str, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    model, x = models.variant_mlp(variant_from=2), torch.randn(8, 16)
+    given = divtrace.compare(model, x, a=divtrace.Run(chunk=2), progress=False)
+    spelt = divtrace.compare(model, x, chunk=2, progress=False)
+    assert spelt.table.equals(given.table)
+    assert spelt.meta.a_chunk == given.meta.a_chunk == 2
+    both = divtrace.compare(model, x, chunk=2, a=divtrace.Run(dtype=torch.float64),
+                            progress=False)
+    assert both.meta.a_chunk == 2
+    assert str(both.meta.settings["a"]["dtype"]).endswith("float64")
+    with pytest.raises(divtrace.DivtraceValueError, match=r"chunk=2 and a=Run\(chunk=4\) "
+                       r"give run a two batch sizes"):
+        divtrace.compare(model, x, chunk=2, a=divtrace.Run(chunk=4), progress=False)
+    swept = divtrace.sweep(model, x, [divtrace.Run(dtype=torch.float64)], chunk=2,
+                           a=divtrace.Run(), progress=False)
+    assert next(iter(swept.comparisons.values())).meta.a_chunk == 2
+    assert main(["compare", f"{target}:build", "--chunk", "2", "--no-progress",
+                 "--json", str(tmp_path / "c.json")]) == 0
+    assert divtrace.load(tmp_path / "c.json").meta.a_chunk == 2
+    capsys.readouterr()
 
 
 def test_a_batch_dim_no_site_has_is_questioned() -> None:

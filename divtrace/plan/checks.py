@@ -71,8 +71,7 @@ def check_graphs(graphs: Any) -> GraphMode:
 
 #: Keywords people reach for that ``compare()`` takes another way, and that way.
 _ELSEWHERE = {
-    "chunk": "a=divtrace.Run(chunk=...)", "chunks": "a=divtrace.Run(chunk=...)",
-    "chunk_size": "a=divtrace.Run(chunk=...)", "batch_size": "a=divtrace.Run(chunk=...)",
+    "chunks": "chunk=...", "chunk_size": "chunk=...", "batch_size": "chunk=...",
     "reference": "a=divtrace.Run(...)", "device": "a=/b=divtrace.Run(device=...)",
     "dtype": "a=/b=divtrace.Run(dtype=...)", "local": 'explain=["local"]',
     "truth": 'explain=["fp64"]', "fp64": 'explain=["fp64"]',

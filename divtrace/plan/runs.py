@@ -12,7 +12,7 @@ import copy
 import operator
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from functools import partial
 from typing import Any
 
@@ -29,7 +29,7 @@ from divtrace.plan.precision import (
     set_tf32,
 )
 
-__all__ = ["Resources", "Run", "backend_flags", "eager_experts"]
+__all__ = ["Resources", "Run", "backend_flags", "eager_experts", "split_run"]
 
 _PRECISIONS = ("highest", "high", "medium")
 
@@ -245,3 +245,21 @@ class Resources:
             if not isinstance(getattr(self, name), bool):
                 raise DivtraceTypeError(
                     f"Resources({name}=...) must be True or False; got {getattr(self, name)!r}")
+
+
+def split_run(a: Run | None, chunk: Any) -> Run | None:
+    """Run a with ``chunk=``, the one spelling of its batch size in every face (``compare``,
+    ``sweep``, ``compare_backward``, ``compare_generate``, the command line's ``--chunk``):
+    ``chunk`` None leaves ``a`` as given; else run a takes passes of ``chunk`` rows, with
+    ``a``'s other settings. A chunk given twice, and differently, is refused."""
+    if chunk is None:
+        return a
+    if a is None:
+        return Run(chunk=chunk)
+    if not isinstance(a, Run):
+        return a  # make_plan says what a must be
+    if a.chunk is not None and a.chunk != chunk:
+        raise DivtraceValueError(
+            f"chunk={chunk!r} and a=Run(chunk={a.chunk!r}) give run a two batch sizes; give "
+            f"one (chunk= alone, or a=Run(chunk=...) alone)")
+    return replace(a, chunk=chunk)
