@@ -5,7 +5,8 @@ The seed case (vgg11().features, the batch against its first two samples in chun
 2); four image models (many small sites and a few large ones) per sample, with partial
 samples, chunk 2 and each probe; op sites; prompts of different lengths through a tiny
 Llama-like model; two models (a model against a copy with nudged weights, a batch and
-prompts); and generation (its token table and one step's comparison). Columns
+prompts); one backward over the batch against accumulation (its table and its forward
+sites); and generation (its token table and one step's comparison). Columns
 renamed since the older version are matched by their new names. ``--except`` leaves
 columns out (a change meant to change them) and says in how many rows each differs. A
 case whose table differs from the older one's is run again with each version: when one
@@ -112,6 +113,23 @@ def language_cases(device: torch.device) -> Iterator[_Case]:
         progress=False).at(2))
 
 
+def backward_cases(device: torch.device) -> Iterator[_Case]:
+    """One backward over the batch against accumulation in chunks of 2: its own table
+    (loss, output gradients, parameters) and its forward sites."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
+                              torch.nn.Linear(32, 4)).to(device)
+    x, y = torch.randn(8, 16, device=device), torch.randn(8, 4, device=device)
+
+    def mse(model: Any, part: Any) -> Any:
+        return torch.nn.functional.mse_loss(model(part[0]), part[1])
+
+    yield ("MLP backward, chunks of 2", lambda package: package.compare_backward(
+        net, (x, y), mse, chunk=2, progress=False))
+    yield ("MLP backward, chunks of 2: forward sites", lambda package: package.compare_backward(
+        net, (x, y), mse, chunk=2, progress=False).forward)
+
+
 def tables(result: Any) -> tuple[pd.DataFrame, pd.DataFrame | None]:
     """A result's table (old columns renamed) and its per-sample table (if it has one)."""
     per_sample = getattr(result, "per_sample", None)
@@ -131,7 +149,8 @@ def main(argv: list[str]) -> int:
     old = load_old(args.old)
     device = torch.device(args.device)
     checked, different = 0, []
-    for label, run in itertools.chain(image_cases(device), language_cases(device)):
+    for label, run in itertools.chain(image_cases(device), backward_cases(device),
+                                      language_cases(device)):
         (new_table, new_rows), (old_table, old_rows) = tables(run(divtrace)), tables(run(old))
         same_columns = set(new_table.columns) == set(old_table.columns)
         old_table = old_table[list(new_table.columns)] if same_columns else old_table

@@ -105,8 +105,10 @@ class Sweep(Result):
 
     @property
     def sites(self) -> pd.DataFrame:
-        """The compact view: :attr:`table`, figures as text."""
-        return readable(self.table)
+        """The compact view: :attr:`table`, figures as text (``cost`` as ``1.02×``)."""
+        view = readable(self.table)
+        view["cost"] = ["" if c != c else f"{c:.3g}×" for c in self.table["cost"]]
+        return view
 
     def rows(self) -> pd.DataFrame:
         """A row per setting: its output's figures."""

@@ -114,6 +114,7 @@ def test_every_result_is_one_family(tmp_path: Path) -> None:
         assert result.summary().splitlines()[0][:40].replace("'", "&#x27;") in shown
     with pytest.raises(divtrace.DivtraceTypeError, match="of one sort"):
         divtrace.diff(results[0], results[2])
+    assert all(str(c).endswith("×") for c in results[2].sites["cost"])  # a sweep's costs
 
 
 def test_a_diff_of_two_backward_comparisons_names_what_moved(tmp_path: Path) -> None:
@@ -127,7 +128,11 @@ def test_a_diff_of_two_backward_comparisons_names_what_moved(tmp_path: Path) -> 
                                       weight=lambda part: 1.0, progress=False)
     found = divtrace.diff(before, after)
     assert not found.changed.empty
-    assert "verdict" in found.summary()
+    said = found.summary()
+    assert "b: verdict not rounding" in said
+    assert "the first is 'loss:loss': rel_l2 ×" in said  # no module type, no "()"
+    assert "execution order" not in said  # a backward comparison's rows are not executed
+    assert found.plot().get_title().startswith("divtrace: rel_l2 by row, 2 results")
     assert set(found.table["site"]) == set(before.rows()["site"])
 
 

@@ -109,8 +109,11 @@ class Diff:
                          "bit-identical sites and roles, rel_l2 within a factor of 2.")
         else:
             top = changed.iloc[0]
-            lines.append(f"{len(changed)} site(s) changed; the first in execution order is "
-                         f"'{top['site']}' ({top['module_type']}): {top['change']}.")
+            order = " in execution order" if self.a.document == "comparison" else ""
+            kind = "" if pd.isna(top["module_type"]) or not top["module_type"] else (
+                f" ({top['module_type']})")
+            lines.append(f"{len(changed)} site(s) changed; the first{order} is "
+                         f"'{top['site']}'{kind}: {top['change']}.")
         out_a, out_b = getattr(self.a, "output", None), getattr(self.b, "output", None)
         if out_a is not None and out_b is not None:
             lines.append(f"At the output, rel_l2 {sci(out_a['rel_l2'])} (a) and "

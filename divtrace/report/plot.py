@@ -258,9 +258,10 @@ def overlay(comparisons: Sequence[Result], labels: Sequence[str] | None = None,
     names = {result.meta.names for result in comparisons  # the same two runs in all?
              if _sited(result)}
     ax.set_ylabel(f"{metric} ({versus(names.pop() if len(names) == 1 else ('run a', 'run b'))})")
-    ax.set_title(f"divtrace: {metric} by depth, {len(comparisons)} comparison"
-                 f"{'s' if len(comparisons) > 1 else ''} (each one's verdict in the legend)",
-                 fontsize=10)
+    noun, said = ("comparison" if sites else "result"), " (each one's verdict in the legend)"
+    ax.set_title(f"divtrace: {metric} by {'depth' if sites else 'row'}, {len(comparisons)} "
+                 f"{noun}{'s' if len(comparisons) > 1 else ''}"
+                 f"{said if any(r._shade() for r in comparisons) else ''}", fontsize=10)
     ax.legend(**LEGEND)
     return ax
 
