@@ -69,9 +69,7 @@ class BatchSweep(Result):
     def rows(self) -> pd.DataFrame:
         """A row per (site, batch size), named ``site at B=size``."""
         table = self.table
-        return rows_of(table, [f"{s} at B={b}" for s, b in
-                               zip(table["site"], table["batch_size"], strict=True)],
-                       status=table["status"].to_numpy())
+        return rows_of(table, "{site} at B={batch_size}", status=table["status"].to_numpy())
 
     def _fields(self) -> dict[str, Any]:
         return {"table": saved.frame_to_json(self.table),

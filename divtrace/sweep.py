@@ -112,7 +112,7 @@ class Sweep(Result):
 
     def rows(self) -> pd.DataFrame:
         """A row per setting: its output's figures."""
-        return rows_of(self.table, list(self.table["setting"]), mismatch="output_mismatch",
+        return rows_of(self.table, "{setting}", mismatch="output_mismatch",
                        rel_l2="output_rel_l2")
 
     def _fields(self) -> dict[str, Any]:

@@ -166,9 +166,8 @@ class Backward(Result):
     def rows(self) -> pd.DataFrame:
         """A row per loss, gradient and parameter, named ``kind:site``."""
         table = self.table
-        return rows_of(table, [f"{k}:{s}" for k, s in zip(table["kind"], table["site"],
-                                                          strict=True)],
-                       module_type=table["type"].to_numpy(), status=table["status"].to_numpy())
+        return rows_of(table, "{kind}:{site}", module_type=table["type"].to_numpy(),
+                       status=table["status"].to_numpy())
 
     def __repr__(self) -> str:
         grads = self.of("grad")

@@ -85,10 +85,8 @@ class Generation(Result):
     def rows(self) -> pd.DataFrame:
         """A row per (prompt, step), named ``prompt P, step S``: its logits' figures."""
         table = self.table
-        return rows_of(table, [f"prompt {p}, step {t}" for p, t in
-                               zip(table["prompt"], table["step"], strict=True)],
-                       module_type="logits", mismatch="logits_mismatch",
-                       rel_l2="logits_rel_l2")
+        return rows_of(table, "prompt {prompt}, step {step}", module_type="logits",
+                       mismatch="logits_mismatch", rel_l2="logits_rel_l2")
 
     @property
     def first_divergence(self) -> pd.Series | None:

@@ -233,7 +233,7 @@ class Remedies(Result):
         outputs = [None if name not in self.comparisons else self.comparisons[name].output
                    for name in table["remedy"]]
         mismatch = [math.nan if out is None else out["mismatch"] for out in outputs]
-        return rows_of(table.assign(mismatch=mismatch), list(table["remedy"]),
+        return rows_of(table.assign(mismatch=mismatch), "{remedy}",
                        module_type=table["kind"].to_numpy(),
                        status=["skipped" if pd.isna(v) else "ok" for v in table["identical"]],
                        rel_l2="output_rel_l2")

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = ["overlay", "plot_samples", "plot_snowball", "plot_sources"]
 
+
 def _sited(result: Result) -> TypeGuard[Comparison]:
     """Whether ``result`` is a comparison (drawn over its leaf sites by depth)."""
     return result.document == "comparison"
@@ -226,6 +227,7 @@ def overlay(comparisons: Sequence[Result], labels: Sequence[str] | None = None,
     if not comparisons:
         raise DivtraceValueError("overlay() needs at least one comparison")
     sites = all(_sited(result) for result in comparisons)
+    verdicts = [result._shade() for result in comparisons]  # each judged once
     labels = [f"comparison {i}" for i in range(len(comparisons))] if labels is None else labels
     if len(labels) != len(comparisons):
         raise DivtraceValueError(
@@ -236,13 +238,13 @@ def overlay(comparisons: Sequence[Result], labels: Sequence[str] | None = None,
     strip.set_ylim(-0.7, len(comparisons) - 0.3)
     strip.set_yticks([(len(comparisons) - 1) / 2], [IDENTICAL], fontsize=7)
     drawn: list[np.ndarray] = []
-    for i, (result, label) in enumerate(zip(comparisons, labels, strict=True)):
+    for i, (result, label, verdict) in enumerate(zip(comparisons, labels, verdicts,
+                                                     strict=True)):
         rows = _leaf_rows(result) if _sited(result) else _ok(result.rows())
         values = rows[metric].to_numpy(dtype=float)
         depth, positive = np.arange(len(rows)), values > 0
         marker = MARKERS[i % len(MARKERS)]
         noun = ("site" if sites else "row") + ("" if len(rows) == 1 else "s")
-        verdict = result._shade()
         line = ax.plot(depth[positive], values[positive], marker=marker, markersize=5,
                        linewidth=1.2, label=f"{label} ({len(rows)} {noun}"
                        f"{'' if verdict is None else '; ' + verdict})")[0]
@@ -261,7 +263,7 @@ def overlay(comparisons: Sequence[Result], labels: Sequence[str] | None = None,
     noun, said = ("comparison" if sites else "result"), " (each one's verdict in the legend)"
     ax.set_title(f"divtrace: {metric} by {'depth' if sites else 'row'}, {len(comparisons)} "
                  f"{noun}{'s' if len(comparisons) > 1 else ''}"
-                 f"{said if any(r._shade() for r in comparisons) else ''}", fontsize=10)
+                 f"{said if any(verdicts) else ''}", fontsize=10)
     ax.legend(**LEGEND)
     return ax
 

@@ -107,12 +107,13 @@ class Result:
         return diff(self, other)
 
 
-def rows_of(frame: pd.DataFrame, site: list[str], module_type: Any = None,
-            status: Any = "ok", mismatch: str = "mismatch", rel_l2: str = "rel_l2",
-            role: Any = None) -> pd.DataFrame:
-    """:meth:`Result.rows` of a result's table: ``site`` the names of its rows, the
-    figures from the columns named."""
+def rows_of(frame: pd.DataFrame, name: str, module_type: Any = None, status: Any = "ok",
+            mismatch: str = "mismatch", rel_l2: str = "rel_l2") -> pd.DataFrame:
+    """:meth:`Result.rows` of a result's table: each row named by ``name``, a format over
+    its columns (``"prompt {prompt}, step {step}"``), its figures from the columns named
+    ``mismatch`` and ``rel_l2``."""
     return pd.DataFrame({
-        "site": site, "module_type": module_type, "status": status, "role": role,
+        "site": [name.format(**row) for row in frame.to_dict("records")],
+        "module_type": module_type, "status": status, "role": None,
         "mismatch": frame[mismatch].to_numpy() if len(frame) else [],
         "rel_l2": frame[rel_l2].to_numpy() if len(frame) else []}, columns=list(ROWS))
