@@ -31,20 +31,24 @@ from divtrace.explain.precision import Precision
 from divtrace.explain.probe import Explained, Findings, Hooks, Judged, Probe, Spec, output_rows
 from divtrace.explain.registry import EXPLAIN_COLUMNS
 from divtrace.explain.repeat import Repeat
+from divtrace.explain.tokens import PerToken
 from divtrace.explain.view import TableView
 from divtrace.generate.result import Generation
 from divtrace.generation import compare_generate
 from divtrace.io import load
 from divtrace.kinds.kind import Kind
+from divtrace.layouts import compare_layouts, compare_rollout
 from divtrace.measure.host import Deferred
 from divtrace.measure.measured import Measured
 from divtrace.plan.prompts import Prompts
 from divtrace.plan.runs import Resources, Run
+from divtrace.plan.tokens import Layout
 from divtrace.report.comparison import Comparison
 from divtrace.report.diff import Diff, diff
 from divtrace.report.plot import overlay
 from divtrace.report.result import Result
 from divtrace.report.table import COLUMNS
+from divtrace.report.tokens import TokenFigures, token_figures
 from divtrace.sweep import Sweep, sweep
 from divtrace.two_models import compare_models
 from divtrace.version import __version__
@@ -73,9 +77,11 @@ __all__ = [
     "Judged",
     "Kernels",
     "Kind",
+    "Layout",
     "Local",
     "Measured",
     "Observer",
+    "PerToken",
     "Precision",
     "Probe",
     "Prompts",
@@ -86,11 +92,14 @@ __all__ = [
     "Spec",
     "Sweep",
     "TableView",
+    "TokenFigures",
     "__version__",
     "compare",
     "compare_backward",
     "compare_generate",
+    "compare_layouts",
     "compare_models",
+    "compare_rollout",
     "diff",
     "load",
     "output_rows",
@@ -98,4 +107,5 @@ __all__ = [
     "remedies",
     "sweep",
     "sweep_batch",
+    "token_figures",
 ]

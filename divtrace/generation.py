@@ -19,10 +19,10 @@ from divtrace.plan.walk import Walk
 from divtrace.progress import Progress
 from divtrace.record.guard import cuda_devices, untouched
 
-__all__ = ["compare_generate"]
+__all__ = ["compare_generate", "end_tokens"]
 
 
-def _end_tokens(model: nn.Module, eos_token_id: int | Sequence[int] | str | None
+def end_tokens(model: nn.Module, eos_token_id: int | Sequence[int] | str | None
                 ) -> list[int]:
     if eos_token_id == "model":
         eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -99,7 +99,7 @@ def compare_generate(
             "step); call model.eval() first")
     new_tokens = whole_number(max_new_tokens, "max_new_tokens", minimum=1)
     config = getattr(model, "generation_config", None)
-    eos = _end_tokens(model, eos_token_id)
+    eos = end_tokens(model, eos_token_id)
     if pad_token_id is None:
         pad_token_id = getattr(config, "pad_token_id", None)
         pad_token_id = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)

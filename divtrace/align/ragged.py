@@ -8,7 +8,7 @@ __all__ = ["joined", "real_tokens"]
 
 
 def real_tokens(tensor: torch.Tensor, row: int, length: int, offset: int, valid: int,
-                like: tuple[int, ...] | None = None) -> torch.Tensor:
+                like: tuple[int, ...] | None = None, packed: bool = False) -> torch.Tensor:
     """Row ``row`` of a pass's tensor (batch first), without the batch dimension and cut,
     along every axis as long as the pass's padded ``length``, to the row's ``valid`` real
     tokens from ``offset``. Axes of another length (hidden size, heads, a pooled output)
@@ -16,9 +16,12 @@ def real_tokens(tensor: torch.Tensor, row: int, length: int, offset: int, valid:
 
     ``like``: the shape the other run recorded for this row; then only axes that are
     ``valid`` long there are cut (a head size that happens to equal the padded length
-    stays whole)."""
+    stays whole).
+
+    ``packed``: other sequences may share the row (packed one after another): a row
+    whose tokens fill it is cut all the same."""
     part = tensor[row]
-    if valid == length:
+    if valid == length and not packed:
         return part
     for dim, size in enumerate(part.shape):
         if size == length and (like is None or (len(like) == part.dim()

@@ -28,6 +28,9 @@ class Status(StrEnum):
     NESTED = "nested"
     #: a field of a PackedSequence: time steps of several samples, or indices
     NOT_PER_SAMPLE = "not_per_sample"
+    #: a token layout's tensor with no axis of the pass's tokens (or tokens that do not
+    #: follow one another): not laid out token by token
+    NOT_PER_TOKEN = "not_per_token"
 
 
 class Recorded(Protocol):

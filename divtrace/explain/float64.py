@@ -72,6 +72,9 @@ class Unmoded(Sink):
     def pass_rows(self, start: int, stop: int) -> int:
         return int(self._off(lambda: self.sink.pass_rows(start, stop)))
 
+    def piece(self, tokens: Any, rows: int) -> None:
+        self._off(lambda: self.sink.piece(tokens, rows))
+
     def on_call(self, call: Site, module: nn.Module, args: tuple[Any, ...],
                 kwargs: dict[str, Any], output: Any, tracker: Tracker) -> None:
         self._off(lambda: self.sink.on_call(call, module, args, kwargs, output, tracker))

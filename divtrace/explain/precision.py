@@ -154,8 +154,8 @@ class Precision(Probe):
         double = torch.float64
         a = replace(Runner.of(replace(plan.a, dtype=double), ctx.model, plan.modules,
                               plan.output_only, f"{_LABEL}, {ctx.a.name}", ctx.recorder),
-                    wrap=ctx.a.wrap)
-        b = replace(self._other(ctx, a), wrap=ctx.b.wrap)
+                    wrap=ctx.a.wrap, around=ctx.a.around)
+        b = replace(self._other(ctx, a), wrap=ctx.b.wrap, around=ctx.b.around)
         passes = self._planned = len(plan.a_chunks) + max(1, len(plan.b_chunks))
         ctx.progress.more(passes - _PASSES)
         step = partial(self._step, ctx)

@@ -10,6 +10,7 @@ from divtrace.kinds.padded import Padded
 from divtrace.kinds.prompts import Ragged
 from divtrace.kinds.sharded import Sharded
 from divtrace.kinds.shards import OnRanks
+from divtrace.kinds.tokens import Tokens
 from divtrace.plan.make import Plan
 
 __all__ = ["GIVEN", "KINDS", "PAIRS", "ROWS", "kind_of"]
@@ -23,8 +24,9 @@ ROWS: tuple[type[Kind], ...] = (Ragged, Kind)
 PAIRS: tuple[type[Paired], ...] = (Sharded, TwoModels, OnRanks)
 KINDS: tuple[type[Kind], ...] = (*PAIRS, *ROWS)
 #: The built-in kinds that are only ever given: by a face (one backward over the batch
-#: against accumulation, one step of decoding) or a remedy's replay (every pass padded).
-GIVEN: tuple[type[Kind], ...] = (Accumulation, DecodeStep, Padded)
+#: against accumulation, one step of decoding, two token layouts) or a remedy's replay
+#: (every pass padded).
+GIVEN: tuple[type[Kind], ...] = (Accumulation, DecodeStep, Tokens, Padded)
 
 
 def kind_of(plan: Plan) -> Kind:

@@ -12,7 +12,7 @@ from divtrace.devices import upload
 from divtrace.measure.host import Deferred, Host
 from divtrace.measure.measured import Measured
 from divtrace.measure.meter import Meter
-from divtrace.plan.prompts import Layout
+from divtrace.plan.prompts import TokenMap
 from divtrace.record.recorder import Sink
 from divtrace.record.stored import runs_of
 
@@ -29,7 +29,7 @@ class PrintCheck(Sink):
     meter: Meter
     held: list[int]
     host: Host
-    layout: Layout | None = None
+    layout: TokenMap | None = None
     #: per tested site: 1.0 for each held sample whose rows moved, else 0.0 (on the host
     #: after its fetch)
     moved: dict[str, Deferred] = field(default_factory=dict)
@@ -70,5 +70,9 @@ class PrintCheck(Sink):
             return self.meter.fingerprints(self.meter.rows(tensor, self._runs))
         assert measured.part_shapes is not None
         shapes = [measured.part_shapes[i] for i in self._at]
-        return self.meter.fingerprints([self.layout.tokens(tensor, sample, shape).unsqueeze(0)
-                                        for sample, shape in zip(self.held, shapes, strict=True)])
+        cut = getattr(self.meter, "part_of", None)
+        key = measured.site.key
+        return self.meter.fingerprints([
+            (self.layout.tokens(tensor, sample, shape) if cut is None else
+             cut(key, tensor, sample, shape)).unsqueeze(0)
+            for sample, shape in zip(self.held, shapes, strict=True)])

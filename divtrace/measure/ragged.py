@@ -15,7 +15,7 @@ from divtrace.measure.host import Deferred, Host, Joined
 from divtrace.measure.measured import Measured
 from divtrace.measure.meter import Meter
 from divtrace.measure.scale import WIDE, common
-from divtrace.plan.prompts import Layout
+from divtrace.plan.prompts import TokenMap
 from divtrace.record.oplineage import per_sample
 from divtrace.record.rows import RowStore
 from divtrace.record.stored import StoredRows
@@ -29,7 +29,7 @@ class RaggedMeter(Meter):
     each compared prompt's real tokens (``layout``: where they lie in its pass) and
     compared with the reference run's parts, prompt by prompt."""
 
-    layout: Layout | None = None
+    layout: TokenMap | None = None
 
     def measure(self, site: Site, tensor: torch.Tensor) -> Measured:
         stored = self.store.rows.get(site.key)
@@ -58,6 +58,14 @@ class RaggedMeter(Meter):
             watcher(measured, usable, usable.new_empty(0))
         self.store.measured(site.key)
         return measured
+
+    def part_of(self, key: str, tensor: torch.Tensor, sample: int,
+                shape: tuple[int, ...]) -> torch.Tensor:
+        """Sample ``sample``'s real tokens in ``tensor``, a pass's at site ``key``, as
+        measured against a stored part of ``shape``."""
+        layout = self.layout
+        assert layout is not None
+        return layout.tokens(tensor, sample, shape)
 
     def real_parts(self, tensor: torch.Tensor, shapes: list[torch.Size]
                    ) -> list[torch.Tensor] | None:

@@ -3,6 +3,7 @@ padded among its chunk) for the split run, as a language model serves them."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +15,7 @@ from divtrace.compat import pytree
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
 from divtrace.plan.inputs import BatchedInput, Driver
 
-__all__ = ["Layout", "Prompts", "RaggedInput", "pad", "prompts_input"]
+__all__ = ["Prompts", "RaggedInput", "TokenMap", "pad", "prompts_input"]
 
 
 class Prompts:
@@ -73,6 +74,40 @@ class Prompts:
         self.pad_token_id = int(pad_token_id)
         self.position_ids = bool(position_ids)
 
+    @classmethod
+    def from_packed(cls, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                    **settings: Any) -> Prompts:
+        """The sequences of a packed row (as ``DataCollatorWithFlattening`` makes it): a
+        new sequence wherever ``position_ids`` restart at 0; each must count up by one.
+
+        Example:
+            >>> import torch, divtrace
+            >>> divtrace.Prompts.from_packed(torch.tensor([[5, 6, 7, 8]]),
+            ...                              torch.tensor([[0, 1, 0, 1]])).lengths
+            (2, 2)
+        """
+        for name, given in (("input_ids", input_ids), ("position_ids", position_ids)):
+            if not isinstance(given, torch.Tensor) or given.dim() not in (1, 2) or (
+                    given.dim() == 2 and given.shape[0] != 1):
+                raise DivtraceValueError(
+                    f"{name} of a packed row must be a [1, tokens] (or [tokens]) tensor; got "
+                    f"{tuple(given.shape) if isinstance(given, torch.Tensor) else given!r}")
+        ids, positions = input_ids.reshape(-1), position_ids.reshape(-1)
+        if ids.shape != positions.shape:
+            raise DivtraceValueError(
+                f"input_ids has {ids.numel()} tokens and position_ids {positions.numel()}: "
+                f"give one position per token")
+        steps = positions.tolist()
+        for i, (before, now) in enumerate(zip([-1, *steps], steps, strict=False)):
+            if now != 0 and now != before + 1:
+                raise DivtraceValueError(
+                    f"position_ids are inconsistent with the packing at token {i}: "
+                    f"{before} is followed by {now}, where a packed row either counts on "
+                    f"by one or starts a new sequence at 0 (position_ids restarting per "
+                    f"sequence, as DataCollatorWithFlattening makes them)")
+        starts = [i for i, now in enumerate(steps) if now == 0] + [len(steps)]
+        return cls([ids[a:b] for a, b in itertools.pairwise(starts)], **settings)
+
     def like(self, prompts: Sequence[torch.Tensor]) -> Prompts:
         """Other prompts with the same padding settings."""
         return Prompts(prompts, padding_side=self.padding_side,
@@ -99,21 +134,37 @@ class Prompts:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Where each row's real tokens lie in a pass: the padded length, and per row the
-    offset and the count of its real tokens."""
+class TokenMap:
+    """Where each sequence's real tokens lie in a pass (one forward call): the pass's
+    token length, and per sequence the row it lies in (``rows``; None: sequence ``i`` in
+    row ``i``), the offset of its tokens there and their count; ``starts``: the index in
+    the sequence of the first of them (None: 0, every sequence from its start)."""
 
     length: int
     offsets: tuple[int, ...]
     valid: tuple[int, ...]
+    rows: tuple[int, ...] | None = None
+    starts: tuple[int, ...] | None = None
+
+    def row(self, sequence: int) -> int:
+        """The row of the pass that sequence ``sequence`` lies in."""
+        return sequence if self.rows is None else self.rows[sequence]
+
+    def start(self, sequence: int) -> int:
+        """The index in the sequence of its first token in this pass."""
+        return 0 if self.starts is None else self.starts[sequence]
 
     def tokens(self, tensor: torch.Tensor, row: int,
                like: tuple[int, ...] | None = None) -> torch.Tensor:
-        """Row ``row``'s real tokens in ``tensor`` (see :func:`real_tokens`)."""
-        return real_tokens(tensor, row, self.length, self.offsets[row], self.valid[row], like)
+        """Sequence ``row``'s real tokens in ``tensor`` (see :func:`real_tokens`)."""
+        if self.rows is None:
+            return real_tokens(tensor, row, self.length, self.offsets[row], self.valid[row],
+                               like)
+        return real_tokens(tensor, self.rows[row], self.length, self.offsets[row],
+                           self.valid[row], like, packed=True)
 
 
-def pad(prompts: Prompts, start: int, stop: int) -> tuple[dict[str, torch.Tensor], Layout]:
+def pad(prompts: Prompts, start: int, stop: int) -> tuple[dict[str, torch.Tensor], TokenMap]:
     """The model's keyword inputs for prompts ``start:stop`` padded into one batch, and
     where their real tokens lie."""
     chosen = prompts.prompts[start:stop]
@@ -131,7 +182,7 @@ def pad(prompts: Prompts, start: int, stop: int) -> tuple[dict[str, torch.Tensor
     inputs = {"input_ids": ids, "attention_mask": mask}
     if prompts.position_ids:  # as generate() makes them: real tokens counted from 0
         inputs["position_ids"] = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1)
-    return inputs, Layout(length, tuple(offsets), tuple(lengths))
+    return inputs, TokenMap(length, tuple(offsets), tuple(lengths))
 
 
 @dataclass(frozen=True)
@@ -144,13 +195,13 @@ class RaggedInput(BatchedInput):
     #: generation
     step: int | None = None
 
-    def layout(self, start: int, stop: int) -> Layout:
+    def layout(self, start: int, stop: int) -> TokenMap:
         """Where the real tokens of rows ``start:stop`` lie in the observed call of their
         pass (at generation step ``t``, ``t`` tokens more in every row)."""
         layout = pad(self.source, start, stop)[1]
         if not self.step:
             return layout
-        return Layout(layout.length + self.step, layout.offsets,
+        return TokenMap(layout.length + self.step, layout.offsets,
                       tuple(n + self.step for n in layout.valid))
 
     @property

@@ -9,7 +9,7 @@ import torch
 
 from divtrace.align.sites import Site
 from divtrace.align.status import Status, comparable
-from divtrace.plan.prompts import Layout, RaggedInput
+from divtrace.plan.prompts import RaggedInput, TokenMap
 from divtrace.record.recorder import Tracker
 from divtrace.record.rows import RowStore
 from divtrace.record.stored import StoredRows
@@ -23,7 +23,7 @@ class RaggedStore(RowStore):
     per compared prompt (``StoredRows.parts``), its real tokens only."""
 
     ragged: RaggedInput | None = None
-    _layout: Layout | None = None
+    _layout: TokenMap | None = None
     _start: int = 0
 
     def begin_chunk(self, start: int, stop: int, tracker: Tracker) -> None:

@@ -102,6 +102,11 @@ class Sink:
         every call to a fixed batch size (see :attr:`RowStore.padded`)."""
         return stop - start
 
+    def piece(self, tokens: Any, rows: int) -> None:
+        """A forward call of a pass laid out in several begins (a token layout's: a
+        prefill chunk, a decode step): ``tokens`` (a ``TokenMap``) says where the pass's
+        sequences lie in its ``rows`` rows."""
+
     def on_call(self, call: Site, module: nn.Module, args: tuple[Any, ...],
                 kwargs: dict[str, Any], output: Any, tracker: Tracker) -> None:
         """A leaf module call returned; called before its outputs reach :meth:`on_tensor`."""
@@ -133,6 +138,9 @@ class Gate(Sink):
 
     def pass_rows(self, start: int, stop: int) -> int:
         return self.sink.pass_rows(start, stop)
+
+    def piece(self, tokens: Any, rows: int) -> None:
+        self.sink.piece(tokens, rows)
 
     def on_call(self, call: Site, module: nn.Module, args: tuple[Any, ...],
                 kwargs: dict[str, Any], output: Any, tracker: Tracker) -> None:

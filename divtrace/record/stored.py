@@ -44,6 +44,9 @@ class StoredRows:
     #: one tensor per compared sample, for rows of different shapes (prompts of different
     #: lengths: each prompt's real tokens); then ``rows`` is None
     parts: list[torch.Tensor | None] | None = None
+    #: per part: the index in its sequence of the part's first token (None: every part
+    #: from its sequence's start), for token layouts whose sites hold some tokens only
+    firsts: list[int] | None = None
 
     @property
     def held(self) -> bool:

@@ -209,6 +209,7 @@ def _statuses(skipped: pd.DataFrame, meta: Meta, none_ok: bool) -> str:
         "dtype_mismatch": "its dtypes differ between the runs",
         "nested": "a nested tensor, each sample of its own shape",
         "not_per_sample": "a field of a PackedSequence, not rows per sample",
+        "not_per_token": "a token layout's tensor without an axis of the pass's tokens",
     }
     said = [f"{status}: {meaning[status]}" for status in dict.fromkeys(skipped["status"])
             if status in meaning]

@@ -1,0 +1,330 @@
+"""Token layouts in the record stage: the driver that lays a run's sequences out in its
+forward calls (:class:`LayoutDriver`), and the row store that gathers each compared
+sequence's tokens at every site from all of them (:class:`TokenStore`)."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import itertools
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from divtrace.align.sites import Site
+from divtrace.align.status import Status, comparable
+from divtrace.errors import DivtraceValueError
+from divtrace.plan.prompts import Prompts, TokenMap, pad
+from divtrace.plan.tokens import Layout, TokenInput
+from divtrace.record.recorder import Gate, Sink, Tracker
+from divtrace.record.rows import RowStore
+from divtrace.record.stored import StoredRows
+
+__all__ = ["LayoutDriver", "TokenStore", "generated"]
+
+
+def _per_token(tensor: torch.Tensor, tokens: TokenMap, rows: int
+               ) -> tuple[torch.Tensor, int] | None:
+    """``tensor`` as ``[rows, tokens, ...]`` and the position in the pass of its first
+    token (a model that computes its last positions only, as ``logits_to_keep`` does,
+    gives fewer); None: it has no axis of the pass's tokens."""
+    if tensor.dim() < 2:
+        return None
+    length = tokens.length
+    if tensor.shape[0] != rows and tensor.shape[0] == rows * length:
+        tensor = tensor.view(rows, length, *tensor.shape[1:])  # tokens of every row, flat
+    if tensor.shape[0] != rows:
+        return None
+    kept = tensor.shape[1]
+    if kept == length:
+        return tensor, 0
+    ends = all(o + v == length for o, v in zip(tokens.offsets, tokens.valid, strict=True)
+               if v)
+    return (tensor, length - kept) if kept < length and ends else None
+
+
+@dataclass
+class TokenStore(RowStore):
+    """A :class:`RowStore` of sequences laid out by a token layout: a site's rows are one
+    tensor per compared sequence, its compared tokens in order, gathered from every
+    forward call of the pass (:meth:`piece` says where they lie in each)."""
+
+    tokens: TokenInput | None = None
+    _map: TokenMap | None = None
+    _rows: int = 0
+    _start: int = 0
+    #: per site, per slot: (first token's index in its sequence, its tokens), this pass
+    _gathered: dict[str, dict[int, list[tuple[int, torch.Tensor]]]] = field(
+        default_factory=dict)
+
+    def begin_chunk(self, start: int, stop: int, tracker: Tracker) -> None:
+        super().begin_chunk(start, stop, tracker)
+        self._start = start
+        self._gathered = {}
+        self._map = None
+
+    def piece(self, tokens: Any, rows: int) -> None:
+        self._map, self._rows = tokens, rows
+
+    def on_tensor(self, site: Site, tensor: torch.Tensor) -> None:
+        usable = comparable(tensor) if site.opaque is None else site.opaque
+        tokens = self._map
+        if tokens is None or isinstance(usable, Status):
+            super().on_tensor(site, tensor)  # reported, never compared
+            return
+        stored = self.rows.get(site.key)
+        found = _per_token(usable, tokens, self._rows)
+        if stored is None:
+            stored = self.rows[site.key] = StoredRows(
+                site, tuple(usable.shape), None, (), usable.dtype,
+                parts=[None] * len(self.samples), firsts=[0] * len(self.samples))
+        if found is None:
+            stored.drop(Status.NOT_PER_TOKEN)
+        elif usable.dtype != stored.dtype:
+            stored.drop(Status.SHAPE_MISMATCH)
+        if stored.parts is None or found is None:
+            return
+        laid, first = found
+        device = torch.device("cpu") if self.offload else laid.device
+        held = laid.detach().to(device, copy=True)  # one copy of the call's tensor
+        slots = self._compared()
+        gathered = self._gathered.setdefault(site.key, {})
+        for sequence, slot in slots:
+            offset, count = tokens.offsets[sequence], tokens.valid[sequence]
+            low = max(offset, first)
+            if count <= 0 or low >= offset + count:
+                continue
+            at = tokens.start(sequence) + low - offset
+            part = held[tokens.row(sequence)].narrow(0, low - first, offset + count - low)
+            gathered.setdefault(slot, []).append((at, part))
+
+    def _compared(self) -> list[tuple[int, int]]:
+        """The compared sequences of this pass: (index in the pass, slot)."""
+        tokens = self._map
+        assert tokens is not None
+        slots = []
+        for sequence in range(len(tokens.offsets)):
+            index = self._start + sequence
+            if index in self.samples:
+                slots.append((sequence, self.samples.index(index)))
+        return slots
+
+    def end_chunk(self) -> bool:
+        """Each compared sequence's tokens at each site, end to end (a site whose tokens
+        do not follow one another is not laid out token by token)."""
+        for key, by_slot in self._gathered.items():
+            stored = self.rows[key]
+            if stored.parts is None or stored.firsts is None:
+                continue
+            for slot, pieces in by_slot.items():
+                pieces.sort(key=lambda piece: piece[0])
+                ends = [at + part.shape[0] for at, part in pieces]
+                if any(at != end for (at, _), end in zip(pieces[1:], ends, strict=False)):
+                    stored.drop(Status.NOT_PER_TOKEN)
+                    break
+                try:
+                    joined = torch.cat([part for _, part in pieces]) if len(pieces) > 1 else (
+                        pieces[0][1].clone())
+                except RuntimeError:  # other shapes in other calls
+                    stored.drop(Status.SHAPE_MISMATCH)
+                    break
+                stored.parts[slot] = joined
+                stored.firsts[slot] = pieces[0][0]
+            else:
+                stored.filled += len(by_slot)
+        self._gathered = {}
+        return True
+
+    @property
+    def stored_bytes(self) -> int:
+        return super().stored_bytes + sum(
+            p.numel() * p.element_size() for stored in self.rows.values()
+            for p in (stored.parts or ()) if p is not None)
+
+
+def generated(sequences: torch.Tensor, length: int, eos: set[int]) -> list[torch.Tensor]:
+    """Per row of ``generate()``'s ``sequences`` (prompts padded to ``length``): its new
+    tokens, up to and with its first end-of-sequence token."""
+    out = []
+    for row in sequences[:, length:]:
+        taken = row.numel()
+        for step, token in enumerate(row.tolist()):
+            if token in eos:
+                taken = step + 1
+                break
+        out.append(row[:taken])
+    return out
+
+
+class _Chunk(Gate):
+    """The sink of a layout's pass: every call observed; notes the pass's rows."""
+
+    start: int = 0
+    stop: int = 0
+
+    def begin_chunk(self, start: int, stop: int, tracker: Tracker) -> None:
+        self.start, self.stop = start, stop
+        super().begin_chunk(start, stop, tracker)
+
+
+@dataclass
+class LayoutDriver:
+    """Runs each pass of run a or b (:attr:`which`, set around it by the kind) in that
+    run's layout: the pass's sequences (read from its padded input, so that a pass over
+    other tokens lays out those) go to the model in one or several forward calls, each
+    told to the sink as a :meth:`Sink.piece`.
+
+    ``tokens``: the comparison's input (where decoding begins, what is compared);
+    ``settings``: ``generate()``'s (the decode layout's: pad and end-of-sequence ids).
+    """
+
+    a: Layout
+    b: Layout
+    tokens: TokenInput
+    settings: dict[str, Any] = field(default_factory=dict)
+    which: str = "b"
+    _sinks: list[_Chunk] = field(default_factory=list)
+
+    def observed(self, sink: Sink) -> Sink:
+        chunk = _Chunk(sink, active=True)
+        self._sinks.append(chunk)
+        return chunk
+
+    @property
+    def layout(self) -> Layout:
+        return self.a if self.which == "a" else self.b
+
+    def run(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+            tracker: Tracker) -> Any:
+        sink = self._sinks[-1]
+        sequences = _unpadded(kwargs)
+        layout = self.layout
+        compared = [self.tokens.counted(i) for i in range(sink.start, sink.stop)]
+
+        def call(tokens: TokenMap, rows: int, inputs: dict[str, Any]) -> Any:
+            tracker.reset(rows)
+            sink.piece(tokens, rows)
+            return model(**inputs)
+
+        if layout.one_pass:
+            laid = replace(self.tokens, prompts=self.tokens.source.like(sequences),
+                           compared=tuple(compared))
+            inputs, tokens = laid.one_pass(layout, 0, len(sequences))
+            return call(tokens, 1 if layout.name == "packed" else len(sequences), inputs)
+        if layout.name == "decode":
+            return self._decode(model, sequences, compared, sink, tracker)
+        out = None
+        self.cache_word(model)
+        for i, sequence in enumerate(sequences):
+            out = self._cached(sequence, i, len(sequences), compared[i], layout, call)
+        return out
+
+    _cache_word: str = "past_key_values"
+
+    def cache_word(self, model: nn.Module) -> None:
+        """Learns what ``model`` calls its KV cache: ``cache`` (newer Hugging Face
+        models) or ``past_key_values``."""
+        forward = getattr(model, "forward", None)
+        try:
+            names = inspect.signature(forward).parameters if forward else {}
+        except (TypeError, ValueError):
+            names = {}
+        self._cache_word = "cache" if "cache" in names else "past_key_values"
+
+    def _cached(self, sequence: torch.Tensor, index: int, count: int, compared: int,
+                layout: Layout, call: Any) -> Any:
+        """One sequence alone: in one call, in chunks, or continued from its prefix's
+        cache (each a forward call through the KV cache)."""
+        n = sequence.numel()
+        if layout.name == "alone":
+            bounds = [0, n]
+        elif layout.name == "chunked":
+            assert layout.size is not None
+            bounds = [*range(0, n, layout.size), n]
+        else:
+            assert layout.size is not None
+            bounds = [0, layout.size, n]
+        cache, out = None, None
+        for low, high in itertools.pairwise(bounds):
+            offsets = [0] * count
+            valid = [0] * count
+            starts = [0] * count
+            valid[index] = max(0, min(high, compared) - low)
+            starts[index] = low
+            tokens = TokenMap(high - low, tuple(offsets), tuple(valid), rows=(0,) * count,
+                              starts=tuple(starts))
+            positions = torch.arange(low, high, device=sequence.device)
+            inputs: dict[str, Any] = {"input_ids": sequence[low:high].unsqueeze(0),
+                                      "position_ids": positions.unsqueeze(0)}
+            if layout.cached:
+                inputs |= {"use_cache": True, "cache_position": positions,
+                           self._cache_word: cache}
+            out = call(tokens, 1, inputs)
+            if layout.cached:
+                cache = getattr(out, self._cache_word, None)
+                if cache is None:
+                    raise DivtraceValueError(
+                        f"the {layout.label()} layout goes through the model's KV cache, "
+                        f"and the model returned none (past_key_values): use a model with "
+                        f"a KV cache (a Hugging Face causal LM), or the 'alone' layout")
+                if layout.name == "prefix":
+                    cache = copy.deepcopy(cache)  # the prefix's cache, reused by a copy
+        return out
+
+    def _decode(self, model: nn.Module, sequences: list[torch.Tensor], compared: list[int],
+                sink: _Chunk, tracker: Tracker) -> Any:
+        """The prompts through the model's own ``generate()``, every forward call of it
+        observed: the prefill, then one token per row and step; its tokens must be those
+        of the sequences (a rollout replayed)."""
+        starts = self.tokens.starts
+        assert starts is not None
+        prompts = [s[:starts[sink.start + i]] for i, s in enumerate(sequences)]
+        source = self.tokens.source
+        padded = Prompts(prompts, padding_side="left", pad_token_id=source.pad_token_id)
+        inputs, prefill = pad(padded, 0, len(prompts))  # as generate() wants them
+        inputs.pop("position_ids", None)
+        length = prefill.length
+        steps = max(s.numel() - p.numel() for s, p in zip(sequences, prompts, strict=True))
+        count = len(prompts)
+        calls = 0
+
+        def begin(_module: nn.Module, _args: Any, _kwargs: Any) -> None:
+            nonlocal calls
+            tracker.reset(count)
+            if calls == 0:
+                valid = tuple(min(c, p.numel()) for c, p in zip(compared, prompts, strict=True))
+                sink.piece(TokenMap(length, prefill.offsets, valid), count)
+            else:  # step t feeds each row's token t - 1 after its prompt
+                at = tuple(p.numel() + calls - 1 for p in prompts)
+                valid = tuple(int(a < c) for a, c in zip(at, compared, strict=True))
+                sink.piece(TokenMap(1, (0,) * count, valid, starts=at), count)
+            calls += 1
+
+        handle = model.register_forward_pre_hook(begin, with_kwargs=True, prepend=True)
+        try:
+            run = model.generate
+            out = run(**inputs, max_new_tokens=steps, do_sample=False,  # type: ignore[operator]
+                      return_dict_in_generate=True, **self.settings)
+        finally:
+            handle.remove()
+        eos = self.settings.get("eos_token_id")
+        ends = set() if eos is None else {int(e) for e in (
+            eos if isinstance(eos, list | tuple) else [eos])}
+        made = generated(out.sequences, length, ends)
+        for i, (sequence, prompt) in enumerate(zip(sequences, prompts, strict=True)):
+            want = sequence[prompt.numel():]
+            if not torch.equal(made[i][:want.numel()].cpu(), want.cpu()):
+                raise DivtraceValueError(
+                    f"the decode layout replays a rollout through generate() (greedy), and "
+                    f"sequence {sink.start + i} is not what generate() gives for its "
+                    f"prompt: give sequences that greedy generate() produced "
+                    f"(divtrace.compare_rollout makes them), or compare another layout")
+        return out
+
+
+def _unpadded(kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The sequences of a padded pass's input: each row's real tokens."""
+    ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
+    return [row[m.bool()] for row, m in zip(ids, mask, strict=True)]
