@@ -133,6 +133,10 @@ def compare_layouts(
     if not isinstance(model, nn.Module):
         raise DivtraceTypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
     layouts = (Layout.of(a), Layout.of(b))
+    if layouts[0] == layouts[1]:
+        raise DivtraceValueError(
+            f"runs a and b have the same layout ({layouts[0].label()}); give each its own "
+            f"(e.g. a='alone', b='packed')")
     prompts = _sequences(sequences, whole_number(pad_token_id, "pad_token_id"))
     prompts.check_pair()
     starts = None if prompt_lengths is None else [

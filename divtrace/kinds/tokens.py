@@ -67,10 +67,6 @@ class Tokens(Ragged):
                 f"run b is measured in one forward call, and the "
                 f"{self.driver.b.label()} layout takes several: give it as run a "
                 f"(a={self.driver.b.label().split()[0]!r}) and a padded or packed run b")
-        if self.driver.a == self.driver.b:
-            raise DivtraceValueError(
-                f"runs a and b have the same layout ({self.driver.a.label()}); give each "
-                f"its own")
 
     def store(self, plan: Plan, samples: list[int], *, offload: bool = False,
               pinned: bool = False, learn_lineage: bool = True) -> RowStore:

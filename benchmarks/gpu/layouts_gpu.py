@@ -1,0 +1,170 @@
+"""Token layouts on a GPU: a reinforcement-learning rollout against its trainer, and packed
+against padded, on an 8B-shaped Llama (random init from a config, bfloat16, SDPA).
+
+16 prompts of 64–512 tokens, 64 new tokens (greedy, no end-of-sequence token). For each
+trainer layout (right-padded, packed): ``compare_rollout`` observed at every decoder
+layer, the final norm and the LM head — the figures RL users watch (max and mean
+|Δlogprob|, the share beyond 1e-3, argmax flips), the first site that parts, the verdict
+— then ``compare_layouts(packed vs right-padded)`` over the finished sequences, and a
+rollout of 4 prompts observed at every module (the first module that parts). Each
+comparison's wall time against its bare passes (the rollout's ``generate()`` and the
+trainer's forward call, or the two layouts' forward calls), timed right before it, and
+the peak memory. Writes ``layouts_summary.txt``, ``layouts.json`` and
+``layouts_tokens.png`` into --out.
+
+    python benchmarks/gpu/layouts_gpu.py --out docs/results/h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import divtrace
+from divtrace.plan.prompts import Prompts, pad
+from divtrace.plan.tokens import Layout, token_input
+
+
+def llama_8b() -> nn.Module:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+        attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    return model.eval()
+
+
+def timed(work: Any) -> tuple[Any, float]:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = work()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
+def bare_rollout(model: nn.Module, prompts: list[torch.Tensor], new: int) -> list[torch.Tensor]:
+    """generate() as compare_rollout runs it: the finished sequences."""
+    inputs, layout = pad(Prompts(prompts, padding_side="left"), 0, len(prompts))
+    inputs.pop("position_ids")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=new, do_sample=False,
+                             return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+    return [torch.cat([p, s[layout.length:]]) for p, s in zip(prompts, out.sequences,
+                                                                strict=True)]
+
+
+def bare_pass(model: nn.Module, sequences: list[torch.Tensor], layout: str) -> None:
+    """One forward call of ``sequences`` in ``layout`` (padded or packed)."""
+    tokens = token_input(Prompts(sequences, padding_side="right"))
+    inputs, _ = tokens.one_pass(Layout.of(layout), 0, len(sequences))
+    with torch.no_grad():
+        model(**inputs)
+
+
+def figures_of(result: divtrace.Comparison) -> dict[str, Any]:
+    first = result.first_divergence
+    found: dict[str, Any] = {
+        "verdict": result.verdict, "first_site": None if first is None else first["site"],
+        "first_rel_l2": None if first is None else float(first["rel_l2"]),
+        "sites": int((result.table["status"] == "ok").sum())}
+    if "tokens" in result.meta.notes:
+        figures = divtrace.token_figures(result)
+        delta = figures.logprobs["delta"]
+        found |= {"tokens": len(delta), "max_dlogprob": float(delta.max()),
+                  "mean_dlogprob": float(delta.mean()),
+                  "share_over_1e-3": float((delta > 1e-3).mean()),
+                  "argmax_flips": int(figures.logprobs["flip"].sum()),
+                  "token_summary": figures.summary()}
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = llama_8b()
+    blocks = [f"model.layers.{i}" for i in range(32)] + ["model.norm", "lm_head"]
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.linspace(64, 512, args.prompts).round().int().tolist()
+    prompts = [torch.randint(3, 128256, (n,), generator=generator).cuda() for n in lengths]
+    lines = [f"8B-shaped Llama (hidden 4096, 32 layers, SDPA), bfloat16, random init; "
+             f"{args.prompts} prompts of {min(lengths)}-{max(lengths)} tokens, "
+             f"{args.tokens} new tokens (greedy); torch {torch.__version__}, "
+             f"{torch.cuda.get_device_name()}"]
+    report: dict[str, Any] = {"prompts": lengths, "new_tokens": args.tokens, "cases": {}}
+    bare_rollout(model, prompts[:2], 2)  # warm-up
+    figures = None
+    for trainer in ("padded:right", "packed"):
+        finished, rollout = timed(partial(bare_rollout, model, prompts, args.tokens))
+        _, forward = timed(partial(bare_pass, model, finished, trainer))
+        torch.cuda.reset_peak_memory_stats()
+        result, seconds = timed(partial(
+            divtrace.compare_rollout, model, prompts, max_new_tokens=args.tokens,
+            trainer=trainer, eos_token_id=None, pad_token_id=0, modules=blocks,
+            progress=False))
+        found = figures_of(result) | {
+            "seconds": seconds, "bare_seconds": rollout + forward,
+            "against_bare": seconds / (rollout + forward),
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "summary": result.summary()}
+        report["cases"][f"rollout vs {trainer} trainer"] = found
+        lines += [f"\n== rollout (KV-cache decode) vs trainer ({trainer}) ==",
+                  result.summary(), found["token_summary"],
+                  f"cost: {seconds:.1f} s against {rollout + forward:.2f} s of bare passes "
+                  f"(generate {rollout:.2f} s + trainer forward {forward:.2f} s): "
+                  f"{found['against_bare']:.1f}×; peak {found['peak_gib']:.1f} GiB"]
+        print(lines[-1], flush=True)
+        if figures is None:
+            figures = divtrace.token_figures(result)
+            figures.plot(args.out / "layouts_tokens.png")
+        del result
+    _, packed = timed(lambda: bare_pass(model, finished, "packed"))
+    _, padded = timed(lambda: bare_pass(model, finished, "padded:right"))
+    torch.cuda.reset_peak_memory_stats()
+    result, seconds = timed(lambda: divtrace.compare_layouts(
+        model, finished, a="packed", b="padded:right", modules=blocks, progress=False))
+    found = figures_of(result) | {"seconds": seconds, "bare_seconds": packed + padded,
+                                  "against_bare": seconds / (packed + padded),
+                                  "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                                  "summary": result.summary()}
+    report["cases"]["packed vs right-padded"] = found
+    lines += ["\n== packed vs right-padded (the finished sequences) ==", result.summary(),
+              f"cost: {seconds:.1f} s against {packed + padded:.2f} s of bare passes: "
+              f"{found['against_bare']:.1f}×; peak {found['peak_gib']:.1f} GiB"]
+    print(lines[-1], flush=True)
+    del result
+    few = prompts[:4]
+    torch.cuda.reset_peak_memory_stats()
+    result, seconds = timed(lambda: divtrace.compare_rollout(
+        model, few, max_new_tokens=16, eos_token_id=None, pad_token_id=0, progress=False))
+    found = figures_of(result) | {"seconds": seconds, "summary": result.summary(),
+                                  "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    report["cases"]["rollout of 4 prompts, every module"] = found
+    lines += ["\n== rollout vs right-padded trainer, 4 prompts, 16 new tokens, every module "
+              "==", result.summary(), found["token_summary"],
+              f"{seconds:.1f} s; peak {found['peak_gib']:.1f} GiB"]
+    (args.out / "layouts_summary.txt").write_text("\n".join(lines) + "\n")
+    (args.out / "layouts.json").write_text(json.dumps(report, indent=1, default=str))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
