@@ -106,10 +106,10 @@ def compare_layouts(
         a, b: The two layouts (see :class:`~divtrace.Layout`: ``"padded"``,
             ``"padded:right"``, ``"packed"``, ``"alone"``, ``"decode"``, ``"chunked:16"``,
             ``"prefix:32"``).
-        prompt_lengths: For ``"decode"``: each sequence's prompt length; the rest of it
-            must be what greedy ``generate()`` gives (``compare_rollout`` makes such
-            sequences). Each sequence's tokens then compared are those fed to the model:
-            all but its last.
+        prompt_lengths: For ``"decode"``: each sequence's prompt length; the rest of it is
+            fed step by step through the model's own ``generate()``, each step's token
+            forced to the sequence's (a rollout's tokens, greedy or sampled). Each
+            sequence's tokens then compared are those fed to the model: all but its last.
         samples: The sequences to compare (default: all).
         modules, explain, rtol, atol, resources, progress: As for
             :func:`~divtrace.compare`.

@@ -254,19 +254,33 @@ def test_chunked_prefill_and_a_reused_prefix_are_aligned_and_judged() -> None:
     assert prefix.verdict in ("rounding", "identical")
 
 
-def test_decode_of_given_sequences_needs_greedy_ones() -> None:
+def test_decode_feeds_the_given_tokens_through_the_cache() -> None:
     model = llama()
     prompts = sequences(5, 8)
     made, _ = _rollout(model, prompts, 4)
     finished = [torch.cat([p, m]) for p, m in zip(prompts, made, strict=True)]
+    finished[1][-2] = (finished[1][-2] + 1) % 100  # not what greedy decoding picks
     result = divtrace.compare_layouts(model, finished, a="decode", b="packed",
-                                      prompt_lengths=[5, 8], progress=False)
+                                      prompt_lengths=[5, 8], resources=KEEP,
+                                      explain=["tokens"], progress=False)
     assert result.verdict in ("rounding", "identical")
-    wrong = [f.clone() for f in finished]
-    wrong[1][-1] = (wrong[1][-1] + 1) % 100
-    with pytest.raises(divtrace.DivtraceValueError, match="greedy generate"):
-        divtrace.compare_layouts(model, wrong, a="decode", b="packed",
-                                 prompt_lengths=[5, 8], progress=False)
+    table = divtrace.token_figures(result).logprobs
+    assert table[table["prompt"] == 1]["token"].tolist() == finished[1][8:].tolist()
+    # run a's logits, by hand: each sequence's tokens fed one by one through the cache
+    with torch.no_grad():
+        fed = []
+        for sequence, prompt in zip(finished, prompts, strict=True):
+            out = model(input_ids=prompt[None], use_cache=True)
+            steps = [out.logits[0, -1:]]
+            cache = getattr(out, _cache_word(model))
+            for t in range(prompt.numel(), sequence.numel() - 1):
+                out = model(input_ids=sequence[t:t + 1][None], use_cache=True,
+                            **{_cache_word(model): cache})
+                cache = getattr(out, _cache_word(model))
+                steps.append(out.logits[0])
+            fed.append(torch.cat(steps))
+    got_a, _ = kept(result)
+    torch.testing.assert_close(got_a, flat(fed), rtol=1e-5, atol=1e-6)
 
 
 def test_bad_layouts_and_sequences_are_refused_with_the_fix() -> None:

@@ -28,9 +28,9 @@ class Layout:
       each one, no attention mask and no KV cache (Hugging Face models then keep each
       sequence to itself, as with ``DataCollatorWithFlattening``).
     - ``alone``: each sequence by itself.
-    - ``decode``: as ``generate()`` does it: the prompts prefilled in one left-padded
-      batch, then one token per step through the KV cache (the rest of each sequence
-      fed, as a rollout produced it).
+    - ``decode``: through the model's own ``generate()``: the prompts prefilled in one
+      left-padded batch, then one token per step through the KV cache, each step's token
+      forced to the sequence's own (a rollout's computation, replayed).
     - ``chunked``: each sequence alone, prefilled ``size`` tokens at a time through the
       KV cache.
     - ``prefix``: each sequence's first ``size`` tokens prefilled alone into a KV cache,

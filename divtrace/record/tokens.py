@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import inspect
 import itertools
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -276,8 +277,9 @@ class LayoutDriver:
     def _decode(self, model: nn.Module, sequences: list[torch.Tensor], compared: list[int],
                 sink: _Chunk, tracker: Tracker) -> Any:
         """The prompts through the model's own ``generate()``, every forward call of it
-        observed: the prefill, then one token per row and step; its tokens must be those
-        of the sequences (a rollout replayed)."""
+        observed: the prefill, then one token per row and step, each step's token the
+        sequence's own (forced: a rollout's computation replayed, whatever the logits of
+        this pass favour)."""
         starts = self.tokens.starts
         assert starts is not None
         prompts = [s[:starts[sink.start + i]] for i, s in enumerate(sequences)]
@@ -286,7 +288,7 @@ class LayoutDriver:
         inputs, prefill = pad(padded, 0, len(prompts))  # as generate() wants them
         inputs.pop("position_ids", None)
         length = prefill.length
-        steps = max(s.numel() - p.numel() for s, p in zip(sequences, prompts, strict=True))
+        new = [s[p.numel():] for s, p in zip(sequences, prompts, strict=True)]
         count = len(prompts)
         calls = 0
 
@@ -305,23 +307,30 @@ class LayoutDriver:
         handle = model.register_forward_pre_hook(begin, with_kwargs=True, prepend=True)
         try:
             run = model.generate
-            out = run(**inputs, max_new_tokens=steps, do_sample=False,  # type: ignore[operator]
-                      return_dict_in_generate=True, **self.settings)
+            return run(**inputs, max_new_tokens=max(t.numel() for t in new),  # type: ignore[operator]
+                       do_sample=False, return_dict_in_generate=True,
+                       logits_processor=[_Forced(new, length)], **self.settings)
         finally:
             handle.remove()
-        eos = self.settings.get("eos_token_id")
-        ends = set() if eos is None else {int(e) for e in (
-            eos if isinstance(eos, list | tuple) else [eos])}
-        made = generated(out.sequences, length, ends)
-        for i, (sequence, prompt) in enumerate(zip(sequences, prompts, strict=True)):
-            want = sequence[prompt.numel():]
-            if not torch.equal(made[i][:want.numel()].cpu(), want.cpu()):
-                raise DivtraceValueError(
-                    f"the decode layout replays a rollout through generate() (greedy), and "
-                    f"sequence {sink.start + i} is not what generate() gives for its "
-                    f"prompt: give sequences that greedy generate() produced "
-                    f"(divtrace.compare_rollout makes them), or compare another layout")
-        return out
+
+
+@dataclass
+class _Forced:
+    """A logits processor for ``generate()``: each row's next token is its sequence's
+    (``new``: per row the tokens after its prompt; ``length``: the padded prompts')."""
+
+    new: list[torch.Tensor]
+    length: int
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = input_ids.shape[1] - self.length
+        forced = torch.full_like(scores, -math.inf)
+        for row, tokens in enumerate(self.new):
+            if step < tokens.numel():
+                forced[row, tokens[step]] = 0.0
+            else:  # past the sequence's end: any token (never compared)
+                forced[row, 0] = 0.0
+        return forced
 
 
 def _unpadded(kwargs: dict[str, Any]) -> list[torch.Tensor]:
