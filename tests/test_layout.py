@@ -160,11 +160,13 @@ def test_imports_follow_the_layers() -> None:
 #: Where each kind may be named besides its own file and the registry: a kind derived
 #: from it, and the fixed-batch remedy's replay, which is of the padded kind.
 KIND_USERS = {"Sharded": set(), "OnRanks": set(), "TwoModels": {"divtrace.kinds.sharded"},
-              "Ragged": {"divtrace.kinds.decode", "divtrace.kinds.tokens"}, "Padded": {"divtrace.remedies.search"},
+              "Ragged": {"divtrace.kinds.decode", "divtrace.kinds.tokens"},
+              "Padded": {"divtrace.remedies.search"},
               "Accumulation": {"divtrace.accumulation"},
               "DecodeStep": {"divtrace.generate.result"}, "Tokens": {"divtrace.layouts"}}
 #: The types a kind is told by, asked for only in the kinds and where they are defined.
-KIND_TYPES = {"RaggedInput": {"divtrace.plan.prompts"}, "OtherModel": {"divtrace.plan.other"}}
+KIND_TYPES = {"RaggedInput": {"divtrace.plan.prompts", "divtrace.plan.tokens"},
+              "OtherModel": {"divtrace.plan.other"}}
 
 
 def test_each_kind_is_one_file() -> None:

@@ -20,7 +20,6 @@ from divtrace.explain.probe import Explained, Hooks, Judged, Probe, Spec
 from divtrace.explain.view import TableView
 from divtrace.measure.host import Deferred, Host
 from divtrace.measure.measured import Measured
-from divtrace.plan.prompts import RaggedInput
 
 __all__ = ["PerToken", "blocks"]
 
@@ -75,9 +74,9 @@ class PerToken(Probe):
     def _site(self, ctx: Context, measured: Measured, tensor: torch.Tensor,
               rows: torch.Tensor) -> None:
         batch = ctx.plan.batch
-        part_of = getattr(ctx.meter, "part_of", None)
-        if measured.status != Status.OK or not isinstance(batch, RaggedInput) or (
-                part_of is None):
+        part_of = getattr(ctx.meter, "part_of", None)  # a meter of prompts' tokens
+        if measured.status != Status.OK or part_of is None or (
+                getattr(batch, "prompts", None) is None):
             return
         site = measured.site
         if self._blocks is None:
@@ -102,14 +101,14 @@ class PerToken(Probe):
                 return
             pairs.append((sample, firsts[slot], a, b))
         if logits:
-            self._logprobs(ctx, batch, pairs)
+            self._logprobs(batch, pairs)
             return
         for sample, first, a, b in pairs:
             spans.append((sample, first, a.shape[0]))
             figures.append(_per_token(b, a))
         self._sites[site.key] = (self._host.add(torch.cat(figures)), spans)
 
-    def _logprobs(self, ctx: Context, batch: RaggedInput, pairs: list[Any]) -> None:
+    def _logprobs(self, batch: Any, pairs: list[Any]) -> None:
         """Per compared token with a next token: its log-probability in each run (from
         float64 logits) and each run's most likely token."""
         starts = getattr(batch, "starts", None)

@@ -107,7 +107,7 @@ class Layout:
 
 
 def pack(prompts: Prompts, start: int, stop: int, compared: tuple[int, ...] | None = None
-         ) -> tuple[dict[str, torch.Tensor], TokenMap]:
+         ) -> tuple[dict[str, Any], TokenMap]:
     """The model's keyword inputs for sequences ``start:stop`` packed into one row
     (``position_ids`` restarting at each), and where their tokens lie."""
     chosen = prompts.prompts[start:stop]
@@ -138,7 +138,7 @@ class TokenInput(RaggedInput):
         return n if self.compared is None else min(n, self.compared[sequence])
 
     def one_pass(self, layout: Layout, start: int, stop: int
-                 ) -> tuple[dict[str, torch.Tensor], TokenMap]:
+                 ) -> tuple[dict[str, Any], TokenMap]:
         """The inputs and token map of sequences ``start:stop`` in one forward call of
         ``layout`` (padded or packed), cut to their compared tokens."""
         compared = tuple(self.counted(i) for i in range(len(self.source)))

@@ -65,7 +65,7 @@ class TokenFigures:
             positions = sorted(set(rows["position"]))
             spans.append((len(columns), len(positions)))
             for position in positions:
-                columns[int(prompt), int(position)] = len(columns)  # type: ignore[call-overload]
+                columns[int(prompt), int(position)] = len(columns)
         values = np.full((len(sites), len(columns)), np.nan)
         at = {site: i for i, site in enumerate(sites)}
         for site, prompt, position, rel in layers[["site", "prompt", "position",
@@ -138,7 +138,7 @@ def token_figures(result: Comparison) -> TokenFigures:
         raise DivtraceValueError(
             "this comparison has no figures per token: run it with explain=['tokens'] "
             "(compare_rollout runs it by default)")
-    rows = found.get("logprobs") or {name: [] for name in LOGPROB_COLUMNS[:3]} | {
+    rows: dict[str, list[Any]] = found.get("logprobs") or {name: [] for name in LOGPROB_COLUMNS[:3]} | {
         "logprob_a": [], "logprob_b": [], "argmax_a": [], "argmax_b": []}
     logprobs = pd.DataFrame({key: rows[key] for key in (
         "prompt", "position", "token", "logprob_a", "logprob_b", "argmax_a", "argmax_b")})
