@@ -18,6 +18,7 @@ the peak memory. Writes ``layouts_summary.txt``, ``layouts.json`` and
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -75,6 +76,13 @@ def bare_pass(model: nn.Module, sequences: list[torch.Tensor], layout: str) -> N
         model(**inputs)
 
 
+def settle() -> None:
+    """What a case left behind freed before the next one's peak is read."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
 def figures_of(result: divtrace.Comparison) -> dict[str, Any]:
     first = result.first_divergence
     found: dict[str, Any] = {
@@ -114,7 +122,7 @@ def main() -> int:
     for trainer in ("padded:right", "packed"):
         finished, rollout = timed(partial(bare_rollout, model, prompts, args.tokens))
         _, forward = timed(partial(bare_pass, model, finished, trainer))
-        torch.cuda.reset_peak_memory_stats()
+        settle()
         result, seconds = timed(partial(
             divtrace.compare_rollout, model, prompts, max_new_tokens=args.tokens,
             trainer=trainer, eos_token_id=None, pad_token_id=0, modules=blocks,
@@ -137,7 +145,7 @@ def main() -> int:
         del result
     _, packed = timed(lambda: bare_pass(model, finished, "packed"))
     _, padded = timed(lambda: bare_pass(model, finished, "padded:right"))
-    torch.cuda.reset_peak_memory_stats()
+    settle()
     result, seconds = timed(lambda: divtrace.compare_layouts(
         model, finished, a="packed", b="padded:right", modules=blocks, progress=False))
     found = figures_of(result) | {"seconds": seconds, "bare_seconds": packed + padded,
@@ -151,7 +159,7 @@ def main() -> int:
     print(lines[-1], flush=True)
     del result
     few = prompts[:4]
-    torch.cuda.reset_peak_memory_stats()
+    settle()
     result, seconds = timed(lambda: divtrace.compare_rollout(
         model, few, max_new_tokens=16, eos_token_id=None, pad_token_id=0, progress=False))
     found = figures_of(result) | {"seconds": seconds, "summary": result.summary(),

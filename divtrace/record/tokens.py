@@ -89,17 +89,22 @@ class TokenStore(RowStore):
             return
         laid, first = found
         device = torch.device("cpu") if self.offload else laid.device
-        held = laid.detach().to(device, copy=True)  # one copy of the call's tensor
-        slots = self._compared()
-        gathered = self._gathered.setdefault(site.key, {})
-        for sequence, slot in slots:
+        spans = []
+        for sequence, slot in self._compared():
             offset, count = tokens.offsets[sequence], tokens.valid[sequence]
             low = max(offset, first)
-            if count <= 0 or low >= offset + count:
-                continue
-            at = tokens.start(sequence) + low - offset
-            part = held[tokens.row(sequence)].narrow(0, low - first, offset + count - low)
-            gathered.setdefault(slot, []).append((at, part))
+            if count > 0 and low < offset + count:
+                spans.append((slot, tokens.start(sequence) + low - offset,
+                              tokens.row(sequence), low - first, offset + count - low))
+        whole = sum(span[4] for span in spans) == laid.shape[0] * laid.shape[1]
+        # one copy of the call's tensor when every token of it is compared (a decode
+        # step), else a copy of each sequence's tokens only (no padding kept)
+        held = laid.detach().to(device, copy=True) if whole else laid.detach()
+        gathered = self._gathered.setdefault(site.key, {})
+        for slot, at, row, position, count in spans:
+            part = held[row].narrow(0, position, count)
+            gathered.setdefault(slot, []).append((at, part if whole else part.to(
+                device, copy=True)))
 
     def _compared(self) -> list[tuple[int, int]]:
         """The compared sequences of this pass: (index in the pass, slot)."""
@@ -115,7 +120,8 @@ class TokenStore(RowStore):
     def end_chunk(self) -> bool:
         """Each compared sequence's tokens at each site, end to end (a site whose tokens
         do not follow one another is not laid out token by token)."""
-        for key, by_slot in self._gathered.items():
+        while self._gathered:  # each site's pieces freed once joined
+            key, by_slot = self._gathered.popitem()
             stored = self.rows[key]
             if stored.parts is None or stored.firsts is None:
                 continue
@@ -127,7 +133,7 @@ class TokenStore(RowStore):
                     break
                 try:
                     joined = torch.cat([part for _, part in pieces]) if len(pieces) > 1 else (
-                        pieces[0][1].clone())
+                        _own(pieces[0][1]))
                 except RuntimeError:  # other shapes in other calls
                     stored.drop(Status.SHAPE_MISMATCH)
                     break
@@ -135,7 +141,6 @@ class TokenStore(RowStore):
                 stored.firsts[slot] = pieces[0][0]
             else:
                 stored.filled += len(by_slot)
-        self._gathered = {}
         return True
 
     @property
@@ -143,6 +148,12 @@ class TokenStore(RowStore):
         return super().stored_bytes + sum(
             p.numel() * p.element_size() for stored in self.rows.values()
             for p in (stored.parts or ()) if p is not None)
+
+
+def _own(part: torch.Tensor) -> torch.Tensor:
+    """``part`` as a tensor of its own memory (a view into a call's copy is copied)."""
+    base = part._base if part._base is not None else part
+    return part if base.numel() == part.numel() else part.clone()
 
 
 def generated(sequences: torch.Tensor, length: int, eos: set[int]) -> list[torch.Tensor]:
