@@ -91,9 +91,10 @@ class TokenFigures:
             top.set_yticks(range(len(sites)), sites, fontsize=6)
             for first, _count in spans[1:]:
                 top.axvline(first - 0.5, color="white", linewidth=1.5)
-        top.set_xticks([first + count / 2 - 0.5 for first, count in spans],
-                       [f"prompt {p}" for p in sorted(set(self.layers["prompt"]))]
-                       if spans else [], fontsize=7)
+        names = [str(p) for p in sorted(set(self.layers["prompt"]))] if spans else []
+        top.set_xticks([first + count / 2 - 0.5 for first, count in spans], names,
+                       fontsize=6 if len(names) > 8 else 7)
+        top.set_xlabel("prompt (its tokens, end to end)", fontsize=8)
         top.set_title(f"divtrace: each token's error at each block, {self.names[1]} vs "
                       f"{self.names[0]}", fontsize=10)
         table = self.logprobs
@@ -119,8 +120,11 @@ class TokenFigures:
             for first in starts[1:]:
                 bottom.axvline(first - 0.5, color="0.8", linewidth=0.8)
             bottom.set_xlim(-0.5, len(table) - 0.5)
-            bottom.set_xlabel("next token (prompts end to end)")
-            bottom.legend(fontsize=7, loc="upper left", ncol=4, frameon=False)
+            bottom.set_xlabel("next token (each prompt's generated tokens, end to end)",
+                              fontsize=8)
+            handles, labels = bottom.get_legend_handles_labels()
+            figure.legend(handles, labels, fontsize=7, loc="outside lower center", ncol=4,
+                          frameon=False)
         else:
             bottom.text(0.5, 0.5, "no next token compared", ha="center", va="center",
                         transform=bottom.transAxes)
@@ -138,8 +142,8 @@ def token_figures(result: Comparison) -> TokenFigures:
         raise DivtraceValueError(
             "this comparison has no figures per token: run it with explain=['tokens'] "
             "(compare_rollout runs it by default)")
-    rows: dict[str, list[Any]] = found.get("logprobs") or {name: [] for name in LOGPROB_COLUMNS[:3]} | {
-        "logprob_a": [], "logprob_b": [], "argmax_a": [], "argmax_b": []}
+    empty = ("prompt", "position", "token", "logprob_a", "logprob_b", "argmax_a", "argmax_b")
+    rows: dict[str, list[Any]] = found.get("logprobs") or {name: [] for name in empty}
     logprobs = pd.DataFrame({key: rows[key] for key in (
         "prompt", "position", "token", "logprob_a", "logprob_b", "argmax_a", "argmax_b")})
     logprobs.insert(5, "delta", (logprobs["logprob_a"] - logprobs["logprob_b"]).abs())
