@@ -19,7 +19,7 @@ from divtrace.plan.walk import Walk
 from divtrace.progress import Progress
 from divtrace.record.guard import cuda_devices, untouched
 
-__all__ = ["compare_generate", "end_tokens"]
+__all__ = ["compare_generate", "end_tokens", "generator"]
 
 
 def end_tokens(model: nn.Module, eos_token_id: int | Sequence[int] | str | None
@@ -35,6 +35,19 @@ def end_tokens(model: nn.Module, eos_token_id: int | Sequence[int] | str | None
             f"eos_token_id must be 'model', None, an id or a list of ids; got "
             f"{eos_token_id!r}")
     return [int(t) for t in eos_token_id]
+
+
+def generator(model: nn.Module, face: str, other: str = "") -> None:
+    """Refuses a model ``face`` cannot generate with: no Hugging Face ``generate()``, or
+    in train mode (``other``: what the message adds)."""
+    if not isinstance(model, nn.Module) or not callable(getattr(model, "generate", None)):
+        raise DivtraceTypeError(
+            f"{face} needs a model with a Hugging Face generate() (a causal language "
+            f"model); got {type(model).__name__}{other}")
+    if model.training:
+        raise DivtraceValueError(
+            "the model is in train mode (dropout would draw random numbers in every "
+            "step); call model.eval() first")
 
 
 def compare_generate(
@@ -88,15 +101,8 @@ def compare_generate(
         >>> len(found.table), list(found.per_prompt["steps"])
         (6, [3, 3])
     """
-    if not isinstance(model, nn.Module) or not callable(getattr(model, "generate", None)):
-        raise DivtraceTypeError(
-            f"compare_generate needs a model with a Hugging Face generate() (a causal "
-            f"language model); got {type(model).__name__}. For other models, compare one "
-            f"forward pass of the prompts: divtrace.compare(model, divtrace.Prompts(...))")
-    if model.training:
-        raise DivtraceValueError(
-            "the model is in train mode (dropout would draw random numbers in every "
-            "step); call model.eval() first")
+    generator(model, "compare_generate", ". For other models, compare one forward pass of "
+              "the prompts: divtrace.compare(model, divtrace.Prompts(...))")
     new_tokens = whole_number(max_new_tokens, "max_new_tokens", minimum=1)
     config = getattr(model, "generation_config", None)
     eos = end_tokens(model, eos_token_id)

@@ -15,7 +15,7 @@ from divtrace.compare import compare
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
 from divtrace.explain.registry import Explain
 from divtrace.explain.tokens import PerToken
-from divtrace.generation import end_tokens
+from divtrace.generation import end_tokens, generator
 from divtrace.kinds.tokens import Tokens
 from divtrace.plan.checks import whole_number
 from divtrace.plan.prompts import Prompts, pad
@@ -203,14 +203,7 @@ def compare_rollout(
         A :class:`~divtrace.Comparison`: run a the rollout (``"KV-cache decode"``), run b
         the trainer.
     """
-    if not isinstance(model, nn.Module) or not callable(getattr(model, "generate", None)):
-        raise DivtraceTypeError(
-            f"compare_rollout needs a model with a Hugging Face generate() (a causal "
-            f"language model); got {type(model).__name__}")
-    if model.training:
-        raise DivtraceValueError(
-            "the model is in train mode (dropout would draw random numbers in every "
-            "step); call model.eval() first")
+    generator(model, "compare_rollout")
     new_tokens = whole_number(max_new_tokens, "max_new_tokens", minimum=1)
     eos = end_tokens(model, eos_token_id)
     if pad_token_id is None:

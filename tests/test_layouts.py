@@ -304,6 +304,10 @@ def test_bad_layouts_and_sequences_are_refused_with_the_fix() -> None:
                                  prompt_lengths=[3, 3], progress=False)
     with pytest.raises(divtrace.DivtraceValueError, match="KV cache"):
         divtrace.compare_layouts(no_cache, seqs, a="chunked:4", b="padded", progress=False)
+    with pytest.raises(divtrace.DivtraceTypeError, match="compare_rollout needs a model"):
+        divtrace.compare_rollout(no_cache, seqs, progress=False)
+    with pytest.raises(divtrace.DivtraceValueError, match="train mode"):
+        divtrace.compare_rollout(model.train(), seqs, progress=False)
     with pytest.raises(divtrace.DivtraceValueError, match="inconsistent with the packing"):
         divtrace.Prompts.from_packed(torch.arange(1, 7)[None],
                                      torch.tensor([[0, 1, 2, 0, 2, 3]]))
