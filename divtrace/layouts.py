@@ -4,7 +4,6 @@ a reused prefix — compared token by token, layer by layer."""
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -15,6 +14,7 @@ from divtrace.compare import compare
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
 from divtrace.explain.registry import Explain
 from divtrace.explain.tokens import PerToken
+from divtrace.generate.decode import ended
 from divtrace.generation import end_tokens, generator
 from divtrace.kinds.tokens import Tokens
 from divtrace.plan.checks import whole_number
@@ -24,7 +24,7 @@ from divtrace.plan.selection import ModuleSpec
 from divtrace.plan.tokens import Layout, token_input
 from divtrace.plan.walk import Walk
 from divtrace.record.guard import cuda_devices, untouched
-from divtrace.record.tokens import LayoutDriver, generated
+from divtrace.record.tokens import LayoutDriver, cache_word
 from divtrace.report.comparison import Comparison
 
 __all__ = ["compare_layouts", "compare_rollout"]
@@ -36,19 +36,11 @@ def _sequences(sequences: Sequence[torch.Tensor] | Prompts, pad_token_id: int) -
     return Prompts(sequences, padding_side="right", pad_token_id=pad_token_id)
 
 
-def _takes_cache(model: nn.Module) -> bool:
-    try:
-        names = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return bool({"past_key_values", "cache"} & set(names))
-
-
 def _checked(model: nn.Module, layouts: tuple[Layout, Layout], prompts: Prompts,
              starts: list[int] | None) -> None:
     """Refuses layouts the model or the sequences cannot take, naming the fix."""
     if any(layout.name == "decode" for layout in layouts):
-        if not callable(getattr(model, "generate", None)) or not _takes_cache(model):
+        if not callable(getattr(model, "generate", None)) or cache_word(model) is None:
             raise DivtraceValueError(
                 f"the decode layout runs the model's own generate() through its KV cache, "
                 f"and {type(model).__name__} has no generate() or no KV cache: compare "
@@ -59,7 +51,7 @@ def _checked(model: nn.Module, layouts: tuple[Layout, Layout], prompts: Prompts,
                 "begins): pass prompt_lengths=[...], or use divtrace.compare_rollout, "
                 "which generates the sequences")
     for layout in layouts:
-        if layout.name in ("chunked", "prefix") and not _takes_cache(model):
+        if layout.name in ("chunked", "prefix") and cache_word(model) is None:
             raise DivtraceValueError(
                 f"the {layout.label()} layout goes through the model's KV cache, and "
                 f"{type(model).__name__}.forward takes none (past_key_values): compare "
@@ -185,7 +177,7 @@ def compare_rollout(
     ``"padded"`` or ``"packed"``), compared token by token and layer by layer.
 
     Besides every site, the result holds the log-probability each run gives each
-    generated token (``divtrace.tokens(result)``: max and mean |Δlogprob|, the share over
+    generated token (``divtrace.token_figures(result)``: max and mean |Δlogprob|, the share over
     ``tolerance``, argmax flips) and each token's error at every decoder layer.
 
     Args:
@@ -220,7 +212,7 @@ def compare_rollout(
     with torch.no_grad(), untouched(walk, cuda_devices((walk,), list(padded.prompts))):
         out = model.generate(**inputs, max_new_tokens=new_tokens,  # type: ignore[operator]
                              do_sample=False, return_dict_in_generate=True, **settings)
-    made = generated(out.sequences, layout.length, set(eos))
+    made = [row[:ended(row, set(eos))] for row in out.sequences[:, layout.length:]]
     sequences = [torch.cat([p, m.to(p.device)]) for p, m in zip(padded.prompts, made,
                                                                  strict=True)]
     probes = [*([] if explain is None else [explain] if isinstance(explain, str)

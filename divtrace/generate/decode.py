@@ -18,7 +18,7 @@ from divtrace.measure.pair import pair_fields
 from divtrace.measure.stats import tolerances
 from divtrace.plan.prompts import Prompts, pad
 
-__all__ = ["TOKEN_COLUMNS", "Decoded", "decode", "token_table"]
+__all__ = ["TOKEN_COLUMNS", "Decoded", "decode", "ended", "token_table"]
 
 #: The columns of :attr:`Generation.table`, one row per (prompt, step).
 TOKEN_COLUMNS = ("prompt", "step", "token_batched", "token_split", "same_token",
@@ -35,7 +35,7 @@ class Decoded:
     logits: dict[int, torch.Tensor]  # per prompt: [steps, vocabulary]
 
 
-def _ended(tokens: torch.Tensor, eos: set[int]) -> int:
+def ended(tokens: torch.Tensor, eos: set[int]) -> int:
     """How many of ``tokens`` a prompt generated: up to its first end-of-sequence token."""
     for step, token in enumerate(tokens.tolist()):
         if token in eos:
@@ -61,7 +61,7 @@ def decode(model: nn.Module, prompts: Prompts, chunks: list[tuple[int, int]],
         new = out.sequences[:, layout.length:]
         steps = torch.stack(out.logits, 1)  # [rows, steps, vocabulary]
         for row in range(stop - start):
-            taken = _ended(new[row], eos)
+            taken = ended(new[row], eos)
             tokens[start + row] = new[row, :taken]
             logits[start + row] = steps[row, :taken]
         if advance is not None:

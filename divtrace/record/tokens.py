@@ -23,7 +23,7 @@ from divtrace.record.recorder import Gate, Sink, Tracker
 from divtrace.record.rows import RowStore
 from divtrace.record.stored import StoredRows
 
-__all__ = ["LayoutDriver", "TokenStore", "generated"]
+__all__ = ["LayoutDriver", "TokenStore", "cache_word"]
 
 
 def _per_token(tensor: torch.Tensor, tokens: TokenMap, rows: int
@@ -56,6 +56,8 @@ class TokenStore(RowStore):
     _map: TokenMap | None = None
     _rows: int = 0
     _start: int = 0
+    #: the compared sequences of the call in progress: (index in the pass, slot)
+    _slots_now: list[tuple[int, int]] = field(default_factory=list)
     #: per site, per slot: (first token's index in its sequence, its tokens), this pass
     _gathered: dict[str, dict[int, list[tuple[int, torch.Tensor]]]] = field(
         default_factory=dict)
@@ -68,6 +70,10 @@ class TokenStore(RowStore):
 
     def piece(self, tokens: Any, rows: int) -> None:
         self._map, self._rows = tokens, rows
+        slots = {sample: slot for slot, sample in enumerate(self.samples)}
+        self._slots_now = [(sequence, slots[self._start + sequence])
+                           for sequence in range(len(tokens.offsets))
+                           if self._start + sequence in slots]
 
     def on_tensor(self, site: Site, tensor: torch.Tensor) -> None:
         usable = comparable(tensor) if site.opaque is None else site.opaque
@@ -90,7 +96,7 @@ class TokenStore(RowStore):
         laid, first = found
         device = torch.device("cpu") if self.offload else laid.device
         spans = []
-        for sequence, slot in self._compared():
+        for sequence, slot in self._slots_now:
             offset, count = tokens.offsets[sequence], tokens.valid[sequence]
             low = max(offset, first)
             if count > 0 and low < offset + count:
@@ -105,17 +111,6 @@ class TokenStore(RowStore):
             part = held[row].narrow(0, position, count)
             gathered.setdefault(slot, []).append((at, part if whole else part.to(
                 device, copy=True)))
-
-    def _compared(self) -> list[tuple[int, int]]:
-        """The compared sequences of this pass: (index in the pass, slot)."""
-        tokens = self._map
-        assert tokens is not None
-        slots = []
-        for sequence in range(len(tokens.offsets)):
-            index = self._start + sequence
-            if index in self.samples:
-                slots.append((sequence, self.samples.index(index)))
-        return slots
 
     def end_chunk(self) -> bool:
         """Each compared sequence's tokens at each site, end to end (a site whose tokens
@@ -154,20 +149,6 @@ def _own(part: torch.Tensor) -> torch.Tensor:
     """``part`` as a tensor of its own memory (a view into a call's copy is copied)."""
     base = part._base if part._base is not None else part
     return part if base.numel() == part.numel() else part.clone()
-
-
-def generated(sequences: torch.Tensor, length: int, eos: set[int]) -> list[torch.Tensor]:
-    """Per row of ``generate()``'s ``sequences`` (prompts padded to ``length``): its new
-    tokens, up to and with its first end-of-sequence token."""
-    out = []
-    for row in sequences[:, length:]:
-        taken = row.numel()
-        for step, token in enumerate(row.tolist()):
-            if token in eos:
-                taken = step + 1
-                break
-        out.append(row[:taken])
-    return out
 
 
 class _Chunk(Gate):
@@ -228,27 +209,16 @@ class LayoutDriver:
         if layout.name == "decode":
             return self._decode(model, sequences, compared, sink, tracker)
         out = None
-        self.cache_word(model)
+        word = cache_word(model) or "past_key_values"
         for i, sequence in enumerate(sequences):
-            out = self._cached(sequence, i, len(sequences), compared[i], layout, call)
+            out = self._cached(sequence, i, len(sequences), compared[i], layout, call, word)
         return out
 
-    _cache_word: str = "past_key_values"
-
-    def cache_word(self, model: nn.Module) -> None:
-        """Learns what ``model`` calls its KV cache: ``cache`` (newer Hugging Face
-        models) or ``past_key_values``."""
-        forward = getattr(model, "forward", None)
-        try:
-            names = inspect.signature(forward).parameters if forward else {}
-        except (TypeError, ValueError):
-            names = {}
-        self._cache_word = "cache" if "cache" in names else "past_key_values"
-
     def _cached(self, sequence: torch.Tensor, index: int, count: int, compared: int,
-                layout: Layout, call: Any) -> Any:
+                layout: Layout, call: Any, word: str) -> Any:
         """One sequence alone: in one call, in chunks, or continued from its prefix's
-        cache (each a forward call through the KV cache)."""
+        cache (each a forward call through the KV cache, which the model calls
+        ``word``)."""
         n = sequence.numel()
         if layout.name == "alone":
             bounds = [0, n]
@@ -272,10 +242,10 @@ class LayoutDriver:
                                       "position_ids": positions.unsqueeze(0)}
             if layout.cached:
                 inputs |= {"use_cache": True, "cache_position": positions,
-                           self._cache_word: cache}
+                           word: cache}
             out = call(tokens, 1, inputs)
             if layout.cached:
-                cache = getattr(out, self._cache_word, None)
+                cache = getattr(out, word, None)
                 if cache is None:
                     raise DivtraceValueError(
                         f"the {layout.label()} layout goes through the model's KV cache, "
@@ -315,33 +285,43 @@ class LayoutDriver:
                 sink.piece(TokenMap(1, (0,) * count, valid, starts=at), count)
             calls += 1
 
+        forced = _Forced(new, length)
         handle = model.register_forward_pre_hook(begin, with_kwargs=True, prepend=True)
         try:
             run = model.generate
-            return run(**inputs, max_new_tokens=max(t.numel() for t in new),  # type: ignore[operator]
+            return run(**inputs, max_new_tokens=forced.table.shape[1],  # type: ignore[operator]
                        do_sample=False, return_dict_in_generate=True,
-                       logits_processor=[_Forced(new, length)], **self.settings)
+                       logits_processor=[forced], **self.settings)
         finally:
             handle.remove()
 
 
-@dataclass
 class _Forced:
     """A logits processor for ``generate()``: each row's next token is its sequence's
-    (``new``: per row the tokens after its prompt; ``length``: the padded prompts')."""
+    (``new``: per row the tokens after its prompt; ``length``: the padded prompts'); past
+    a sequence's end, token 0 (never compared)."""
 
-    new: list[torch.Tensor]
-    length: int
+    def __init__(self, new: list[torch.Tensor], length: int) -> None:
+        steps = max(t.numel() for t in new)
+        self.table = torch.zeros(len(new), steps, dtype=torch.long, device=new[0].device)
+        for row, tokens in enumerate(new):
+            self.table[row, :tokens.numel()] = tokens
+        self.length = length
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         step = input_ids.shape[1] - self.length
         forced = torch.full_like(scores, -math.inf)
-        for row, tokens in enumerate(self.new):
-            if step < tokens.numel():
-                forced[row, tokens[step]] = 0.0
-            else:  # past the sequence's end: any token (never compared)
-                forced[row, 0] = 0.0
-        return forced
+        return forced.scatter_(1, self.table[:, step:step + 1].to(scores.device), 0.0)
+
+
+def cache_word(model: nn.Module) -> str | None:
+    """What ``model``'s forward call names its KV cache: ``cache`` (newer Hugging Face
+    models) or ``past_key_values``; None: it takes none."""
+    try:
+        names = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError, AttributeError):
+        return None
+    return next((word for word in ("cache", "past_key_values") if word in names), None)
 
 
 def _unpadded(kwargs: dict[str, Any]) -> list[torch.Tensor]:
