@@ -76,6 +76,17 @@ def readable(frame: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def the(name: str) -> str:
+    """A run's name in a sentence: "the split run", but "run a (each alone)"."""
+    return name if name.startswith("run ") else f"the {name}"
+
+
+def whose(name: str, thing: str) -> str:
+    """A run's ``thing`` in a sentence: "the split run's passes", but "the passes of run a
+    (each alone)"."""
+    return f"the {thing} of {name}" if name.startswith("run ") else f"the {name}'s {thing}"
+
+
 def versus(names: tuple[str, str]) -> str:
     """``"batched vs split"``: runs b and a, as an axis names them."""
     return f"{names[1].removesuffix(' run')} vs {names[0].removesuffix(' run')}"

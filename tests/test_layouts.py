@@ -236,6 +236,66 @@ def test_a_rollout_against_its_trainer_token_by_token(dtype: torch.dtype,
     assert len(figure.axes) >= 2
 
 
+def test_remedies_of_a_rollout_are_verified_per_token_and_costed_over_its_layouts() -> None:
+    model = llama(torch.bfloat16)
+    before = copy.deepcopy(model.state_dict())
+    prompts = sequences(9, 14, 6)
+    new = 5
+    result = divtrace.compare_rollout(model, prompts, max_new_tokens=new,
+                                      eos_token_id=None, progress=False)
+    calls: list[int] = []  # the token count of every forward call while costed
+    handle = model.register_forward_pre_hook(
+        lambda _m, _a, kw: calls.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        found = result.remedies(candidates=["float32-head", "fixed-batch"], repeats=1,
+                                progress=False)
+    finally:
+        handle.remove()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    table = found.table.set_index("kind")
+    assert table.loc["fixed-batch", "note"].startswith("not tried: the runs lay the same "
+                                                       "tokens out")
+    # the float32 head verified per token: its log-probabilities are those of float32
+    # logits of a teacher-forced pass by hand under it
+    head = found.comparisons["float32 head"]
+    rows = divtrace.token_figures(head).logprobs
+    made, _ = _rollout(model, prompts, new)
+    finished = [torch.cat([p, m]) for p, m in zip(prompts, made, strict=True)]
+    with divtrace.remedies.Float32Head().applied(model):
+        forced = by_hand(model, finished, "padded:right")
+    assert forced[0].dtype == torch.float32
+    for prompt, part in rows.groupby("prompt"):
+        n = prompts[prompt].numel()
+        b = torch.log_softmax(forced[prompt][n - 1:n - 1 + new].double(), -1).gather(
+            1, made[prompt][:, None])[:, 0]
+        assert torch.equal(torch.tensor(part["logprob_b"].to_numpy()), b)
+    delta = rows["delta"].max()
+    assert f"max |Δlogprob| {divtrace.words.sci(delta)}" in table.loc["float32-head", "note"]
+    assert table.loc["float32-head", "cost"] > 0
+    assert table.loc["float32-head", "a_cost"] > 0
+    # the costs timed each run in its own layout: decode steps of one token, and passes
+    # over whole sequences
+    assert 1 in calls
+    assert max(finished, key=len).numel() in calls
+
+
+@pytest.mark.parametrize(("build", "head"), [
+    (llama, ("model.norm", "lm_head")), (qwen2, ("model.norm", "lm_head")),
+    (gpt2, ("transformer.ln_f", "lm_head"))], ids=["llama", "qwen2", "gpt2"])
+def test_the_float32_head_is_the_final_norm_and_the_output_embedding(build: object,
+                                                                      head: tuple) -> None:
+    model = build().to(torch.bfloat16)  # type: ignore[operator]
+    assert divtrace.remedies.head.output_head(model) == head
+    ids = sequences(7)[0][None]
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        with divtrace.remedies.Float32Head().applied(model):
+            upcast = model(input_ids=ids).logits
+    assert plain.dtype == torch.bfloat16
+    assert upcast.dtype == torch.float32
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
 def test_chunked_prefill_and_a_reused_prefix_are_aligned_and_judged() -> None:
     model = llama()
     seqs = sequences(40, 33, 21)

@@ -63,7 +63,8 @@ def test_the_table_verifies_each_candidate(found: tuple[nn.Module, torch.Tensor,
     _, _, remedies = found
     table = remedies.table.set_index("kind")
     assert list(remedies.table["kind"]) == ["cudnn", "cudnn", "float64", "fixed-batch",
-                                            "precision", "math-attention", "deterministic"]
+                                            "precision", "math-attention", "deterministic",
+                                            "float32-head"]
     assert list(remedies.table.columns) == list(divtrace.remedies.result.COLUMNS)
     assert bool(table.loc["float64", "identical"])
     assert table.loc["float64", "modules"] == 1
@@ -72,7 +73,10 @@ def test_the_table_verifies_each_candidate(found: tuple[nn.Module, torch.Tensor,
     assert table.loc["fixed-batch", "output_change"] == 0  # the batched call is unchanged
     assert not bool(table.loc["deterministic", "identical"])  # the seed user's attempt
     assert table.loc["deterministic", "output_ratio"] == 1
-    assert table["identical"].isna().sum() == 4  # cuDNN twice, precision, attention
+    # cuDNN twice, precision, attention, the head (an MLP has no output embedding)
+    assert table["identical"].isna().sum() == 5
+    assert table.loc["float32-head", "note"] == (
+        "not tried: the model has no output embedding (get_output_embeddings())")
     assert "CPU" in remedies.table.iloc[0]["note"]
     tried = remedies.table[remedies.table["identical"].notna()]
     assert (tried["cost"] > 0).all()
@@ -101,7 +105,7 @@ def test_the_summary_names_the_best_and_what_failed(
     assert "Not bit-identical: deterministic algorithms" in text
     assert "Not tried: cuDNN off in 3 (the model runs on the CPU, without cuDNN)" in text
     assert "No candidate" not in text
-    assert repr(remedies).startswith("<divtrace.Remedies: 7 candidates, best: ")
+    assert repr(remedies).startswith("<divtrace.Remedies: 8 candidates, best: ")
     assert "<table" in remedies._repr_html_()
 
 
@@ -111,7 +115,13 @@ def test_nothing_is_left_behind() -> None:
     before = _state(model)
     remedies = result.remedies(repeats=1, progress=False)
     _same(before, _state(model))
-    for remedy in remedies.candidates:
+    tried = remedies.table["identical"].notna().tolist()
+    for remedy, usable in zip(remedies.candidates, tried, strict=True):
+        if not usable and isinstance(remedy, divtrace.remedies.Float32Head):
+            with pytest.raises(divtrace.DivtraceValueError, match="name the head"), (
+                    remedy.applied(model)):
+                pass
+            continue
         before = _state(model)
         with remedy.applied(model):
             model(x)
@@ -127,12 +137,13 @@ def test_applied_restores_everything_after_an_error() -> None:
     before = _state(model)
     for remedy in (CudnnOff(), CudnnOff(["1"]), Float64(["1"]), Float64(), FixedBatch(8),
                    divtrace.remedies.Deterministic(), divtrace.remedies.PrecisionOff(),
-                   divtrace.remedies.MathAttention()):
+                   divtrace.remedies.MathAttention(), divtrace.remedies.Float32Head(["1"])):
         with pytest.raises(ValueError, match="boom"), remedy.applied(model):
             model(torch.randn(2, 4))
         _same(dict(before), _state(model))
         assert torch.backends.cudnn.enabled
         assert (torch.ones(2) + 1).dtype == torch.float32  # no float64 mode left in force
+        assert (torch.ones(2, dtype=torch.bfloat16) + 1).dtype == torch.bfloat16
 
 
 def test_a_model_that_mixes_samples_gets_no_remedy() -> None:

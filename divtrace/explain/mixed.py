@@ -12,6 +12,7 @@ from divtrace.explain.probe import Settings
 from divtrace.explain.rounding import two_models
 from divtrace.explain.view import TableView
 from divtrace.record.lineage import Origin
+from divtrace.words import the
 
 __all__ = ["first_dependent", "first_flagged", "parted", "through_shared", "unmoved"]
 
@@ -29,10 +30,6 @@ def parted(meta: Settings) -> str:
     return "the batch's shape and how each run computes"
 
 
-def _the(name: str) -> str:
-    return name if name.startswith("run ") else f"the {name}"
-
-
 def unmoved(table: pd.DataFrame, meta: Settings) -> str:
     """The end of the sentence for a test that moved no compared row: what it covered and
     what that says, only as far as there is a difference to explain."""
@@ -47,7 +44,7 @@ def unmoved(table: pd.DataFrame, meta: Settings) -> str:
     if not (ok["mismatch"] > 0).any():
         return said + "."
     names = meta.names
-    return (said + f", so what parts {_the(names[1])} and {_the(names[0])} is "
+    return (said + f", so what parts {the(names[1])} and {the(names[0])} is "
             f"{parted(meta)}, not the other samples' values.")
 
 

@@ -20,6 +20,7 @@ from divtrace.explain.probe import Explained, Hooks, Judged, Probe, Spec
 from divtrace.explain.view import TableView
 from divtrace.measure.host import Deferred, Host
 from divtrace.measure.measured import Measured
+from divtrace.words import the
 
 __all__ = ["PerToken", "blocks"]
 
@@ -184,8 +185,8 @@ class PerToken(Probe):
         count = delta.size
         names = result.meta.names
         if not (delta > 0).any():
-            said = (f"The log-probabilities of the {count} next tokens are identical in the "
-                    f"{names[1]} and the {names[0]}.")
+            said = (f"The log-probabilities of the {count} next tokens are identical in "
+                    f"{the(names[1])} and {the(names[0])}.")
             return Explained((said,))
         worst = int(np.argmax(delta))
         over = int((delta > found["tolerance"]).sum())

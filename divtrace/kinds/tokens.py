@@ -42,9 +42,10 @@ class Tokens(Ragged):
     driver: LayoutDriver
     name: ClassVar[str] = "token layouts"
     cannot: ClassVar[Mapping[str, str]] = {
-        **Ragged.cannot,
-        "remedies": "remedies() reruns one forward pass of the batched run; the token "
-                    "layouts lay each run out their own way"}
+        **{k: v for k, v in Ragged.cannot.items() if k != "padded"},
+        "padded": "the runs lay the same tokens out in calls of other lengths, not only of "
+                  "other rows: no batch size makes their calls one shape (the decode layout "
+                  "keeps every sequence in its batch at every step already)"}
 
     @staticmethod
     def claims(plan: Plan) -> bool:

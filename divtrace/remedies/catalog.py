@@ -1,5 +1,6 @@
 """The remedies divtrace tries: cuDNN off, float64, a fixed batch shape, reduced precision
-off, the math attention backend, deterministic algorithms."""
+off, the math attention backend, deterministic algorithms (the output head in float32:
+``head.py``)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from divtrace.plan.runs import eager_experts
 from divtrace.remedies.remedy import Remedy, Scoped, Situation, targets
 
 __all__ = ["CudnnOff", "Deterministic", "FixedBatch", "Float64", "MathAttention",
-           "PrecisionOff"]
+           "PrecisionOff", "Upcast"]
 
 #: ``leave(output)``: undoes what a module call's ``enter`` did; returns the output to use.
 Leave = Callable[[Any], Any]
@@ -80,22 +81,29 @@ class CudnnOff(Scoped):
         around(targets(model, self.modules), enter, stack)
 
 
-class _Upcast(TorchFunctionMode):
-    """Every torch function called while it is in force takes its float16, bfloat16 and
-    float32 tensors (parameters too) as float64 copies."""
+#: The floating dtypes below each that an upcast to it turns into it.
+_BELOW = {torch.float64: (torch.float32, torch.float16, torch.bfloat16),
+          torch.float32: (torch.float16, torch.bfloat16)}
+
+
+class Upcast(TorchFunctionMode):
+    """Every torch function called while it is in force takes its floating tensors of less
+    precision than ``dtype`` (parameters too) as ``dtype`` copies."""
+
+    def __init__(self, dtype: torch.dtype = torch.float64) -> None:
+        super().__init__()
+        self.below = _BELOW[dtype]
+        self.dtype = dtype
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
         kwargs = kwargs or {}
         if getattr(func, "__name__", "") != "__get__":  # attributes are read as they are
-            args, kwargs = pytree.tree_map_only(torch.Tensor, _up, (args, kwargs))
+            args, kwargs = pytree.tree_map_only(torch.Tensor, self._up, (args, kwargs))
         return func(*args, **kwargs)
 
-
-def _up(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.dtype in (torch.float32, torch.float16, torch.bfloat16):
-        return tensor.double()
-    return tensor
+    def _up(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.dtype) if tensor.dtype in self.below else tensor
 
 
 def _down(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -131,7 +139,7 @@ class Float64(Scoped):
             dtype = next((t.dtype for t in pytree.tree_leaves(args)
                           if isinstance(t, torch.Tensor) and t.is_floating_point()),
                          next((p.dtype for p in module.parameters()), torch.get_default_dtype()))
-            mode = _Upcast()
+            mode = Upcast()
             mode.__enter__()
 
             def leave(output: Any) -> Any:
@@ -308,3 +316,4 @@ class Deterministic(Remedy):
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
+

@@ -18,7 +18,7 @@ from torch import nn
 from divtrace.compat import pytree
 from divtrace.kinds.registry import kind_of
 from divtrace.plan.make import Plan
-from divtrace.plan.runs import Run
+from divtrace.record.recorder import Sink, Tracker
 from divtrace.remedies.remedy import Remedy
 
 __all__ = ["Costs", "costs", "quiet", "sync"]
@@ -45,11 +45,15 @@ def sync(devices: set[torch.device]) -> None:
             torch.cuda.synchronize(device)
 
 
-def _passes(plan: Plan, chunks: Sequence[tuple[int, int]]
-            ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+#: A pass: its rows and its input.
+Pass = tuple[tuple[int, int], tuple[Any, ...], dict[str, Any]]
+
+
+def _passes(plan: Plan, chunks: Sequence[tuple[int, int]]) -> list[Pass]:
     """Each pass's input, copied once (a model that changes its input in place changes
     only these copies)."""
-    return [plan.batch.rows(start, stop, copy=True) for start, stop in chunks]
+    return [((start, stop), *plan.batch.rows(start, stop, copy=True))
+            for start, stop in chunks]
 
 
 def _first_float(output: Any) -> torch.Tensor | None:
@@ -81,16 +85,31 @@ class _Change:
         self.found.append(diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf))
 
 
-def _timer(model: nn.Module, run: Run, passes: list[tuple[tuple[Any, ...], dict[str, Any]]],
+def _timer(model: nn.Module, plan: Plan, which: str, passes: list[Pass],
            devices: set[torch.device]) -> Callable[[Remedy | None, Callable[[Any], object]
                                                     | None], float]:
+    """Times run ``which``'s passes as the comparison runs them, without divtrace: in the
+    kind's context for the run, through the input's driver where it has one (a token
+    layout's forward calls, ``generate()``)."""
+    run = plan.a if which == "a" else plan.b
+    driver = plan.batch.driver
+    chunk = None if driver is None else driver.observed(Sink())  # told, never recording
+
+    def one(rows: tuple[int, int], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if driver is None:
+            return model(*args, **kwargs)
+        tracker = Tracker(lineage=False)
+        assert chunk is not None
+        chunk.begin_chunk(*rows, tracker)
+        return driver.run(model, args, kwargs, tracker)
+
     def timed(remedy: Remedy | None, seen: Callable[[Any], object] | None = None) -> float:
         within = nullcontext() if remedy is None else remedy.applied(model)
-        with within, run.flags(), torch.no_grad(), quiet():
+        with within, kind_of(plan).around(which), run.flags(), torch.no_grad(), quiet():
             sync(devices)
             start = time.perf_counter()
-            for index, (args, kwargs) in enumerate(passes):
-                output = model(*args, **kwargs)
+            for index, (rows, args, kwargs) in enumerate(passes):
+                output = one(rows, args, kwargs)
                 if seen is not None and index == 0:
                     seen(output)
                 del output
@@ -109,8 +128,8 @@ def costs(plan: Plan, model: nn.Module, remedies: Sequence[Remedy], repeats: int
     devices = {t.device for t in plan.batch.leaves if isinstance(t, torch.Tensor)}
     devices |= {p.device for p in model.parameters()}
     b_chunks = plan.b_chunks or ((0, size),)
-    timers = [_timer(model, plan.b, _passes(plan, b_chunks), devices),
-              _timer(model, plan.a, _passes(plan, plan.a_chunks), devices)]
+    timers = [_timer(model, plan, "b", _passes(plan, b_chunks), devices),
+              _timer(model, plan, "a", _passes(plan, plan.a_chunks), devices)]
     everyone: list[Remedy | None] = [None, *remedies]
     seen: list[list[list[float]]] = [[[] for _ in everyone] for _ in timers]
     change = _Change(kind_of(plan).real(plan, b_chunks[0]))

@@ -43,6 +43,9 @@ class Situation:
         batch_only: The two runs differ in their batch size alone.
         reduced: The reduced-precision settings in force (empty: none).
         attention: The model's attention modules, by qualified name.
+        head: The model's output head (its final norm and output embedding), by qualified
+            name; empty: it has no output embedding.
+        head_dtype: The dtype of the output embedding's weight (None: no head).
     """
 
     batch_size: int
@@ -53,6 +56,8 @@ class Situation:
     batch_only: bool
     reduced: tuple[str, ...]
     attention: tuple[str, ...]
+    head: tuple[str, ...] = ()
+    head_dtype: str | None = None
 
 
 class _Flags:

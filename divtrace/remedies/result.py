@@ -16,7 +16,7 @@ from divtrace.remedies.remedy import Remedy
 from divtrace.report import html, saved
 from divtrace.report.comparison import Comparison
 from divtrace.report.result import Result, rows_of
-from divtrace.words import sci
+from divtrace.words import sci, the, whose
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -55,7 +55,8 @@ class Saved(Remedy):
 
 _CLASSES = {"cudnn": "CudnnOff", "float64": "Float64", "fixed-batch": "FixedBatch",
             "precision": "PrecisionOff", "math-attention": "MathAttention",
-            "deterministic": "Deterministic", "custom": "Custom"}
+            "deterministic": "Deterministic", "float32-head": "Float32Head",
+            "custom": "Custom"}
 
 
 #: The remedies' table: names and notes read as text.
@@ -147,7 +148,7 @@ class Remedies(Result):
         """What to do: the best remedy and its cost, or why there is none."""
         a, b = self.names
         if not self.needed:
-            return (f"No remedy is needed: the {a} and the {b} are already bit-identical "
+            return (f"No remedy is needed: {the(a)} and {the(b)} are already bit-identical "
                     f"at every compared site.")
         if self.reason is not None:
             return (f"No remedy is tried: the runs differ for a reason that is not "
@@ -162,8 +163,9 @@ class Remedies(Result):
             row = table.iloc[self.candidates.index(best)]
             lines.append(
                 f"Best: {row['remedy']} — the runs become bit-identical at all "
-                f"{row['sites']} compared sites; the {b}'s passes take {_times(row['cost'])}"
-                f" as long, the {a}'s {_times(row['a_cost'])}; it moves the {b}'s output by "
+                f"{row['sites']} compared sites; {whose(b, 'passes')} take "
+                f"{_times(row['cost'])} as long, {whose(a, 'passes')} "
+                f"{_times(row['a_cost'])}; it moves {whose(b, 'output')} by "
                 f"rel_l2 {sci(row['output_change'])}.")
         else:
             tried = table[table["identical"].notna()]

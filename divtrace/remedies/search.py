@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from divtrace.align.sites import ROOT
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
 from divtrace.explain.probe import Judged
+from divtrace.explain.tokens import PerToken
 from divtrace.kinds.padded import Padded
 from divtrace.kinds.registry import kind_of
 from divtrace.pipeline import execute
@@ -31,16 +32,19 @@ from divtrace.remedies.catalog import (
     PrecisionOff,
 )
 from divtrace.remedies.cost import costs, quiet
+from divtrace.remedies.head import Float32Head, output_head
 from divtrace.remedies.remedy import Custom, Remedy, Scoped, Situation
 from divtrace.remedies.result import Remedies
 from divtrace.report.comparison import Comparison
+from divtrace.report.tokens import token_figures
 from divtrace.report.verdict import blocked
+from divtrace.words import sci
 
 __all__ = ["NAMES", "Again", "find"]
 
 #: How ``candidates=`` names the remedies divtrace tries, in the table's order.
 NAMES = ("cudnn", "cudnn-everywhere", "float64", "fixed-batch", "precision",
-         "math-attention", "deterministic")
+         "math-attention", "deterministic", "float32-head")
 #: A scoped remedy that leaves the runs apart is widened to the sources of its own run,
 #: at most this many times.
 ROUNDS = 8
@@ -75,8 +79,14 @@ def situation(plan: Plan, model: nn.Module) -> Situation:
                       if isinstance(module, nn.MultiheadAttention)
                       or "attention" in type(module).__name__.lower())
     batch_only = replace(plan.a, chunk=None) == replace(plan.b, chunk=None)
+    head = output_head(model)
+    weight = getattr(dict(model.named_modules()).get(head[-1]) if head else None, "weight",
+                     None)
+    head_dtype = str(weight.dtype).removeprefix("torch.") if isinstance(
+        weight, torch.Tensor) else None
     return Situation(plan.batch.batch_size, plan.batch.batch_dim, on_cuda,
-                     dict(kind_of(plan).cannot), plan.a.chunk, batch_only, reduced, attention)
+                     dict(kind_of(plan).cannot), plan.a.chunk, batch_only, reduced, attention,
+                     head, head_dtype)
 
 
 def scope(result: Comparison) -> list[str]:
@@ -101,7 +111,7 @@ def _one(item: Any, where: list[str], sit: Situation) -> Remedy:
                 "float64": lambda: Float64(where),
                 "fixed-batch": lambda: FixedBatch(sit.batch_size, sit.batch_dim),
                 "precision": PrecisionOff, "math-attention": MathAttention,
-                "deterministic": Deterministic}.get(item)
+                "deterministic": Deterministic, "float32-head": Float32Head}.get(item)
         if made is None:
             raise DivtraceValueError(f"unknown remedy {item!r}; the names are "
                                      f"{', '.join(NAMES)} and 'defaults' (all of them)")
@@ -126,13 +136,15 @@ def candidates(given: Any, where: list[str], sit: Situation) -> list[Remedy]:
     return [_one(item, where, sit) for item in expanded]
 
 
-def verify(remedy: Remedy, plan: Plan, model: nn.Module) -> tuple[Remedy, Comparison, int]:
-    """The comparison run again under ``remedy`` (with the default probes); a scoped
-    remedy that leaves the runs apart is widened to its run's own sources and run again.
-    Returns the remedy as finally tried, its comparison and the rounds it took."""
+def verify(remedy: Remedy, plan: Plan, model: nn.Module, kept: Sequence[Any] = ()
+           ) -> tuple[Remedy, Comparison, int]:
+    """The comparison run again under ``remedy`` (with the default probes and ``kept``:
+    the per-token probe, whose log-probabilities are what a rollout's user watches); a
+    scoped remedy that leaves the runs apart is widened to its run's own sources and run
+    again. Returns the remedy as finally tried, its comparison and the rounds it took."""
     for rounds in range(1, ROUNDS + 1):
         padded = remedy.pads()
-        again = replace(plan, explain=None, keep=False, progress=False,
+        again = replace(plan, explain=list(kept) or None, keep=False, progress=False,
                         kind=plan.kind if padded is None else Padded(padded),
                         graphs=False if padded else plan.graphs)
         with remedy.applied(model), quiet():
@@ -179,6 +191,16 @@ def _wider(found: Comparison, modules: Sequence[str]) -> list[str]:
         if not _inside(chosen, modules):
             return [chosen]
     return []
+
+
+def _per_token(found: Comparison) -> str:
+    """The log-probabilities under a remedy, for the note: what a rollout's user watches."""
+    table = token_figures(found).logprobs
+    if table.empty:
+        return ""
+    flips = int(table["flip"].sum())
+    return (f"max |Δlogprob| {sci(float(table['delta'].max()))}, {flips} argmax "
+            f"flip{'' if flips == 1 else 's'}")
 
 
 def _output(result: Comparison) -> float:
@@ -235,6 +257,9 @@ def find(result: Comparison, plan: Plan, model: nn.Module, given: Any = None,
         return Remedies.untried(base, reason)
     where = scope(base)
     chosen = candidates(given, where, sit)
+    given_probes = [] if plan.explain is None else (
+        [plan.explain] if isinstance(plan.explain, str) else list(plan.explain))
+    kept = [p for p in given_probes if p == "tokens" or isinstance(p, PerToken) or p is PerToken]
     rows, tried, comparisons = [], [], {}
     bar = tqdm(total=len(chosen) + repeats + 1, desc="divtrace: remedies",
                disable=not progress, leave=False)
@@ -244,9 +269,10 @@ def find(result: Comparison, plan: Plan, model: nn.Module, given: Any = None,
             if why is not None:
                 rows.append(_row(remedy, None, before, f"not tried: {why}"))
             else:
-                remedy, found, rounds = verify(remedy, plan, model)
+                remedy, found, rounds = verify(remedy, plan, model, kept)
                 chosen[index] = remedy
-                note = remedy.caveat(sit)
+                note = "; ".join(filter(None, [
+                    _per_token(found) if kept else "", remedy.caveat(sit)]))
                 if rounds > 1:
                     note = "; ".join(filter(None, [
                         f"widened {rounds - 1}× to the sources of its own run", note]))

@@ -14,7 +14,7 @@ from divtrace.explain.rounding import reduced
 from divtrace.measure.elements import ALLCLOSE, NEAR_ZERO
 from divtrace.measure.stats import tolerances
 from divtrace.report.verdict import judge
-from divtrace.words import percent, sci
+from divtrace.words import percent, sci, the
 
 if TYPE_CHECKING:
     from divtrace.explain.probe import Probe
@@ -98,8 +98,8 @@ def _elementwise(view: dict[str, float], out: pd.Series, rtol: float, atol: floa
                  f"largest, {sci(largest)})")
     rel = view["max_rel"]
     worst = (f"The largest element-wise relative difference is {rel:.3g} ({percent(rel)}), "
-             f"where {_the(names[0])} has {view['a_value']:.8g} and "
-             f"{_the(names[1])} {view['b_value']:.8g}"
+             f"where {the(names[0])} has {view['a_value']:.8g} and "
+             f"{the(names[1])} {view['b_value']:.8g}"
              + (" (near zero)" if abs(view["a_value"]) <= NEAR_ZERO * largest else "")
              if rel > 0 else
              "No element differs relative to a non-zero value")
@@ -188,11 +188,6 @@ def summary(result: Comparison, probes: Sequence[type[Probe]] = ()) -> str:
         lines.append(f"{len(skipped)} site(s) could not be compared: {listed}{more}. "
                      + _statuses(skipped, meta, ok.empty))
     return "\n".join(lines)
-
-
-def _the(name: str) -> str:
-    """A run's name in a sentence: "the split run", "run a (…)"."""
-    return name if name.startswith("run ") else f"the {name}"
 
 
 def _statuses(skipped: pd.DataFrame, meta: Meta, none_ok: bool) -> str:

@@ -11,6 +11,7 @@ import pandas as pd
 
 from divtrace.errors import DivtraceValueError
 from divtrace.report.canvas import log_heatmap
+from divtrace.words import the
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -43,8 +44,8 @@ class TokenFigures:
             return "No next token was compared (the output's logits were not compared)."
         delta = table["delta"].to_numpy()
         if not (delta > 0).any():
-            return (f"Identical log-probabilities for all {len(table)} tokens in the "
-                    f"{self.names[0]} and the {self.names[1]}.")
+            return (f"Identical log-probabilities for all {len(table)} tokens in "
+                    f"{the(self.names[0])} and {the(self.names[1])}.")
         over = int((delta > self.tolerance).sum())
         flips = int(table["flip"].sum())
         return (f"|Δlogprob| over {len(table)} tokens: max {delta.max():.3g}, mean "
