@@ -314,6 +314,56 @@ def test_chunked_prefill_and_a_reused_prefix_are_aligned_and_judged() -> None:
     assert prefix.verdict in ("rounding", "identical")
 
 
+def _micro(model: nn.Module, seqs: list[torch.Tensor], layout: str, size: int
+           ) -> list[torch.Tensor]:
+    """``layout`` by hand, in micro-batches of ``size`` sequences."""
+    return [part for low in range(0, len(seqs), size)
+            for part in by_hand(model, seqs[low:low + size], layout)]
+
+
+@pytest.mark.parametrize(("a", "b"), [("packed", "alone"), ("padded:right", "chunked:8"),
+                                      ("chunked:8", "prefix:12"),
+                                      ("packed:2", "padded:right:2"), ("alone", "packed:2")])
+def test_run_b_of_several_calls_is_gathered_and_aligned(a: str, b: str) -> None:
+    model = llama()
+    seqs = sequences(20, 33, 17)
+    result = divtrace.compare_layouts(model, seqs, a=a, b=b, resources=KEEP, progress=False)
+    bounds = {"alone": lambda n: [0, n], "chunked:8": lambda n: [*range(0, n, 8), n],
+              "prefix:12": lambda n: [0, 12, n]}
+    hand = {name: (cached_by_hand(model, seqs, bounds[name]) if name in bounds
+                   else _micro(model, seqs, name.rpartition(":")[0], 2) if name[-1] == "2"
+                   else by_hand(model, seqs, name)) for name in (a, b)}
+    got_a, got_b = kept(result)
+    assert torch.equal(got_a, flat(hand[a]))
+    assert torch.equal(got_b, flat(hand[b]))
+    assert result.verdict in ("rounding", "identical")
+    ok = result.table[result.table["status"] == "ok"]
+    assert len(ok) == len(result.table)
+
+
+def test_decode_against_chunked_prefill_per_token() -> None:
+    model = llama()
+    prompts = sequences(20, 26)
+    made, _ = _rollout(model, prompts, 5)
+    finished = [torch.cat([p, m]) for p, m in zip(prompts, made, strict=True)]
+    result = divtrace.compare_layouts(model, finished, a="decode", b="chunked:8",
+                                      prompt_lengths=[20, 26], resources=KEEP,
+                                      explain=["tokens"], progress=False)
+    # run b's logits by hand, cut to run a's: from each prompt's last token to the last
+    # token fed
+    chunked = cached_by_hand(model, finished, lambda n: [*range(0, n, 8), n])
+    parts = [c[p.numel() - 1:s.numel() - 1]
+             for c, p, s in zip(chunked, prompts, finished, strict=True)]
+    _, got_b = kept(result)
+    assert torch.equal(got_b, flat(parts))
+    table = divtrace.token_figures(result).logprobs
+    for prompt, rows in table.groupby("prompt"):
+        b = torch.log_softmax(parts[prompt].double(), -1).gather(
+            1, made[prompt][:, None])[:, 0]
+        assert torch.equal(torch.tensor(rows["logprob_b"].to_numpy()), b)
+    assert result.verdict in ("rounding", "identical")
+
+
 def test_decode_feeds_the_given_tokens_through_the_cache() -> None:
     model = llama()
     prompts = sequences(5, 8)
@@ -350,8 +400,8 @@ def test_bad_layouts_and_sequences_are_refused_with_the_fix() -> None:
         divtrace.compare_layouts(model, seqs, a="chunked:16", b="padded", progress=False)
     with pytest.raises(divtrace.DivtraceValueError, match="prompt_lengths"):
         divtrace.compare_layouts(model, seqs, a="decode", b="padded", progress=False)
-    with pytest.raises(divtrace.DivtraceValueError, match="give it as run a"):
-        divtrace.compare_layouts(model, seqs, a="padded", b="alone", progress=False)
+    with pytest.raises(divtrace.DivtraceValueError, match="micro-batch of the layout"):
+        divtrace.Layout.of("packed:0")
     with pytest.raises(divtrace.DivtraceValueError, match="no token layout 'squashed'"):
         divtrace.compare_layouts(model, seqs, a="squashed", progress=False)
     with pytest.raises(divtrace.DivtraceValueError, match="needs a size"):

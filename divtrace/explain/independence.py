@@ -84,7 +84,8 @@ class Independence(Probe):
         plan = ctx.plan
         ctx.progress.stage(_LABEL)
         if plan.b_chunks:
-            self._skip(ctx, "run b takes the batch in chunks, not in one pass")
+            self._skip(ctx, "run b takes the batch in chunks or several forward calls, not "
+                            "in one pass")
             return
         size = plan.batch.batch_size
         held = groups(list(plan.samples))

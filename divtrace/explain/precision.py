@@ -188,14 +188,15 @@ class Precision(Probe):
 
     @staticmethod
     def _other(ctx: Context, a: Runner) -> Runner:
-        """Run b in float64: on run a's float64 copy when both run the same model with the
-        same settings, else on a float64 copy of its own (another model's too)."""
+        """Run b in float64: on run a's float64 copy when both run the same copy of the
+        model (their flags may differ: each run's are set around its passes), else on a
+        float64 copy of its own (another model's too)."""
         plan, double = ctx.plan, torch.float64
         name = f"{_LABEL}, {ctx.b.name}"
         other = plan.b.other_model
         cast = Run(**{f.name: getattr(plan.b, f.name) for f in fields(Run)} | {
             "dtype": double})
-        if other is None and replace(plan.a, chunk=None) == replace(plan.b, chunk=None):
+        if other is None and plan.a.same_copy(plan.b):  # one float64 copy for both
             return Runner(cast, a.model, a.modules, a.recorder, name)
         if other is None:
             return Runner.of(cast, ctx.model, plan.modules, plan.output_only, name,

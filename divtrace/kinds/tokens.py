@@ -56,18 +56,18 @@ class Tokens(Ragged):
         return (Run(name=self.driver.a.label()), Run(name=self.driver.b.label()))
 
     def prepared(self, plan: Plan) -> Plan:
-        return replace(plan, batch=replace(_tokens(plan), driver=self.driver))
+        """The input run by the driver; run b in several calls recorded as run a is (its
+        parts then measured end to end), in one pass over every sequence."""
+        plan = replace(plan, batch=replace(_tokens(plan), driver=self.driver))
+        if self.driver.b.one_pass:
+            return plan
+        return replace(plan, b_chunks=((0, plan.batch.batch_size),))
 
     def check(self, plan: Plan) -> None:
         if not isinstance(plan.batch, TokenInput):
             raise DivtraceValueError(
                 "the token-layouts kind compares sequences: give them through "
                 "divtrace.compare_layouts(model, sequences, a=..., b=...)")
-        if not self.driver.b.one_pass:
-            raise DivtraceValueError(
-                f"run b is measured in one forward call, and the "
-                f"{self.driver.b.label()} layout takes several: give it as run a "
-                f"(a={self.driver.b.label().split()[0]!r}) and a padded or packed run b")
 
     def store(self, plan: Plan, samples: list[int], *, offload: bool = False,
               pinned: bool = False, learn_lineage: bool = True) -> RowStore:
@@ -76,7 +76,8 @@ class Tokens(Ragged):
 
     def meter(self, plan: Plan, store: RowStore, host: Host, **options: Any) -> Meter:
         size = plan.batch.batch_size
-        tokens = _tokens(plan).one_pass(self.driver.b, 0, size)[1]
+        tokens = _tokens(plan).one_pass(self.driver.b, 0, size)[1] if (
+            self.driver.b.one_pass) else None  # run b's calls are recorded: laid per site
         return TokenMeter(store, size, host, plan.rtol, plan.atol, layout=tokens, **options)
 
     def alone(self, plan: Plan) -> tuple[BatchedInput, RowStore, list[tuple[int, int]]]:

@@ -227,6 +227,22 @@ class Meter(Sink):
         return Meter(store, self.batch, host or self.host, self.rtol, self.atol,
                      lineage=False, views=False)
 
+    def of_stored(self, second: RowStore, batch: int
+                  ) -> Callable[[StoredRows], Measured | None]:
+        """How the compared run's rows at a site, recorded in passes of its own (``second``:
+        its row store), are measured against this meter's store (None where it holds
+        none)."""
+        rows_meter = Meter(self.store.as_batch(), len(second.samples), self.host,
+                           self.rtol, self.atol)
+
+        def measure(stored: StoredRows) -> Measured | None:
+            if stored.rows is None:
+                return None
+            measured = rows_meter.measure(stored.site, stored.rows)
+            measured.shape = (batch, *stored.row_shape)
+            return measured
+        return measure
+
     def stats_at(self, key: str, tensor: torch.Tensor) -> torch.Tensor | None:
         """Per-sample statistics of ``tensor`` (of the whole batch) against the stored rows
         of the site ``key``, or None when they do not line up (nothing is recorded)."""

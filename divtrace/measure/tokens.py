@@ -3,6 +3,7 @@ one forward call (padded or packed) against the tokens the other run gathered.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +14,7 @@ from divtrace.measure.host import Host
 from divtrace.measure.measured import Measured
 from divtrace.measure.meter import Meter
 from divtrace.measure.ragged import RaggedMeter
+from divtrace.plan.prompts import TokenMap
 from divtrace.record.rows import RowStore
 from divtrace.record.stored import StoredRows
 
@@ -58,9 +60,10 @@ class TokenMeter(RaggedMeter):
         assert layout is not None
         laid = self._laid(tensor)
         count = shape[0] if shape else 0
-        if laid is None or first + count > layout.valid[sample]:
+        at = layout.offsets[sample] + first
+        if laid is None or first + count > layout.valid[sample] or at < 0:
             return tensor.new_empty(0)  # lines up with no part
-        return laid[layout.row(sample)].narrow(0, layout.offsets[sample] + first, count)
+        return laid[layout.row(sample)].narrow(0, at, count)
 
     def measure(self, site: Site, tensor: torch.Tensor) -> Measured:
         stored = self.store.rows.get(site.key)
@@ -96,6 +99,23 @@ class TokenMeter(RaggedMeter):
                        ) -> torch.Tensor | None:
         return None  # run a's tokens lie in other calls: not put into this pass
 
+    def of_stored(self, second: RowStore, batch: int
+                  ) -> Callable[[StoredRows], Measured | None]:
+        """Run b recorded in several calls too (``second``: a :class:`TokenStore`): each
+        site's parts put end to end in one row, and measured as a packed pass of them."""
+        def measure(stored: StoredRows) -> Measured | None:
+            laid = _end_to_end(stored, second.samples, batch)
+            if laid is None:
+                return None
+            if isinstance(laid, Status):
+                return Measured(stored.site, laid, stored.shape, stored.dtype)
+            before, self.layout = self.layout, laid[1]
+            try:
+                return self.measure(stored.site, laid[0])
+            finally:
+                self.layout = before
+        return measure
+
     def over(self, store: RowStore, host: Host | None = None) -> Meter:
         return TokenMeter(store, self.batch, host or self.host, self.rtol, self.atol,
                           lineage=False, views=False, layout=self.layout)
@@ -107,3 +127,22 @@ class TokenMeter(RaggedMeter):
                 tensor.is_floating_point() and dtype.is_floating_point):
             return Status.DTYPE_MISMATCH
         return Status.OK
+
+
+def _end_to_end(stored: StoredRows, samples: list[int], batch: int
+                ) -> tuple[torch.Tensor, TokenMap] | Status | None:
+    """A site's parts (one per compared sequence) end to end as one packed row, with the
+    map of where each sequence's tokens lie in it; a status where they cannot be; None
+    where the store holds no parts."""
+    parts, firsts = stored.parts, stored.firsts
+    if parts is None or firsts is None or any(p is None for p in parts):
+        return None
+    held = [p for p in parts if p is not None]
+    if any(p.dim() == 0 for p in held) or len({tuple(p.shape[1:]) for p in held}) > 1:
+        return Status.SHAPE_MISMATCH
+    offsets, valid, at = [0] * batch, [0] * batch, 0
+    for part, sample, first in zip(held, samples, firsts, strict=True):
+        offsets[sample], valid[sample] = at - first, first + part.shape[0]
+        at += part.shape[0]
+    return (torch.cat(held).unsqueeze(0),
+            TokenMap(at, tuple(offsets), tuple(valid), rows=(0,) * batch))

@@ -144,6 +144,12 @@ class Run:
         return (self.device is not None or self.dtype is not None or self.channels_last
                 or bool(self.compile))
 
+    def same_copy(self, other: Run) -> bool:
+        """Whether ``other`` runs the same copy of the model as this run: the same device,
+        dtype, memory format and compilation (its name, chunks and flags may differ)."""
+        return ((self.device, self.dtype, self.channels_last, self.compile)
+                == (other.device, other.dtype, other.channels_last, other.compile))
+
     @property
     def changes_inputs(self) -> bool:
         """Whether this run feeds the inputs moved, cast or reformatted."""

@@ -27,6 +27,8 @@ class Layout:
     - ``packed``: every sequence end to end in one row, the position ids restarting at
       each one, no attention mask and no KV cache (Hugging Face models then keep each
       sequence to itself, as with ``DataCollatorWithFlattening``).
+    - Either in micro-batches (``size``: the sequences of each forward call, as a trainer
+      takes them): ``"padded:right:4"``, ``"packed:4"``.
     - ``alone``: each sequence by itself.
     - ``decode``: through the model's own ``generate()``: the prompts prefilled in one
       left-padded batch, then one token per step through the KV cache, each step's token
@@ -57,12 +59,18 @@ class Layout:
                 f"no token layout {self.name!r}; the layouts are {', '.join(self.NAMES)} "
                 f"(e.g. 'chunked:16', 'padded:right')")
         sized = self.name in ("chunked", "prefix")
+        if self.name in self.ONE_PASS and self.size is not None and (
+                not isinstance(self.size, int) or isinstance(self.size, bool)
+                or self.size < 1):
+            raise DivtraceValueError(
+                f"a micro-batch of the layout {self.name!r} is a whole number of sequences "
+                f"of 1 or more: e.g. '{self.name}:4' (got {self.size!r})")
         if sized and (not isinstance(self.size, int) or isinstance(self.size, bool)
                       or self.size < 1):
             raise DivtraceValueError(
                 f"the layout {self.name!r} needs a size, a whole number of tokens of 1 or "
                 f"more: e.g. '{self.name}:16' (got {self.size!r})")
-        if not sized and self.size is not None:
+        if not sized and self.name not in self.ONE_PASS and self.size is not None:
             raise DivtraceValueError(f"the layout {self.name!r} takes no size")
         if self.side not in ("left", "right"):
             raise DivtraceValueError(
@@ -78,20 +86,26 @@ class Layout:
                 f"a layout is a string such as 'packed' or 'chunked:16', or a "
                 f"divtrace.Layout; got {type(given).__name__}")
         name, _, size = given.partition(":")
-        if name == "padded" and size in ("left", "right"):
-            return cls("padded", side=size)
+        side = "left"
+        if name == "padded" and size.partition(":")[0] in ("left", "right"):
+            side, _, size = size.partition(":")
         if not size:
-            return cls(name)
+            return cls(name, side=side)
         if not size.isdigit():
             raise DivtraceValueError(
-                f"the size in {given!r} must be a whole number of tokens (e.g. "
-                f"'{name}:16')")
-        return cls(name, int(size))
+                f"the size in {given!r} must be a whole number (e.g. '{name}:16'; "
+                f"'padded:right:4' for micro-batches of 4 sequences)")
+        return cls(name, int(size), side)
 
     @property
     def one_pass(self) -> bool:
         """Whether a run of this layout takes all its sequences in one forward call."""
-        return self.name in self.ONE_PASS
+        return self.name in self.ONE_PASS and self.size is None
+
+    @property
+    def whole(self) -> Layout:
+        """The layout in one forward call (a micro-batched one without its size)."""
+        return Layout(self.name, None, self.side) if self.name in self.ONE_PASS else self
 
     @property
     def cached(self) -> bool:
@@ -100,7 +114,9 @@ class Layout:
 
     def label(self) -> str:
         """How sentences name a run of this layout."""
-        return {"padded": f"{self.side}-padded", "packed": "packed",
+        micro = "" if self.size is None else (
+            f", micro-batches of {self.size} sequence{'s' if self.size > 1 else ''}")
+        return {"padded": f"{self.side}-padded{micro}", "packed": f"packed{micro}",
                 "alone": "each alone", "decode": "KV-cache decode",
                 "chunked": f"chunked prefill ({self.size} tokens)",
                 "prefix": f"reused prefix ({self.size} tokens)"}[self.name]
