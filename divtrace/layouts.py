@@ -87,16 +87,17 @@ def compare_layouts(
 ) -> Comparison:
     """The same token sequences laid out two ways, compared token by token at every site.
 
-    Run a lays them out as ``a`` (any :class:`~divtrace.Layout`), run b as ``b`` (one
-    forward call: ``"padded"`` or ``"packed"``); each compared sequence's tokens at every
-    site are measured against the same tokens in the other run. The independence test
-    and the precision test judge it as any comparison.
+    Run a lays them out as ``a``, run b as ``b`` (any two layouts, see :class:`~divtrace.Layout`);
+    each compared sequence's tokens at every site are measured against the same tokens in
+    the other run, gathered from all of its forward calls. The independence test (where
+    run b is one forward call) and the precision test judge it as any comparison.
 
     Args:
         model: The model (a Hugging Face causal LM for the cached layouts), in eval mode.
         sequences: 1-D token-id tensors, one per sequence (or :class:`~divtrace.Prompts`).
         a, b: The two layouts (see :class:`~divtrace.Layout`: ``"padded"``,
-            ``"padded:right"``, ``"packed"``, ``"alone"``, ``"decode"``, ``"chunked:16"``,
+            ``"padded:right"``, ``"packed"``, ``"padded:right:4"`` and ``"packed:4"`` in
+            micro-batches of 4 sequences, ``"alone"``, ``"decode"``, ``"chunked:16"``,
             ``"prefix:32"``).
         prompt_lengths: For ``"decode"``: each sequence's prompt length; the rest of it is
             fed step by step through the model's own ``generate()``, each step's token
@@ -173,8 +174,10 @@ def compare_rollout(
 ) -> Comparison:
     """A reinforcement-learning rollout against its trainer: the prompts generated with
     batched KV-cache decoding (greedy, the model's own ``generate()``), then the finished
-    sequences scored in one teacher-forced pass (``trainer``: ``"padded:right"``,
-    ``"padded"`` or ``"packed"``), compared token by token and layer by layer.
+    sequences scored teacher-forced (``trainer``: ``"padded:right"``, ``"padded"``,
+    ``"packed"``, or in micro-batches, ``"padded:right:4"``), compared token by token and
+    layer by layer. ``result.remedies()`` tries the float32 head and the other remedies,
+    each verified per token.
 
     Besides every site, the result holds the log-probability each run gives each
     generated token (``divtrace.token_figures(result)``: max and mean |Δlogprob|, the share over
@@ -184,7 +187,8 @@ def compare_rollout(
         model: A Hugging Face causal LM, in eval mode.
         prompts: 1-D token-id tensors (or :class:`~divtrace.Prompts`).
         max_new_tokens: Tokens each prompt generates at most.
-        trainer: How the trainer lays the finished sequences out.
+        trainer: How the trainer lays the finished sequences out (any
+            :class:`~divtrace.Layout`).
         tolerance: The |Δlogprob| counted as too far.
         pad_token_id, eos_token_id: As for :func:`~divtrace.compare_generate`.
         samples, modules, explain, rtol, atol, resources, progress: As for

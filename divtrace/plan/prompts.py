@@ -150,6 +150,20 @@ class TokenMap:
         """The row of the pass that sequence ``sequence`` lies in."""
         return sequence if self.rows is None else self.rows[sequence]
 
+    def widened(self, low: int, count: int) -> TokenMap:
+        """This map of a call over sequences ``low:low + n`` of a pass of ``count``, as a
+        map of all of them (the others have no token in the call)."""
+        n = len(self.offsets)
+        if low == 0 and n == count:
+            return self
+
+        def spread(values: tuple[int, ...]) -> tuple[int, ...]:
+            return (0,) * low + values + (0,) * (count - low - n)
+        rows = tuple(range(n)) if self.rows is None else self.rows
+        return TokenMap(self.length, spread(self.offsets), spread(self.valid),
+                        rows=spread(rows),
+                        starts=None if self.starts is None else spread(self.starts))
+
     def start(self, sequence: int) -> int:
         """The index in the sequence of its first token in this pass."""
         return 0 if self.starts is None else self.starts[sequence]

@@ -210,7 +210,7 @@ class LayoutDriver:
             for low in range(0, count, step):
                 high = min(low + step, count)
                 inputs, tokens = laid.one_pass(layout.whole, low, high)
-                out = call(_widened(tokens, low, count),
+                out = call(tokens.widened(low, count),
                            1 if layout.name == "packed" else high - low, inputs)
             return out
         if layout.name == "decode":
@@ -329,21 +329,6 @@ def cache_word(model: nn.Module) -> str | None:
     except (TypeError, ValueError, AttributeError):
         return None
     return next((word for word in ("cache", "past_key_values") if word in names), None)
-
-
-def _widened(tokens: TokenMap, low: int, count: int) -> TokenMap:
-    """The map of a call over sequences ``low:low + n`` of a pass of ``count``, as a map
-    of all of them (the others have no token in the call)."""
-    n = len(tokens.offsets)
-    if low == 0 and n == count:
-        return tokens
-
-    def spread(values: tuple[int, ...]) -> tuple[int, ...]:
-        return (0,) * low + values + (0,) * (count - low - n)
-    rows = tuple(range(n)) if tokens.rows is None else tokens.rows
-    return TokenMap(tokens.length, spread(tokens.offsets), spread(tokens.valid),
-                    rows=spread(rows), starts=None if tokens.starts is None else spread(
-                        tokens.starts))
 
 
 def _unpadded(kwargs: dict[str, Any]) -> list[torch.Tensor]:
