@@ -153,12 +153,13 @@ def _plant(model: nn.Module, change: str) -> None:
     model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+@pytest.mark.parametrize("b", ["packed", "packed:2"])  # one forward call, or two
 @pytest.mark.parametrize("change", ["positions", "mask"])
 def test_a_planted_packing_bug_is_not_rounding_and_named_at_the_first_attention(
-        change: str) -> None:
+        change: str, b: str) -> None:
     model = llama()
     _plant(model, change)
-    result = divtrace.compare_layouts(model, sequences(12, 9, 15), a="alone", b="packed",
+    result = divtrace.compare_layouts(model, sequences(12, 9, 15), a="alone", b=b,
                                       progress=False)
     assert result.verdict == "not rounding"
     table = result.table
@@ -339,6 +340,9 @@ def test_run_b_of_several_calls_is_gathered_and_aligned(a: str, b: str) -> None:
     assert result.verdict in ("rounding", "identical")
     ok = result.table[result.table["status"] == "ok"]
     assert len(ok) == len(result.table)
+    # the independence test ran on run b's several calls: no compared row moved
+    assert result.meta.notes["independence"]["ran"]
+    assert not result.table["depends_on_others"].fillna(False).astype(bool).any()
 
 
 def test_decode_against_chunked_prefill_per_token() -> None:

@@ -11,12 +11,12 @@ import torch
 from divtrace.align.status import Status
 from divtrace.devices import upload
 from divtrace.measure.figures import site_figures
-from divtrace.measure.host import Host
+from divtrace.measure.host import Deferred, Host
 from divtrace.measure.meter import Meter
 from divtrace.record.rows import RowStore
 from divtrace.record.stored import StoredRows
 
-__all__ = ["differing", "figures_of", "groups", "held_store"]
+__all__ = ["differing", "figures_of", "groups", "held_store", "moved_in_calls"]
 
 
 def groups(samples: list[int]) -> list[list[int]]:
@@ -81,3 +81,51 @@ def differing(one: RowStore, two: RowStore, meter: Meter) -> list[str]:
                 second.rows)).any().double().reshape(1))
     host.fetch()
     return [key for key, moved in found.items() if moved.get().any()]
+
+
+
+def moved_in_calls(meter: Meter, first: RowStore, again: RowStore, rows: list[int],
+                   host: Host) -> dict[str, Deferred]:
+    """Where run b is recorded over several forward calls (a token layout's): per site,
+    whether the compared samples ``rows`` moved between the measured pass (``meter``'s
+    sites, their fingerprints) and another pass recorded into ``again`` (its parts cut
+    to the tokens measured against run a's, whose store ``first`` says where each began):
+    1.0 or 0.0 after ``host`` fetched."""
+    at = [meter.store.samples.index(s) for s in rows]
+    found: dict[str, Deferred] = {}
+    for measured in meter.sites:
+        stored, reference = again.rows.get(measured.site.key), first.rows.get(
+            measured.site.key)
+        if measured.prints is None or measured.part_shapes is None or stored is None or (
+                reference is None or not again.complete(stored)):
+            continue
+        cuts = _cut_as(stored, reference.firsts, measured.part_shapes)
+        if cuts is None:
+            continue
+        now = meter.fingerprints([cut.unsqueeze(0) for cut in cuts])
+        if now.shape != measured.prints.shape:
+            continue
+        index = upload(torch.tensor(at), now.device)
+        moved = now.index_select(0, index) != measured.prints.index_select(
+            0, index.to(measured.prints.device)).to(now.device)
+        found[measured.site.key] = host.add(moved.any().double().reshape(1))
+    return found
+
+
+def _cut_as(stored: StoredRows, firsts: list[int] | None,
+            shapes: tuple[tuple[int, ...], ...]) -> list[torch.Tensor] | None:
+    """Each part of ``stored`` cut to the tokens of ``shapes`` from ``firsts`` (None: a
+    part does not hold them)."""
+    parts, begun = stored.parts, stored.firsts
+    if parts is None or len(parts) != len(shapes):
+        return None
+    cuts = []
+    for slot, (part, shape) in enumerate(zip(parts, shapes, strict=True)):
+        if part is None or not shape:
+            return None
+        offset = (firsts[slot] if firsts else 0) - (begun[slot] if begun else 0)
+        if offset < 0 or offset + shape[0] > part.shape[0] or tuple(part.shape[1:]) != (
+                tuple(shape[1:])):
+            return None
+        cuts.append(part.narrow(0, offset, shape[0]))
+    return cuts

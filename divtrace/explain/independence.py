@@ -29,7 +29,7 @@ import torch
 from divtrace.devices import upload
 from divtrace.explain.causes import cause_of, deterministic, op_cause
 from divtrace.explain.context import Context
-from divtrace.explain.held import differing, figures_of, groups, held_store
+from divtrace.explain.held import differing, figures_of, groups, held_store, moved_in_calls
 from divtrace.explain.mixed import first_dependent, through_shared, unmoved
 from divtrace.explain.probe import Explained, Findings, Hooks, Judged, Probe, Settings, Spec
 from divtrace.explain.view import TableView
@@ -83,11 +83,11 @@ class Independence(Probe):
     def _after(self, ctx: Context) -> None:
         plan = ctx.plan
         ctx.progress.stage(_LABEL)
-        if plan.b_chunks:
-            self._skip(ctx, "run b takes the batch in chunks or several forward calls, not "
-                            "in one pass")
-            return
         size = plan.batch.batch_size
+        calls = plan.b_chunks == ((0, size),)  # one pass of several forward calls
+        if plan.b_chunks and not calls:
+            self._skip(ctx, "run b takes the batch in chunks, not in one pass")
+            return
         held = groups(list(plan.samples))
         ctx.progress.more(len(held) - 1)
         host, checks, unchanged_rows = Host(), [], set()
@@ -97,7 +97,8 @@ class Independence(Probe):
                 ctx.progress.advance()
                 continue  # no other row could be given other values
             unchanged_rows.update(unchanged)
-            checks.append((group, ctx.moved(group, batch, host, _LABEL)))
+            checks.append((group, self._moved(ctx, group, batch, host)
+                           if calls else ctx.moved(group, batch, host, _LABEL)))
             del batch  # one replaced input at a time
         if not checks:
             self.found["why"] = ("the other samples could not be given other values (they "
@@ -114,9 +115,33 @@ class Independence(Probe):
         self.found |= {"ran": True, "passes": len(checks), "groups": len(checks)}
         if unchanged_rows:
             self.found["unchanged"] = sorted(unchanged_rows)
-        if moving:
+        if moving and calls:
+            self._repeated(ctx, moving)
+        elif moving:
             self._sized(ctx, moving)
         self.found["moved"] = bool(self.moved)
+
+    def _moved(self, ctx: Context, group: list[int], batch: Any, host: Host
+               ) -> dict[str, Deferred]:
+        """One more pass of run b over ``batch``, recorded call by call, and where the
+        rows of ``group`` moved (run b of several forward calls: a token layout's)."""
+        again = ctx.kind.store(ctx.plan, list(ctx.plan.samples), learn_lineage=False)
+        ctx.rerun(again, batch, _LABEL)
+        return moved_in_calls(ctx.meter, ctx.store, again, group, host)
+
+    def _repeated(self, ctx: Context, moving: list[list[int]]) -> None:
+        """Rows moved in a run b of several forward calls: the unchanged batch once more;
+        where its rows move too, run b is not deterministic there (how far rows moved is
+        not measured for such a run)."""
+        ctx.progress.more(1)
+        host = Host()
+        noise = self._moved(ctx, sorted({s for group in moving for s in group}),
+                            ctx.plan.batch, host)
+        host.fetch()
+        self.noisy = [key for key, deferred in noise.items() if deferred.get().any()]
+        self.found["passes"] += 1
+        self.found["noisy"] = self.noisy
+        self._causes(ctx)
 
     def _sized(self, ctx: Context, moving: list[list[int]]) -> None:
         """Rows moved: the unchanged batch once more, its rows kept (where it moves too,
@@ -251,8 +276,14 @@ class Independence(Probe):
             through) else ""
         return [f"Independence test: the compared rows change at '{row['site']}' "
                 f"({row['module_type']}){via} when only the other samples change, the "
-                f"shapes kept (rel_l2 {sci(row['others_rel_l2'])}): each sample's result "
-                f"depends on the other samples' values (batch mixing)."]
+                f"shapes kept{_how_far(row)}: each sample's result depends on the other "
+                f"samples' values (batch mixing)."]
+
+
+def _how_far(row: pd.Series) -> str:
+    """`` (rel_l2 …)``: how far the compared rows moved, where that was measured."""
+    far = row.get("others_rel_l2")
+    return "" if far is None or pd.isna(far) else f" (rel_l2 {sci(far)})"
 
 
 def _mixing(table: pd.DataFrame, meta: Settings) -> tuple[str, str] | None:
@@ -283,8 +314,8 @@ def _mixing(table: pd.DataFrame, meta: Settings) -> tuple[str, str] | None:
             f"The cause: {cause}.")
     return where, (
         f"batch mixing: at {where}{via} the compared samples' rows change when only "
-        f"the other samples change, the shapes kept (rel_l2 {sci(row['others_rel_l2'])}),"
-        f" so each sample's result depends on the other samples' values — a bug "
+        f"the other samples change, the shapes kept{_how_far(row)}, so each sample's "
+        f"result depends on the other samples' values — a bug "
         f"whatever its size. {hint}")
 
 
