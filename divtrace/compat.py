@@ -6,6 +6,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from types import CodeType
 
 import torch
 from torch import nn
@@ -14,9 +15,9 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.module_tracker import ModuleTracker
 
-__all__ = ["BATCH_NORM", "DROPOUT", "TorchDispatchMode", "cuda_driver", "default_tolerances",
-           "foreach_copy", "forward_hooks", "generator_kept", "impl", "is_compiled", "modes_off",
-           "module_tracker", "own_tensors", "pytree", "version"]
+__all__ = ["BATCH_NORM", "DROPOUT", "TorchDispatchMode", "compiled_code_kept", "cuda_driver",
+           "default_tolerances", "foreach_copy", "forward_hooks", "generator_kept", "impl",
+           "is_compiled", "modes_off", "module_tracker", "own_tensors", "pytree", "version"]
 
 #: The base classes of BatchNorm and of Dropout layers (they mix samples, or draw random
 #: numbers, in train mode).
@@ -33,6 +34,36 @@ def is_compiled(module: nn.Module) -> bool:
     except ImportError:  # a torch without dynamo
         return False
     return isinstance(module, OptimizedModule)
+
+
+@contextmanager
+def compiled_code_kept(codes: Sequence[CodeType], shapes: int = 0) -> Iterator[list[int]]:
+    """Compiled code of ``codes`` (functions' code objects) that appears inside the block is
+    dropped after it: dynamo's cache of a code object that held none before is reset, so
+    that later compilations of it start afresh (one that held some keeps them, and what
+    the block added). Inside the block dynamo's recompile limit is at least ``shapes`` (the
+    compilations the block asks for), and put back after. Yields a list that, after the
+    block, holds the most entries one of the codes held and the limit in force (both 0
+    where torch has no dynamo)."""
+    found = [0, 0]
+    try:
+        from torch._dynamo import config, reset_code
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:  # a torch without dynamo, or another layout of it
+        yield found
+        return
+    unique = list(dict.fromkeys(codes))
+    empty = [code for code in unique if not _debug_get_cache_entry_list(code)]
+    word = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    limit = max(int(getattr(config, word)), shapes)
+    try:
+        with config.patch({word: limit}):
+            yield found
+    finally:
+        found[0] = max((len(_debug_get_cache_entry_list(c)) for c in unique), default=0)
+        found[1] = limit
+        for code in empty:
+            reset_code(code)
 
 
 #: ``version(tensor)``: the tensor's version counter, which moves whenever the tensor is

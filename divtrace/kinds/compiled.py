@@ -1,0 +1,46 @@
+"""Compiled code module by module (``compare_compiled``): both runs, or run b only, run a
+copy of the model compiled region by region (:class:`~divtrace.plan.compiled.Compiled`);
+the sites are the regions' outputs and the eager modules between them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+from divtrace.errors import DivtraceValueError
+from divtrace.kinds.kind import Paired
+from divtrace.plan.make import Plan
+from divtrace.plan.runs import Run
+
+__all__ = ["CompiledRegions"]
+
+
+@dataclass(frozen=True)
+class CompiledRegions(Paired):
+    """Run a (``first``) against run b (``second``), one or both compiled region by
+    region; the rows read as ``rows`` reads them."""
+
+    first: Run | None = None
+    second: Run | None = None
+    name: ClassVar[str] = "compiled"
+    cannot: ClassVar[Mapping[str, str]] = {
+        "graphs": "compiled code is not captured into CUDA graphs by divtrace",
+        "remedies": "remedies() for compiled code are not built yet: compare with "
+                    "compare_compiled(..., dynamic=True), or leave a region eager "
+                    "(regions=[...])"}
+
+    @staticmethod
+    def claims(plan: Plan) -> bool:
+        return False  # only ever given: compare_compiled
+
+    def runs(self, a: Run | None, b: Run | None) -> tuple[Run | None, Run | None]:
+        return self.first, self.second
+
+    def check(self, plan: Plan) -> None:
+        super().check(plan)
+        if plan.ops:
+            raise DivtraceValueError(
+                "ops= records the ATen ops of eager code, and a compiled region runs none "
+                "that divtrace can see: leave ops out, or give that module eager "
+                "(compare_compiled(..., regions=[...]) without it)")

@@ -1,0 +1,211 @@
+"""Compiled code module by module (``compare_compiled``): the model compiled region by
+region on inductor's C++ backend, every region a site; each finding checked against the
+same regions compiled and run by hand."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import divtrace
+from divtrace.compiled import compare_compiled
+
+WIDE = 14336  # on the CPU, a static compile's reduction over this many columns depends
+# on the batch shape (torch 2.14, C++ backend); eager's does not
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Softmax(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(x, -1)
+
+
+class Blocks(nn.Module):
+    """Eager code around a list of blocks: a scale before, a sum after."""
+
+    def __init__(self, *blocks: nn.Module) -> None:
+        super().__init__()
+        self.scale = nn.Identity()
+        self.layers = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.scale(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _wide() -> torch.Tensor:
+    return torch.randn(64, WIDE, generator=torch.Generator().manual_seed(0)) * 4
+
+
+def _row0_apart(module: nn.Module, x: torch.Tensor, dynamic: bool) -> bool:
+    """By hand: ``module`` compiled, its row 0 at the whole batch against alone."""
+    compiled = torch.compile(copy.deepcopy(module), dynamic=dynamic)
+    with torch.no_grad():
+        return not torch.equal(compiled(x)[:1], compiled(x[:1]))
+
+
+@pytest.mark.parametrize(("block", "dynamic"), [(RMSNorm(WIDE), False), (Softmax(), True)],
+                         ids=["rmsnorm-static", "softmax-dynamic"])
+def test_compiled_code_that_depends_on_the_batch_shape_is_found_at_its_module(
+        block: nn.Module, dynamic: bool) -> None:
+    model = Blocks(nn.Identity(), block).eval()
+    x = _wide()
+    assert _row0_apart(block, x, dynamic)  # the case exists: compiled code parts row 0
+    eager = divtrace.compare(model, x, samples=[0], progress=False)
+    assert eager.verdict == "identical"  # and eager code does not
+    result = compare_compiled(model, x, samples=[0], dynamic=dynamic, progress=False)
+    assert result.meta.kind == "compiled"
+    assert result.meta.names == ("run a (compiled split)", "run b (compiled batched)")
+    first = result.first_divergence
+    assert first is not None
+    assert first["site"] == "layers.1"
+    table = result.table.set_index("site")
+    assert table.loc["scale", "mismatch"] == 0  # eager code before it: bit-identical
+    assert table.loc["layers.0", "mismatch"] == 0  # a compiled region that does not part
+    assert result.verdict == "rounding"  # and it shrinks in float64, compiled as it ran
+
+
+def test_eager_against_compiled_names_the_first_region_that_parts() -> None:
+    model = Blocks(nn.Identity(), RMSNorm(WIDE)).eval()
+    x = _wide()
+    result = compare_compiled(model, x, samples=[0, 1], against="eager", progress=False)
+    assert result.meta.names == ("run a (eager)", "run b (compiled)")
+    # by hand: the eager block's output against the compiled block's on the same input
+    with torch.no_grad():
+        apart = not torch.equal(model.layers[1](x), torch.compile(
+            copy.deepcopy(model.layers[1]), dynamic=False)(x))
+    first = result.first_divergence
+    if apart:
+        assert first is not None
+        assert first["site"] == "layers.1"
+        assert result.verdict == "rounding"
+    else:
+        assert result.verdict == "identical"
+
+
+def test_a_model_compiled_by_its_user_gets_the_view_per_module() -> None:
+    model = Blocks(nn.Identity(), RMSNorm(WIDE)).eval()
+    x = _wide()
+    whole = torch.compile(model)
+    result = compare_compiled(whole, x, samples=[0], progress=False)
+    assert set(result.table["site"]) >= {"scale", "layers.0", "layers.1"}
+    assert result.first_divergence["site"] == "layers.1"
+    child = Blocks(nn.Identity(), RMSNorm(WIDE)).eval()
+    child.layers[1] = torch.compile(child.layers[1])  # a compiled child in an eager model
+    result = compare_compiled(child, x, samples=[0], regions=[], progress=False)
+    assert "layers.1" in set(result.table["site"])  # named as the eager module, a region
+    assert result.first_divergence["site"] == "layers.1"
+    assert type(child.layers[1]).__name__ == "OptimizedModule"  # the user's model as given
+
+
+def test_nothing_is_left_compiled_and_no_recompile_is_asked_for() -> None:
+    from torch._dynamo import reset_code
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.utils import counters
+
+    code = RMSNorm.forward.__code__
+    reset_code(code)  # what other tests compiled of it
+    model = Blocks(nn.Identity(), RMSNorm(WIDE), RMSNorm(WIDE), RMSNorm(WIDE)).eval()
+    before = copy.deepcopy(model.state_dict())
+    graphs = counters["stats"]["unique_graphs"]
+    result = compare_compiled(model, _wide(), samples=[0, 5], chunk=4, progress=False)
+    # one graph per shape and dtype, shared by the three layers: 4 and 64 rows, in the
+    # model's float32 (and the precision test's float64), not one per layer and pass
+    dtypes = 2 if result.meta.notes["precision"]["ran"] else 1
+    assert counters["stats"]["unique_graphs"] - graphs == 2 * dtypes
+    assert not _debug_get_cache_entry_list(code)  # what it compiled, dropped
+    users = torch.compile(model.layers[1], dynamic=False)
+    with torch.no_grad():
+        users(_wide())
+    held = len(_debug_get_cache_entry_list(code))
+    compare_compiled(model, _wide(), samples=[0], progress=False)
+    assert len(_debug_get_cache_entry_list(code)) >= held  # the user's compiled code kept
+    assert "forward" not in vars(model.layers[1])  # the user's modules: as they were
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_bad_input_is_refused_with_the_fix() -> None:
+    model = Blocks(nn.Identity(), RMSNorm(8)).eval()
+    x = torch.randn(4, 8)
+    with pytest.raises(divtrace.DivtraceValueError, match="'split' or 'eager'"):
+        compare_compiled(model, x, against="batched", progress=False)
+    with pytest.raises(divtrace.DivtraceValueError, match=r"no module 'layers\.7'"):
+        compare_compiled(model, x, regions=["layers.7"], progress=False)
+    with pytest.raises(divtrace.DivtraceValueError, match="inside a compiled region"):
+        compare_compiled(model, x, modules=["layers.1.weight", "layers.0"],
+                         regions=["layers"], progress=False)
+    with pytest.raises(divtrace.DivtraceValueError, match="no block to compile"):
+        compare_compiled(nn.Linear(8, 8), x, progress=False)
+
+
+def _llama(layers: int = 4) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+        attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _layer_outputs(model: nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    handles = [layer.register_forward_hook(
+        lambda _m, _a, out: found.append((out[0] if isinstance(out, tuple) else out).clone()))
+        for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found
+
+
+def test_eager_against_compiled_on_a_small_llama_against_its_regions_by_hand() -> None:
+    model = _llama()
+    ids = torch.randint(0, 100, (8, 12), generator=torch.Generator().manual_seed(0))
+    result = compare_compiled(model, {"input_ids": ids, "use_cache": False},
+                              against="eager", progress=False)
+    # by hand: each decoder layer wrapped by torch.compile itself, in a copy
+    by_hand = copy.deepcopy(model)
+    for index, layer in enumerate(by_hand.model.layers):
+        by_hand.model.layers[index] = torch.compile(layer, dynamic=False)
+    eager, compiled = _layer_outputs(model, ids), _layer_outputs(by_hand, ids)
+    apart = [i for i, (e, c) in enumerate(zip(eager, compiled, strict=True))
+             if not torch.equal(e, c)]
+    first = result.first_divergence
+    if apart:
+        assert first is not None
+        assert first["site"] == f"model.layers.{apart[0]}"
+        assert result.verdict == "rounding"
+    else:
+        assert first is None or not first["site"].startswith("model.layers.")
+    sites = set(result.table["site"])
+    assert {f"model.layers.{i}" for i in range(4)} <= sites
+    assert not any(s.startswith("model.layers.0.") for s in sites)  # inside: no site
+
+
+def test_compiled_batched_against_split_on_prompts() -> None:
+    model = _llama(2)
+    generator = torch.Generator().manual_seed(1)
+    prompts = divtrace.Prompts([torch.randint(1, 100, (n,), generator=generator)
+                                for n in (5, 9, 7)])
+    result = compare_compiled(model, prompts, progress=False)
+    assert result.meta.names == ("run a (compiled split)", "run b (compiled batched)")
+    assert {"model.layers.0", "model.layers.1"} <= set(result.table["site"])
+    assert result.verdict in ("rounding", "identical")
+    assert model.config.use_cache  # the user's model as it was
