@@ -151,8 +151,8 @@ class Compiled(Run):
         base = plain(model)
         mine = settings.model(base) if settings.changes_model else copy.deepcopy(base)
         config = getattr(mine, "config", None)
-        if getattr(config, "use_cache", False):  # a cache handed to each layer, a new
-            config.use_cache = False  # object at every call, recompiles the layer
+        if config is not None and getattr(config, "use_cache", False):  # a cache handed to
+            config.use_cache = False  # each layer, new at every call, recompiles the layer
         _compile(mine, self.regions, self.dynamic, self.backend, dict(self.options))
         if kept:
             self.copies[id(model)] = mine
