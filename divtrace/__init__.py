@@ -13,6 +13,7 @@ from divtrace.accumulation import compare_backward
 from divtrace.backward.result import Backward
 from divtrace.batch_sweep import BatchSweep, sweep_batch
 from divtrace.compare import compare
+from divtrace.compiled import compare_compiled
 from divtrace.errors import (
     BatchMixingError,
     DivtraceAttributeError,
@@ -96,6 +97,7 @@ __all__ = [
     "__version__",
     "compare",
     "compare_backward",
+    "compare_compiled",
     "compare_generate",
     "compare_layouts",
     "compare_models",

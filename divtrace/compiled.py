@@ -15,8 +15,6 @@ from divtrace.compat import compiled_code_kept
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
 from divtrace.explain.registry import Explain
 from divtrace.kinds.compiled import CompiledRegions
-from divtrace.kinds.kind import Kind
-from divtrace.kinds.prompts import Ragged
 from divtrace.plan.compiled import Compiled, inside, plain, regions_of, wrapped
 from divtrace.plan.prompts import Prompts
 from divtrace.plan.runs import Resources, Run
@@ -120,8 +118,7 @@ def compare_compiled(
                  name="compiled batched" if against == "split" else "compiled")
     a: Run = replace(b, chunk=chunk, name="compiled split") if against == "split" else (
         Run(name="eager"))  # the model as given, its wrappers taken off
-    rows: Kind = Ragged() if isinstance(x, Prompts) else Kind()
-    kind = CompiledRegions(rows, a, b)
+    kind = CompiledRegions.of(x, a, b)
     codes = [type(found[r]).forward.__code__ for r in chosen if r in found]
     # the compilations asked for: per dtype (the precision test's float64 too), one per
     # shape of run a's passes (a prompt alone: its own length) and run b's

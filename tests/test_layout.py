@@ -160,10 +160,12 @@ def test_imports_follow_the_layers() -> None:
 #: Where each kind may be named besides its own file and the registry: a kind derived
 #: from it, and the fixed-batch remedy's replay, which is of the padded kind.
 KIND_USERS = {"Sharded": set(), "OnRanks": set(), "TwoModels": {"divtrace.kinds.sharded"},
-              "Ragged": {"divtrace.kinds.decode", "divtrace.kinds.tokens"},
+              "Ragged": {"divtrace.kinds.decode", "divtrace.kinds.tokens",
+                         "divtrace.kinds.compiled"},
               "Padded": {"divtrace.remedies.search"},
               "Accumulation": {"divtrace.accumulation"},
-              "DecodeStep": {"divtrace.generate.result"}, "Tokens": {"divtrace.layouts"}}
+              "DecodeStep": {"divtrace.generate.result"}, "Tokens": {"divtrace.layouts"},
+              "CompiledRegions": {"divtrace.compiled"}}
 #: The types a kind is told by, asked for only in the kinds and where they are defined.
 KIND_TYPES = {"RaggedInput": {"divtrace.plan.prompts", "divtrace.plan.tokens"},
               "OtherModel": {"divtrace.plan.other"}}

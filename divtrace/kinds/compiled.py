@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from divtrace.errors import DivtraceValueError
-from divtrace.kinds.kind import Paired
+from divtrace.kinds.kind import Kind, Paired
+from divtrace.kinds.prompts import Ragged
 from divtrace.plan.make import Plan
+from divtrace.plan.prompts import Prompts
 from divtrace.plan.runs import Run
 
 __all__ = ["CompiledRegions"]
@@ -29,6 +31,12 @@ class CompiledRegions(Paired):
         "remedies": "remedies() for compiled code are not built yet: compare with "
                     "compare_compiled(..., dynamic=True), or leave a region eager "
                     "(regions=[...])"}
+
+    @classmethod
+    def of(cls, x: Any, first: Run, second: Run) -> CompiledRegions:
+        """The kind for input ``x``: prompts of different lengths read as such."""
+        rows: Kind = Ragged() if isinstance(x, Prompts) else Kind()
+        return cls(rows, first, second)
 
     @staticmethod
     def claims(plan: Plan) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from divtrace.kinds.accumulation import Accumulation
+from divtrace.kinds.compiled import CompiledRegions
 from divtrace.kinds.decode import DecodeStep
 from divtrace.kinds.kind import Kind, Paired
 from divtrace.kinds.models import TwoModels
@@ -24,9 +25,9 @@ ROWS: tuple[type[Kind], ...] = (Ragged, Kind)
 PAIRS: tuple[type[Paired], ...] = (Sharded, TwoModels, OnRanks)
 KINDS: tuple[type[Kind], ...] = (*PAIRS, *ROWS)
 #: The built-in kinds that are only ever given: by a face (one backward over the batch
-#: against accumulation, one step of decoding, two token layouts) or a remedy's replay
-#: (every pass padded).
-GIVEN: tuple[type[Kind], ...] = (Accumulation, DecodeStep, Tokens, Padded)
+#: against accumulation, one step of decoding, two token layouts, compiled regions) or a
+#: remedy's replay (every pass padded).
+GIVEN: tuple[type[Kind], ...] = (Accumulation, DecodeStep, Tokens, CompiledRegions, Padded)
 
 
 def kind_of(plan: Plan) -> Kind:
