@@ -13,6 +13,7 @@ from torch import nn
 from divtrace.compare import compare
 from divtrace.compat import compiled_code_kept
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
+from divtrace.explain.regions import Regions
 from divtrace.explain.registry import Explain
 from divtrace.kinds.compiled import CompiledRegions
 from divtrace.plan.compiled import Compiled, inside, plain, regions_of, wrapped
@@ -123,9 +124,12 @@ def compare_compiled(
     # the compilations asked for: per dtype (the precision test's float64 too), one per
     # shape of run a's passes (a prompt alone: its own length) and run b's
     shapes = 2 * ((len(x) if isinstance(x, Prompts) else 2) + 1) + 2
+    hidden = sum(1 for name, _ in eager.named_modules() if inside(name, chosen))
+    probes = [*([] if explain is None else [explain] if isinstance(explain, str)
+                else list(explain)), Regions(chosen, hidden)]
     with compiled_code_kept(codes, shapes) as entries:
         result = compare(eager, x, kind=kind, samples=samples, batch_dim=batch_dim,
-                         modules=_observed(eager, chosen, modules), explain=explain,
+                         modules=_observed(eager, chosen, modules), explain=probes,
                          rtol=rtol, atol=atol, resources=resources, progress=progress)
     most, limit = entries
     if limit and most >= limit:

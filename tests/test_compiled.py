@@ -197,6 +197,11 @@ def test_eager_against_compiled_on_a_small_llama_against_its_regions_by_hand() -
     sites = set(result.table["site"])
     assert {f"model.layers.{i}" for i in range(4)} <= sites
     assert not any(s.startswith("model.layers.0.") for s in sites)  # inside: no site
+    hidden = sum(1 for name, _ in model.named_modules()
+                 if name.startswith("model.layers.") and name.count(".") >= 3)
+    assert (f"'model.layers.0', 'model.layers.1', 'model.layers.2' and 1 more (4 in all) "
+            f"each ran torch.compile'd code, its output a site; the {hidden} modules inside "
+            f"them ran compiled code") in result.summary()
 
 
 def test_compiled_batched_against_split_on_prompts() -> None:
@@ -209,3 +214,13 @@ def test_compiled_batched_against_split_on_prompts() -> None:
     assert {"model.layers.0", "model.layers.1"} <= set(result.table["site"])
     assert result.verdict in ("rounding", "identical")
     assert model.config.use_cache  # the user's model as it was
+
+
+def test_a_compiled_comparison_saves_and_loads(tmp_path: object) -> None:
+    model = Blocks(nn.Identity(), RMSNorm(WIDE)).eval()
+    result = compare_compiled(model, _wide(), samples=[0], progress=False)
+    again = divtrace.load(result.save(tmp_path / "compiled.json"))  # type: ignore[operator]
+    assert again.meta.kind == "compiled"
+    assert again.verdict == result.verdict
+    assert again.summary() == result.summary()
+    assert "Compiled region by region: 'layers.0', 'layers.1' (2 in all)" in again.summary()

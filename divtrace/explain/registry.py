@@ -16,6 +16,7 @@ from divtrace.explain.local import Local
 from divtrace.explain.observer import Observer
 from divtrace.explain.precision import Precision
 from divtrace.explain.probe import Probe
+from divtrace.explain.regions import Regions
 from divtrace.explain.repeat import Repeat
 from divtrace.explain.roles import Roles
 from divtrace.explain.tokens import PerToken
@@ -24,7 +25,7 @@ __all__ = ["BY_DEFAULT", "EXPLAIN_COLUMNS", "NAMES", "PROBES", "Explain", "chose
 
 #: Every built-in probe; a new one is one more entry here (and its own file).
 PROBES: tuple[type[Probe], ...] = (Roles, Independence, Precision, Local, Fp64, Repeat,
-                                   Kernels, Observer, PerToken)
+                                   Kernels, Observer, PerToken, Regions)
 
 #: The names ``explain=`` takes, each with its probe.
 NAMES: dict[str, type[Probe]] = {probe.spec.name: probe for probe in PROBES if probe.spec.name}

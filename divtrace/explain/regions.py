@@ -1,0 +1,43 @@
+"""What ran compiled code (``compare_compiled``): the regions, whose outputs are sites, and
+the modules inside them, which run compiled code and have none."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from divtrace.explain.probe import Explained, Judged, Probe, Spec
+
+__all__ = ["Regions"]
+
+
+class Regions(Probe):
+    """``"regions"`` (given by ``compare_compiled``): the compiled regions and how many
+    modules inside them were not observed."""
+
+    spec: ClassVar[Spec] = Spec(name="regions")
+
+    def __init__(self, regions: Sequence[str] = (), hidden: int = 0) -> None:
+        self.regions = list(regions)
+        self.hidden = int(hidden)
+
+    def settings(self) -> dict[str, Any]:
+        return {"regions": self.regions, "hidden": self.hidden}
+
+    def note(self) -> Any:
+        return self.settings()
+
+    @classmethod
+    def explain(cls, result: Judged) -> Explained:
+        found = result.meta.notes.get("regions")
+        if not found or not found["regions"]:
+            return Explained()
+        regions, hidden = found["regions"], found["hidden"]
+        shown = ", ".join(f"'{r}'" for r in regions[:3]) + (
+            f" and {len(regions) - 3} more" if len(regions) > 3 else "")
+        inside = (f"; the {hidden} module{'s' * (hidden != 1)} inside "
+                  f"{'them' if len(regions) > 1 else 'it'} ran compiled code, which has no "
+                  f"sites: they were not observed") if hidden else ""
+        return Explained((
+            f"Compiled region by region: {shown} ({len(regions)} in all) each ran "
+            f"torch.compile'd code, its output a site{inside}.",))
