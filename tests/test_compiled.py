@@ -224,3 +224,16 @@ def test_a_compiled_comparison_saves_and_loads(tmp_path: object) -> None:
     assert again.verdict == result.verdict
     assert again.summary() == result.summary()
     assert "Compiled region by region: 'layers.0', 'layers.1' (2 in all)" in again.summary()
+
+
+@pytest.mark.cuda
+def test_a_compiled_softmax_that_depends_on_the_batch_shape_on_cuda() -> None:
+    model = Blocks(nn.Identity(), Softmax()).eval().cuda()
+    x = _wide().cuda()
+    assert _row0_apart(Softmax(), x, dynamic=False)  # the case exists on this GPU
+    assert divtrace.compare(model, x, samples=[0], progress=False).verdict == "identical"
+    static = compare_compiled(model, x, samples=[0], progress=False)
+    assert static.first_divergence["site"] == "layers.1"
+    assert static.verdict == "rounding"
+    dynamic = compare_compiled(model, x, samples=[0], dynamic=True, progress=False)
+    assert dynamic.verdict == "identical"  # one kernel for every batch size

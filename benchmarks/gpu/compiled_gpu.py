@@ -1,0 +1,173 @@
+"""torch.compile module by module on a GPU (``compare_compiled``).
+
+1. A softmax over 14336 columns in float32, compiled statically, at batch 2–512 against
+   each row alone: the first site that parts, the verdict, and the same with
+   ``dynamic=True``; eager compared alike; the compiled kernels' row 0 by hand.
+2. The 8B-shaped Llama (random init, bfloat16, SDPA, each decoder layer its own compiled
+   region) on ``--prompts`` prompts of 64–512 tokens: compiled batched against compiled
+   split, then eager against compiled: the first parting layer, the verdict, the wall
+   time (compilations included) against the bare compiled passes (the same regions
+   compiled by hand, warmed up, then timed), and the peak memory.
+
+Writes ``compiled_summary.txt`` and ``compiled.json`` into --out.
+
+    python benchmarks/gpu/compiled_gpu.py --out docs/results/h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import divtrace
+from divtrace.plan.prompts import pad
+
+
+class Softmax(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(x, -1)
+
+
+class Blocks(nn.Module):
+    def __init__(self, *blocks: nn.Module) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def timed(work: Any) -> tuple[Any, float]:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = work()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
+def first(result: divtrace.Comparison) -> str | None:
+    found = result.first_divergence
+    return None if found is None else str(found["site"])
+
+
+def softmax_case(lines: list[str]) -> dict[str, Any]:
+    model = Blocks(nn.Identity(), Softmax()).eval().cuda()
+    x = torch.randn(512, 14336, generator=torch.Generator().manual_seed(0)).mul(4).cuda()
+    found: dict[str, Any] = {}
+    lines.append("== softmax over 14336 columns, float32, row 0 at batch B against alone ==")
+    for batch in (2, 8, 64, 512):
+        part = x[:batch]
+        static = torch.compile(Softmax(), dynamic=False)
+        by_hand = not torch.equal(static(part)[:1], static(part[:1]))
+        eager = divtrace.compare(model, part, samples=[0], progress=False)
+        compiled = divtrace.compare_compiled(model, part, samples=[0], progress=False)
+        dynamic = divtrace.compare_compiled(model, part, samples=[0], dynamic=True,
+                                            progress=False)
+        found[str(batch)] = {"by_hand_apart": by_hand, "eager": eager.verdict,
+                             "static": compiled.verdict, "static_first": first(compiled),
+                             "dynamic": dynamic.verdict}
+        lines.append(f"B={batch}: by hand the static kernel's row 0 "
+                     f"{'differs' if by_hand else 'agrees'}; eager {eager.verdict}; "
+                     f"compiled statically {compiled.verdict} (first at {first(compiled)}); "
+                     f"dynamic=True {dynamic.verdict}")
+        print(lines[-1], flush=True)
+    lines.append(compiled.summary())
+    return found
+
+
+def llama_8b() -> nn.Module:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+        attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    return model.eval()
+
+
+def bare(model: nn.Module, prompts: divtrace.Prompts) -> tuple[float, float]:
+    """The bare passes of both runs on the regions compiled by hand (each decoder layer's
+    class forward compiled once, static): (first passes with their compilations, then
+    the same passes again)."""
+    mine = copy.deepcopy(model)
+    mine.config.use_cache = False
+    compiled = torch.compile(type(mine.model.layers[0]).forward, dynamic=False)
+    for layer in mine.model.layers:
+        layer.forward = functools.partial(compiled, layer)
+
+    def passes() -> None:
+        with torch.no_grad():
+            for start, stop in [(0, len(prompts)), *((i, i + 1) for i in range(len(prompts)))
+                                ]:
+                inputs, _ = pad(prompts, start, stop)
+                mine(**inputs)
+    _, cold = timed(passes)
+    _, warm = timed(passes)
+    return cold, warm
+
+
+def llama_case(lines: list[str], count: int) -> dict[str, Any]:
+    model = llama_8b()
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.linspace(64, 512, count).round().int().tolist()
+    prompts = divtrace.Prompts([torch.randint(3, 128256, (n,), generator=generator).cuda()
+                                for n in lengths])
+    blocks = [f"model.layers.{i}" for i in range(32)] + ["model.norm", "lm_head"]
+    cold, warm = bare(model, prompts)
+    found: dict[str, Any] = {"prompts": lengths, "bare_cold_seconds": cold,
+                             "bare_seconds": warm}
+    lines.append(f"\n== 8B-shaped Llama, bfloat16, {count} prompts of {min(lengths)}-"
+                 f"{max(lengths)} tokens, each decoder layer a compiled region ==")
+    lines.append(f"bare compiled passes (the batch, then each prompt alone): {cold:.1f} s "
+                 f"with their compilations, {warm:.2f} s warm")
+    for against in ("split", "eager"):
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        result, seconds = timed(lambda against=against: divtrace.compare_compiled(
+            model, prompts, against=against, modules=blocks, progress=False))
+        found[against] = {"verdict": result.verdict, "first_site": first(result),
+                          "seconds": seconds,
+                          "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                          "summary": result.summary()}
+        lines += [f"\n-- against={against!r} --", result.summary(),
+                  f"{seconds:.1f} s (compilations included; the bare passes: {cold:.1f} s "
+                  f"cold, {warm:.2f} s warm); peak {found[against]['peak_gib']:.1f} GiB"]
+        print(lines[-1], flush=True)
+        del result
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--prompts", type=int, default=4)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    lines = [f"torch {torch.__version__}, {torch.cuda.get_device_name()}"]
+    report = {"softmax": softmax_case(lines), "llama": llama_case(lines, args.prompts)}
+    (args.out / "compiled_summary.txt").write_text("\n".join(lines) + "\n")
+    (args.out / "compiled.json").write_text(json.dumps(report, indent=1, default=str))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
