@@ -38,6 +38,7 @@ class Regions(Probe):
         inside = (f"; the {hidden} module{'s' * (hidden != 1)} inside "
                   f"{'them' if len(regions) > 1 else 'it'} ran compiled code, which has no "
                   f"sites: they were not observed") if hidden else ""
+        each = f"{shown} ran" if len(regions) == 1 else f"{shown} ({len(regions)} in all) each ran"
         return Explained((
-            f"Compiled region by region: {shown} ({len(regions)} in all) each ran "
-            f"torch.compile'd code, its output a site{inside}.",))
+            f"Compiled region by region: {each} torch.compile'd code, its output a "
+            f"site{inside}.",))
