@@ -42,7 +42,8 @@ def compiled_code_kept(codes: Sequence[CodeType], shapes: int = 0) -> Iterator[l
     dropped after it: dynamo's cache of a code object that held none before is reset, so
     that later compilations of it start afresh (one that held some keeps them, and what
     the block added). Inside the block dynamo's recompile limit is at least ``shapes`` (the
-    compilations the block asks for), and put back after. Yields a list that, after the
+    compilations the block asks for) more than the entries a code held before, and put
+    back after. Yields a list that, after the
     block, holds the most entries one of the codes held and the limit in force (both 0
     where torch has no dynamo)."""
     found = [0, 0]
@@ -53,9 +54,10 @@ def compiled_code_kept(codes: Sequence[CodeType], shapes: int = 0) -> Iterator[l
         yield found
         return
     unique = list(dict.fromkeys(codes))
-    empty = [code for code in unique if not _debug_get_cache_entry_list(code)]
+    held = {code: len(_debug_get_cache_entry_list(code)) for code in unique}
+    empty = [code for code, count in held.items() if not count]
     word = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    limit = max(int(getattr(config, word)), shapes)
+    limit = max(int(getattr(config, word)), max(held.values(), default=0) + shapes)
     try:
         with config.patch({word: limit}):
             yield found
