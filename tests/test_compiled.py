@@ -227,46 +227,16 @@ def test_a_compiled_comparison_saves_and_loads(tmp_path: object) -> None:
 
 
 @pytest.mark.cuda
-def test_a_compiled_softmax_that_depends_on_the_batch_shape_on_cuda() -> None:
+@pytest.mark.parametrize("batch", [8, 512])
+def test_a_compiled_softmax_that_depends_on_the_batch_shape_on_cuda(batch: int) -> None:
     model = Blocks(nn.Identity(), Softmax()).eval().cuda()
-    x = _wide().cuda()
-    assert _row0_apart(Softmax(), x, dynamic=False)  # the case exists on this GPU
+    x = torch.randn(512, WIDE, generator=torch.Generator().manual_seed(0)).mul(4)[:batch].cuda()
     assert divtrace.compare(model, x, samples=[0], progress=False).verdict == "identical"
     static = compare_compiled(model, x, samples=[0], progress=False)
-    assert static.first_divergence["site"] == "layers.1"
-    assert static.verdict == "rounding"
+    if _row0_apart(Softmax(), x, dynamic=False):  # by hand, as the GPU computes it
+        assert static.first_divergence["site"] == "layers.1"
+        assert static.verdict == "rounding"
+    else:
+        assert static.verdict == "identical"
     dynamic = compare_compiled(model, x, samples=[0], dynamic=True, progress=False)
     assert dynamic.verdict == "identical"  # one kernel for every batch size
-
-
-def test_eager_against_compiled_on_resnet50_against_its_stages_by_hand() -> None:
-    torchvision = pytest.importorskip("torchvision")
-    torch.manual_seed(0)
-    model = torchvision.models.resnet50().eval()
-    x = torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(0))
-    result = compare_compiled(model, x, against="eager", progress=False)
-    stages = ["layer1", "layer2", "layer3", "layer4"]
-    by_hand = copy.deepcopy(model)
-    for name in stages:  # each stage wrapped by torch.compile itself, in a copy
-        setattr(by_hand, name, torch.compile(getattr(by_hand, name), dynamic=False))
-
-    def outputs(net: nn.Module) -> list[torch.Tensor]:
-        found: list[torch.Tensor] = []
-        handles = [getattr(net, n).register_forward_hook(
-            lambda _m, _a, out: found.append(out.clone())) for n in stages]
-        with torch.no_grad():
-            net(x)
-        for handle in handles:
-            handle.remove()
-        return found
-    apart = [n for n, e, c in zip(stages, outputs(model), outputs(by_hand), strict=True)
-             if not torch.equal(e, c)]
-    first = result.first_divergence
-    if apart:
-        assert first is not None
-        assert first["site"] == apart[0]
-        assert result.verdict == "rounding"
-    else:
-        assert result.verdict == "identical"
-    assert set(stages) <= set(result.table["site"])
-    assert not any(s.startswith("layer1.") for s in result.table["site"])
