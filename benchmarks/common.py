@@ -254,3 +254,27 @@ def llama(case: dict[str, Any], device: torch.device, dtype: torch.dtype) -> nn.
     finally:
         torch.set_default_dtype(previous)
     return model.eval()
+
+
+def llama_8b(device: str | torch.device = "cuda") -> nn.Module:
+    """An 8B-shaped Llama (hidden 4096, 32 layers, vocabulary 128256, SDPA), random init
+    from its config, in bfloat16 on ``device``, in eval mode: the GPU scripts' large model."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+        attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    return model.eval()
+
+
+def cuda_timed(work: Callable[[], Any]) -> tuple[Any, float]:
+    """``work()``'s result and its wall time, the CUDA queue drained before and after."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = work()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - start

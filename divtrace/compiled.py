@@ -16,7 +16,7 @@ from divtrace.errors import DivtraceTypeError, DivtraceValueError
 from divtrace.explain.regions import Regions
 from divtrace.explain.registry import Explain
 from divtrace.kinds.compiled import CompiledRegions
-from divtrace.plan.compiled import Compiled, inside, plain, regions_of, wrapped
+from divtrace.plan.compiled import Compiled, checked_regions, inside, plain, regions_of, wrapped
 from divtrace.plan.prompts import Prompts
 from divtrace.plan.runs import Resources, Run
 from divtrace.report.comparison import Comparison
@@ -102,13 +102,7 @@ def compare_compiled(
     chosen = regions_of(eager) if regions is None else tuple(
         [regions] if isinstance(regions, str) else regions)
     chosen = tuple(dict.fromkeys([*chosen, *(w for w in wrapped(model) if w)]))
-    found = dict(eager.named_modules())
-    unknown = [r for r in chosen if r not in found]
-    if unknown:
-        known = [n for n in found if n][:8]
-        raise DivtraceValueError(
-            f"the model has no module {unknown[0]!r} to compile as a region; give qualified "
-            f"names as model.named_modules() lists them (e.g. {', '.join(known)})")
+    found = checked_regions(eager, chosen)
     if not chosen:
         raise DivtraceValueError(
             f"{type(eager).__name__} has no block to compile as a region (no "

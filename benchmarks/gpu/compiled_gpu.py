@@ -22,7 +22,6 @@ import functools
 import gc
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import divtrace
+from benchmarks.common import cuda_timed as timed
+from benchmarks.common import llama_8b
 from divtrace.plan.prompts import pad
 
 
@@ -49,14 +50,6 @@ class Blocks(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
-
-
-def timed(work: Any) -> tuple[Any, float]:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = work()
-    torch.cuda.synchronize()
-    return out, time.perf_counter() - start
 
 
 def first(result: divtrace.Comparison) -> str | None:
@@ -87,19 +80,6 @@ def softmax_case(lines: list[str]) -> dict[str, Any]:
         print(lines[-1], flush=True)
     lines.append(compiled.summary())
     return found
-
-
-def llama_8b() -> nn.Module:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-        attn_implementation="sdpa")
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    return model.eval()
 
 
 def bare(model: nn.Module, prompts: divtrace.Prompts) -> tuple[float, float]:

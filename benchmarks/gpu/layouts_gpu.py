@@ -24,7 +24,6 @@ import argparse
 import gc
 import json
 import sys
-import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -35,29 +34,10 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import divtrace
+from benchmarks.common import cuda_timed as timed
+from benchmarks.common import llama_8b
 from divtrace.plan.prompts import Prompts, pad
 from divtrace.plan.tokens import Layout, token_input
-
-
-def llama_8b() -> nn.Module:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-        attn_implementation="sdpa")
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    return model.eval()
-
-
-def timed(work: Any) -> tuple[Any, float]:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = work()
-    torch.cuda.synchronize()
-    return out, time.perf_counter() - start
 
 
 def bare_rollout(model: nn.Module, prompts: list[torch.Tensor], new: int) -> list[torch.Tensor]:

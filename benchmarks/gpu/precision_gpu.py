@@ -34,6 +34,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import divtrace
+from benchmarks.common import llama_8b
 from tests.models import PerBatch, ShapeBias, ShapePath  # the tests' own
 
 SEED = divtrace.Run(deterministic=True, benchmark=False, tf32_matmul=False, tf32_cudnn=False)
@@ -78,19 +79,6 @@ def cost(name: str, work: Any, lines: list[str], costs: dict[str, Any]) -> None:
     lines.append(f"cost {name}: default {a:.3f} s, explain=['-precision'] {b:.3f} s, "
                  f"ratio {a / b:.2f}")
     print(lines[-1], flush=True)
-
-
-def llama_8b(cuda: torch.device) -> nn.Module:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-        attn_implementation="sdpa")
-    torch.manual_seed(0)
-    with torch.device(cuda):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    return model.eval()
 
 
 def main() -> int:

@@ -19,7 +19,7 @@ from divtrace.errors import DivtraceTypeError, DivtraceValueError
 from divtrace.plan.checks import fields_checked
 from divtrace.plan.runs import Run
 
-__all__ = ["Compiled", "inside", "plain", "regions_of", "wrapped"]
+__all__ = ["Compiled", "checked_regions", "inside", "plain", "regions_of", "wrapped"]
 
 
 def wrapped(model: nn.Module) -> list[str]:
@@ -159,16 +159,23 @@ class Compiled(Run):
         return mine
 
 
-def _compile(model: nn.Module, regions: Sequence[str], dynamic: bool | None, backend: str,
-             options: dict[str, Any]) -> None:
-    """Each region's ``forward`` on ``model`` compiled: one compiled function per class."""
+def checked_regions(model: nn.Module, regions: Sequence[str]) -> dict[str, nn.Module]:
+    """``model``'s modules by name, once every one of ``regions`` is among them (else an
+    error naming the fix)."""
     found = dict(model.named_modules())
     unknown = [r for r in regions if r not in found]
     if unknown:
         known = [n for n in found if n][:8]
         raise DivtraceValueError(
-            f"the model has no module {unknown[0]!r} to compile; give qualified names as "
-            f"model.named_modules() lists them (e.g. {', '.join(known)})")
+            f"the model has no module {unknown[0]!r} to compile as a region; give qualified "
+            f"names as model.named_modules() lists them (e.g. {', '.join(known)})")
+    return found
+
+
+def _compile(model: nn.Module, regions: Sequence[str], dynamic: bool | None, backend: str,
+             options: dict[str, Any]) -> None:
+    """Each region's ``forward`` on ``model`` compiled: one compiled function per class."""
+    found = checked_regions(model, regions)
     made: dict[type, Any] = {}
     for name in regions:
         module = found[name]
