@@ -5,7 +5,7 @@ layer, a ResNet stage) a site of its own."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
@@ -62,6 +62,7 @@ def compare_compiled(
     atol: float | None = None,
     resources: Resources | None = None,
     progress: bool = True,
+    narrow: bool = False,
 ) -> Comparison:
     """Compiled code module by module: the model compiled region by region (each block its
     own ``torch.compile``'d region, the code between them eager), every region's output a
@@ -90,6 +91,11 @@ def compare_compiled(
             default here) compiles each batch shape on its own.
         samples, modules, batch_dim, explain, rtol, atol, resources, progress: As for
             :func:`divtrace.compare` (``modules`` may not name a module inside a region).
+        narrow: Down to the module: when the runs first part at a region with modules
+            inside, compile its children each on their own instead (its own code eager)
+            and look inside the first that parts, down to the smallest module whose
+            compiled code parts the runs (one quick comparison per step, without the
+            verdict's tests); the summary names it.
 
     Returns:
         A :class:`~divtrace.Comparison` (``meta.kind == "compiled"``).
@@ -102,29 +108,84 @@ def compare_compiled(
     chosen = regions_of(eager) if regions is None else tuple(
         [regions] if isinstance(regions, str) else regions)
     chosen = tuple(dict.fromkeys([*chosen, *(w for w in wrapped(model) if w)]))
-    found = checked_regions(eager, chosen)
+    checked_regions(eager, chosen)
     if not chosen:
         raise DivtraceValueError(
             f"{type(eager).__name__} has no block to compile as a region (no "
             f"nn.ModuleList, no child with modules of its own): name them, regions=[...]")
+    settings = Settings(against, chunk, dynamic, backend,
+                        tuple(sorted((options or {}).items())))
+    chain = _narrowed(eager, x, chosen, settings, samples, batch_dim) if narrow else []
+    hidden = sum(1 for name, _ in eager.named_modules() if inside(name, chosen))
+    probes = [*([] if explain is None else [explain] if isinstance(explain, str)
+                else list(explain)), Regions(chosen, hidden, chain)]
+    return _run(eager, x, chosen, settings, samples=samples, batch_dim=batch_dim,
+                modules=_observed(eager, chosen, modules), explain=probes, rtol=rtol,
+                atol=atol, resources=resources, progress=progress)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How the regions are compiled and what they are compared against."""
+
+    against: str
+    chunk: int
+    dynamic: bool | None
+    backend: str
+    options: tuple[tuple[str, Any], ...]
+
+
+def _narrowed(eager: nn.Module, x: Any, chosen: tuple[str, ...], settings: Settings,
+              samples: Any, batch_dim: int) -> list[list[str]]:
+    """Down to the module: while the first site that parts is a region with modules
+    inside, its children are compiled each on their own instead (its own code eager), and
+    the first of them that parts is looked inside next. Returns ``[region, child]`` per
+    step; a last ``[region, ""]`` when no child parts on its own (only the region compiled
+    whole does)."""
+    chain: list[list[str]] = []
+    regions = chosen
+    fast = ["-independence", "-precision"]  # only where the runs first part
+    found = _run(eager, x, regions, settings, samples=samples, batch_dim=batch_dim,
+                 modules=_observed(eager, regions, None), explain=fast, progress=False)
+    first = found.first_divergence
+    region = None if first is None else str(first["module"])
+    modules = dict(eager.named_modules())
+    while region in regions and region is not None:
+        children = [f"{region}.{name}" if region else name
+                    for name, _ in modules[region].named_children()]
+        if not children:
+            break
+        regions = tuple(r for r in regions if r != region) + tuple(children)
+        found = _run(eager, x, regions, settings, samples=samples, batch_dim=batch_dim,
+                     modules=_observed(eager, regions, None), explain=fast, progress=False)
+        first = found.first_divergence
+        parted = "" if first is None else str(first["module"])
+        if parted not in children:
+            chain.append([region, ""])
+            break
+        chain.append([region, parted])
+        region = parted
+    return chain
+
+
+def _run(eager: nn.Module, x: Any, chosen: tuple[str, ...], settings: Settings,
+         **options: Any) -> Comparison:
+    """One comparison of ``eager`` with ``chosen`` compiled as regions."""
+    found = checked_regions(eager, chosen)
+    against = settings.against
     copies: dict[int, nn.Module] = {}
-    b = Compiled(regions=chosen, dynamic=dynamic, backend=backend,
-                 options=tuple(sorted((options or {}).items())), copies=copies,
+    b = Compiled(regions=chosen, dynamic=settings.dynamic, backend=settings.backend,
+                 options=settings.options, copies=copies,
                  name="compiled batched" if against == "split" else "compiled")
-    a: Run = replace(b, chunk=chunk, name="compiled split") if against == "split" else (
+    a: Run = replace(b, chunk=settings.chunk, name="compiled split") if against == "split" else (
         Run(name="eager"))  # the model as given, its wrappers taken off
     kind = CompiledRegions.of(x, a, b)
     codes = [type(found[r]).forward.__code__ for r in chosen if r in found]
     # the compilations asked for: per dtype (the precision test's float64 too), one per
     # shape of run a's passes (a prompt alone: its own length) and run b's
     shapes = 2 * ((len(x) if isinstance(x, Prompts) else 2) + 1) + 2
-    hidden = sum(1 for name, _ in eager.named_modules() if inside(name, chosen))
-    probes = [*([] if explain is None else [explain] if isinstance(explain, str)
-                else list(explain)), Regions(chosen, hidden)]
     with compiled_code_kept(codes, shapes) as entries:
-        result = compare(eager, x, kind=kind, samples=samples, batch_dim=batch_dim,
-                         modules=_observed(eager, chosen, modules), explain=probes,
-                         rtol=rtol, atol=atol, resources=resources, progress=progress)
+        result = compare(eager, x, kind=kind, **options)
     most, limit = entries
     if limit and most >= limit:
         raise DivtraceValueError(

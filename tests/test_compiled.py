@@ -78,6 +78,25 @@ def test_compiled_code_that_depends_on_the_batch_shape_is_found_at_its_module(
     assert result.verdict == "rounding"  # and it shrinks in float64, compiled as it ran
 
 
+def test_down_to_the_module_whose_compiled_code_parts_the_runs() -> None:
+    class Block(nn.Module):  # eager code of its own around two children
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale, self.norm = nn.Identity(), RMSNorm(WIDE)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.norm(self.scale(x)) + 0.0
+
+    model = Blocks(nn.Identity(), Block()).eval()
+    x = _wide()
+    assert _row0_apart(model.layers[1].norm, x, dynamic=False)  # by hand: it parts alone
+    result = compare_compiled(model, x, samples=[0], narrow=True, progress=False)
+    assert result.first_divergence["site"] == "layers.1"  # the view stays region by region
+    assert result.meta.notes["regions"]["narrowed"] == [["layers.1", "layers.1.norm"]]
+    assert ("Down to the module: 'layers.1.norm', compiled on its own (the rest of 'layers.1' "
+            "eager), parts the runs") in result.summary()
+
+
 def test_eager_against_compiled_names_the_first_region_that_parts() -> None:
     model = Blocks(nn.Identity(), RMSNorm(WIDE)).eval()
     x = _wide()

@@ -17,12 +17,14 @@ class Regions(Probe):
 
     spec: ClassVar[Spec] = Spec(name="regions")
 
-    def __init__(self, regions: Sequence[str] = (), hidden: int = 0) -> None:
+    def __init__(self, regions: Sequence[str] = (), hidden: int = 0,
+                 narrowed: Sequence[Sequence[str]] = ()) -> None:
         self.regions = list(regions)
         self.hidden = int(hidden)
+        self.narrowed = [list(step) for step in narrowed]
 
     def settings(self) -> dict[str, Any]:
-        return {"regions": self.regions, "hidden": self.hidden}
+        return {"regions": self.regions, "hidden": self.hidden, "narrowed": self.narrowed}
 
     def note(self) -> Any:
         return self.settings()
@@ -39,6 +41,25 @@ class Regions(Probe):
                   f"{'them' if len(regions) > 1 else 'it'} ran compiled code, which has no "
                   f"sites: they were not observed") if hidden else ""
         each = f"{shown} ran" if len(regions) == 1 else f"{shown} ({len(regions)} in all) each ran"
-        return Explained((
-            f"Compiled region by region: {each} torch.compile'd code, its output a "
-            f"site{inside}.",))
+        said = [f"Compiled region by region: {each} torch.compile'd code, its output a "
+                f"site{inside}."]
+        steps = found.get("narrowed") or []
+        if steps:
+            said.append(_narrowed(steps))
+        return Explained(tuple(said))
+
+
+def _narrowed(steps: list[list[str]]) -> str:
+    """Where narrowing down to the module ended, in words."""
+    looked = len(steps)
+    tail = f" ({looked} more comparison{'s' * (looked > 1)}, children compiled each alone)"
+    region, child = steps[-1]
+    if child:
+        return (f"Down to the module: '{child}', compiled on its own (the rest of "
+                f"'{steps[0][0]}' eager), parts the runs; it is the smallest compiled "
+                f"module found that does{tail}.")
+    found = f"'{region}'" if looked == 1 else f"'{region}' (inside '{steps[0][0]}')"
+    return (f"Down to the module: {found} parts the runs only when compiled whole: "
+            f"compiled child by child, none of its children does, so it is the code "
+            f"that compiles them together (a fusion across them, or its own code "
+            f"between them){tail}.")
