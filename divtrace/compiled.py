@@ -184,8 +184,11 @@ def _run(eager: nn.Module, x: Any, chosen: tuple[str, ...], settings: Settings,
     # the compilations asked for: per dtype (the precision test's float64 too), one per
     # shape of run a's passes (a prompt alone: its own length) and run b's
     shapes = 2 * ((len(x) if isinstance(x, Prompts) else 2) + 1) + 2
-    with compiled_code_kept(codes, shapes) as entries:
-        result = compare(eager, x, kind=kind, **options)
+    try:
+        with compiled_code_kept(codes, shapes) as entries:
+            result = compare(eager, x, kind=kind, **options)
+    finally:
+        copies.clear()  # the compiled copy is not kept with the result
     most, limit = entries
     if limit and most >= limit:
         raise DivtraceValueError(

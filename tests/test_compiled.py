@@ -5,6 +5,7 @@ same regions compiled and run by hand."""
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -153,6 +154,16 @@ def test_nothing_is_left_compiled_and_no_recompile_is_asked_for() -> None:
     compare_compiled(model, _wide(), samples=[0], progress=False)
     assert len(_debug_get_cache_entry_list(code)) >= held  # the user's compiled code kept
     assert "forward" not in vars(model.layers[1])  # the user's modules: as they were
+
+    class Norm(RMSNorm):
+        pass
+
+    mine = Blocks(Norm(WIDE)).eval()
+    result = compare_compiled(mine, _wide(), samples=[0], progress=False)
+    gc.collect()
+    alive = [o for o in gc.get_objects() if isinstance(o, Norm)]
+    assert alive == [mine.layers[0]]  # the user's own, no compiled copy kept
+    assert result.verdict in ("rounding", "identical")
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
