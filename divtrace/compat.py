@@ -15,7 +15,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.module_tracker import ModuleTracker
 
-__all__ = ["BATCH_NORM", "DROPOUT", "TorchDispatchMode", "compiled_code_kept", "cuda_driver",
+__all__ = ["BATCH_NORM", "DROPOUT", "TorchDispatchMode", "compiled_code_kept", "compiling",
+           "cuda_driver",
            "default_tolerances", "foreach_copy", "forward_hooks", "generator_kept", "impl",
            "is_compiled", "modes_off", "module_tracker", "own_tensors", "pytree", "version"]
 
@@ -66,6 +67,23 @@ def compiled_code_kept(codes: Sequence[CodeType], shapes: int = 0) -> Iterator[l
         found[1] = limit
         for code in empty:
             reset_code(code)
+
+
+def compiling() -> tuple[int, float]:
+    """The graphs dynamo has compiled in this process so far, and the seconds its
+    compilations took (0 and 0.0 where torch does not say)."""
+    try:
+        from torch._dynamo import utils
+    except ImportError:
+        return 0, 0.0
+    graphs = int(utils.counters["stats"].get("unique_graphs", 0))
+    try:
+        lines = utils.compile_times(repr="str").splitlines()
+    except Exception:  # a private report whose shape may change
+        return graphs, 0.0
+    row = next((line for line in lines if line.startswith("_compile.compile_inner,")), "")
+    seconds = sum(float(v) for v in row.split(",")[1:] if v.strip())
+    return graphs, seconds
 
 
 #: ``version(tensor)``: the tensor's version counter, which moves whenever the tensor is

@@ -146,6 +146,8 @@ def test_nothing_is_left_compiled_and_no_recompile_is_asked_for() -> None:
     # model's float32 (and the precision test's float64), not one per layer and pass
     dtypes = 2 if result.meta.notes["precision"]["ran"] else 1
     assert counters["stats"]["unique_graphs"] - graphs == 2 * dtypes
+    assert result.meta.notes["regions"]["graphs"] == 2 * dtypes  # and the summary says so
+    assert f"It compiled {2 * dtypes} graphs in " in result.summary()
     assert not _debug_get_cache_entry_list(code)  # what it compiled, dropped
     users = torch.compile(model.layers[1], dynamic=False)
     with torch.no_grad():

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+from divtrace.compat import compiling
 from divtrace.explain.probe import Explained, Judged, Probe, Spec
 
 __all__ = ["Regions"]
@@ -22,12 +23,15 @@ class Regions(Probe):
         self.regions = list(regions)
         self.hidden = int(hidden)
         self.narrowed = [list(step) for step in narrowed]
+        self._since = compiling()  # what was compiled before the comparison
 
     def settings(self) -> dict[str, Any]:
         return {"regions": self.regions, "hidden": self.hidden, "narrowed": self.narrowed}
 
     def note(self) -> Any:
-        return self.settings()
+        graphs, seconds = compiling()
+        return self.settings() | {"graphs": graphs - self._since[0],
+                                  "compile_seconds": seconds - self._since[1]}
 
     @classmethod
     def explain(cls, result: Judged) -> Explained:
@@ -42,11 +46,21 @@ class Regions(Probe):
                   f"sites: they were not observed") if hidden else ""
         each = f"{shown} ran" if len(regions) == 1 else f"{shown} ({len(regions)} in all) each ran"
         said = [f"Compiled region by region: {each} torch.compile'd code, its output a "
-                f"site{inside}."]
+                f"site{inside}.{_compiled(found)}"]
         steps = found.get("narrowed") or []
         if steps:
             said.append(_narrowed(steps))
         return Explained(tuple(said))
+
+
+def _compiled(found: dict[str, Any]) -> str:
+    """`` It compiled 4 graphs in 3.2 s …``: what the comparison compiled, where known."""
+    graphs, seconds = found.get("graphs"), found.get("compile_seconds")
+    if not graphs:
+        return ""
+    took = f" in {seconds:.3g} s" if seconds else ""
+    return (f" It compiled {graphs} graph{'s' * (graphs != 1)}{took} (one per region "
+            f"class, batch shape and dtype, reused by every pass of that shape).")
 
 
 def _narrowed(steps: list[list[str]]) -> str:
