@@ -98,6 +98,17 @@ def test_down_to_the_module_whose_compiled_code_parts_the_runs() -> None:
             "eager), parts the runs") in result.summary()
 
 
+def test_the_kernels_probe_names_the_compiled_graph_each_run_called() -> None:
+    model = Blocks(nn.Identity(), RMSNorm(WIDE)).eval()
+    result = compare_compiled(model, _wide(), samples=[0], explain=["kernels"],
+                              progress=False)
+    row = result.table.set_index("site").loc["layers.1"]
+    # each batch shape its own compiled graph: another one in each run, by its hash
+    assert "CompiledFxGraph" in row["kernels_a"]
+    assert "CompiledFxGraph" in row["kernels_b"]
+    assert bool(row["kernels_differ"])
+
+
 def test_eager_against_compiled_names_the_first_region_that_parts() -> None:
     model = Blocks(nn.Identity(), RMSNorm(WIDE)).eval()
     x = _wide()
