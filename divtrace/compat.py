@@ -15,10 +15,26 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.module_tracker import ModuleTracker
 
-__all__ = ["BATCH_NORM", "DROPOUT", "TorchDispatchMode", "compiled_code_kept", "compiling",
-           "cuda_driver",
-           "default_tolerances", "foreach_copy", "forward_hooks", "generator_kept", "impl",
-           "is_compiled", "modes_off", "module_tracker", "own_tensors", "pytree", "version"]
+__all__ = [
+    "BATCH_NORM",
+    "DROPOUT",
+    "TorchDispatchMode",
+    "compiled_code_kept",
+    "compiling",
+    "cuda_driver",
+    "default_tolerances",
+    "foreach_copy",
+    "forward_hooks",
+    "generator_kept",
+    "impl",
+    "inductor_settings",
+    "is_compiled",
+    "modes_off",
+    "module_tracker",
+    "own_tensors",
+    "pytree",
+    "version",
+]
 
 #: The base classes of BatchNorm and of Dropout layers (they mix samples, or draw random
 #: numbers, in train mode).
@@ -84,6 +100,25 @@ def compiling() -> tuple[int, float]:
     row = next((line for line in lines if line.startswith("_compile.compile_inner,")), "")
     seconds = sum(float(v) for v in row.split(",")[1:] if v.strip())
     return graphs, seconds
+
+
+def inductor_settings(settings: Mapping[str, object]) -> AbstractContextManager[object]:
+    """A context in which inductor's ``settings`` (dotted names of
+    ``torch._inductor.config``: ``"cpp.threads"``, ``"split_reductions"``) are in force,
+    put back exactly after; a name this torch's inductor has not is refused."""
+    from torch._inductor import config
+
+    unknown = [name for name in settings if not _has(config, name)]
+    if unknown:
+        raise ValueError(f"torch {torch.__version__}'s inductor has no setting {unknown[0]!r}")
+    return config.patch(dict(settings))
+
+
+def _has(config: object, name: str) -> bool:
+    head, _, rest = name.partition(".")
+    if not hasattr(config, head):
+        return False
+    return _has(getattr(config, head), rest) if rest else True
 
 
 #: ``version(tensor)``: the tensor's version counter, which moves whenever the tensor is

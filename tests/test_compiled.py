@@ -283,3 +283,28 @@ def test_a_compiled_softmax_that_depends_on_the_batch_shape_on_cuda(batch: int) 
         assert static.verdict == "identical"
     dynamic = compare_compiled(model, x, samples=[0], dynamic=True, progress=False)
     assert dynamic.verdict == "identical"  # one kernel for every batch size
+
+
+def test_remedies_of_compiled_code_are_compiled_under_them_verified_and_costed() -> None:
+    from torch._inductor import config
+
+    class Norm(RMSNorm):
+        pass
+
+    model = Blocks(nn.Identity(), Norm(WIDE)).eval()
+    x = _wide()
+    threads = config.cpp.threads
+    result = compare_compiled(model, x, samples=[0], progress=False)
+    assert result.verdict == "rounding"
+    found = result.remedies(candidates=["inductor", "float64", "deterministic"], repeats=1,
+                            progress=False)
+    assert config.cpp.threads == threads  # inductor's config as it was
+    table = found.table.set_index("kind")
+    # by hand: the norm compiled statically under the setting, row 0 against alone
+    with divtrace.remedies.InductorSettings({"cpp.threads": 1}).applied(model):
+        agrees = not _row0_apart(model.layers[1], x, dynamic=False)
+    assert bool(table.loc["inductor", "identical"]) == agrees
+    assert table.loc["inductor", "cost"] > 0
+    assert table.loc["float64", "note"].startswith("not tried: it acts through hooks")
+    gc.collect()
+    assert [o for o in gc.get_objects() if isinstance(o, Norm)] == [model.layers[1]]

@@ -27,10 +27,7 @@ class CompiledRegions(Paired):
     second: Run | None = None
     name: ClassVar[str] = "compiled"
     cannot: ClassVar[Mapping[str, str]] = {
-        "graphs": "compiled code is not captured into CUDA graphs by divtrace",
-        "remedies": "remedies() for compiled code are not built yet: compare with "
-                    "compare_compiled(..., dynamic=True), or leave a region eager "
-                    "(regions=[...])"}
+        "graphs": "compiled code is not captured into CUDA graphs by divtrace"}
 
     @classmethod
     def of(cls, x: Any, first: Run, second: Run) -> CompiledRegions:

@@ -9,6 +9,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from divtrace.compat import pytree
 from divtrace.kinds.registry import kind_of
+from divtrace.plan.compiled import Compiled
 from divtrace.plan.make import Plan
 from divtrace.record.recorder import Sink, Tracker
 from divtrace.remedies.remedy import Remedy
@@ -94,22 +96,32 @@ def _timer(model: nn.Module, plan: Plan, which: str, passes: list[Pass],
     run = plan.a if which == "a" else plan.b
     driver = plan.batch.driver
     chunk = None if driver is None else driver.observed(Sink())  # told, never recording
+    copies: dict[int, nn.Module] = {}  # a compiled run: a copy compiled under each remedy
 
-    def one(rows: tuple[int, int], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def net(remedy: Remedy | None) -> nn.Module:
+        if not isinstance(run, Compiled):
+            return model
+        if id(remedy) not in copies:
+            copies[id(remedy)] = replace(run, copies={}).model(model)
+        return copies[id(remedy)]
+
+    def one(mine: nn.Module, rows: tuple[int, int], args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> Any:
         if driver is None:
-            return model(*args, **kwargs)
+            return mine(*args, **kwargs)
         tracker = Tracker(lineage=False)
         assert chunk is not None
         chunk.begin_chunk(*rows, tracker)
-        return driver.run(model, args, kwargs, tracker)
+        return driver.run(mine, args, kwargs, tracker)
 
     def timed(remedy: Remedy | None, seen: Callable[[Any], object] | None = None) -> float:
-        within = nullcontext() if remedy is None else remedy.applied(model)
+        mine = net(remedy)
+        within = nullcontext() if remedy is None else remedy.applied(mine)
         with within, kind_of(plan).around(which), run.flags(), torch.no_grad(), quiet():
             sync(devices)
             start = time.perf_counter()
             for index, (rows, args, kwargs) in enumerate(passes):
-                output = one(rows, args, kwargs)
+                output = one(mine, rows, args, kwargs)
                 if seen is not None and index == 0:
                     seen(output)
                 del output
@@ -148,5 +160,6 @@ def costs(plan: Plan, model: nn.Module, remedies: Sequence[Remedy], repeats: int
         if step is not None:
             step()
     medians = [[statistics.median(times) for times in per] for per in seen]
+
     return [(medians[0][i] / medians[0][0], medians[1][i] / medians[1][0], change.found[i - 1])
             for i in range(1, len(everyone))]

@@ -46,6 +46,8 @@ class Situation:
         head: The model's output head (its final norm and output embedding), by qualified
             name; empty: it has no output embedding.
         head_dtype: The dtype of the output embedding's weight (None: no head).
+        compiled: The runs run code divtrace compiled (``compare_compiled``): on copies
+            of the model, so hooks on the model are not in them.
     """
 
     batch_size: int
@@ -58,6 +60,7 @@ class Situation:
     attention: tuple[str, ...]
     head: tuple[str, ...] = ()
     head_dtype: str | None = None
+    compiled: bool = False
 
 
 class _Flags:

@@ -56,6 +56,7 @@ class Saved(Remedy):
 _CLASSES = {"cudnn": "CudnnOff", "float64": "Float64", "fixed-batch": "FixedBatch",
             "precision": "PrecisionOff", "math-attention": "MathAttention",
             "deterministic": "Deterministic", "float32-head": "Float32Head",
+            "inductor": "InductorSettings",
             "custom": "Custom"}
 
 

@@ -20,6 +20,7 @@ from divtrace.explain.tokens import PerToken
 from divtrace.kinds.padded import Padded
 from divtrace.kinds.registry import kind_of
 from divtrace.pipeline import execute
+from divtrace.plan.compiled import Compiled
 from divtrace.plan.make import Plan
 from divtrace.plan.runs import backend_flags
 from divtrace.remedies.catalog import (
@@ -33,6 +34,7 @@ from divtrace.remedies.catalog import (
 )
 from divtrace.remedies.cost import costs, quiet
 from divtrace.remedies.head import Float32Head, output_head
+from divtrace.remedies.inductor import InductorSettings
 from divtrace.remedies.remedy import Custom, Remedy, Scoped, Situation
 from divtrace.remedies.result import Remedies
 from divtrace.report.comparison import Comparison
@@ -44,7 +46,7 @@ __all__ = ["NAMES", "Again", "find"]
 
 #: How ``candidates=`` names the remedies divtrace tries, in the table's order.
 NAMES = ("cudnn", "cudnn-everywhere", "float64", "fixed-batch", "precision",
-         "math-attention", "deterministic", "float32-head")
+         "math-attention", "deterministic", "float32-head", "inductor")
 #: A scoped remedy that leaves the runs apart is widened to the sources of its own run,
 #: at most this many times.
 ROUNDS = 8
@@ -84,9 +86,10 @@ def situation(plan: Plan, model: nn.Module) -> Situation:
                      None)
     head_dtype = str(weight.dtype).removeprefix("torch.") if isinstance(
         weight, torch.Tensor) else None
+    compiled = any(isinstance(run, Compiled) for run in (plan.a, plan.b))
     return Situation(plan.batch.batch_size, plan.batch.batch_dim, on_cuda,
                      dict(kind_of(plan).cannot), plan.a.chunk, batch_only, reduced, attention,
-                     head, head_dtype)
+                     head, head_dtype, compiled)
 
 
 def scope(result: Comparison) -> list[str]:
@@ -111,7 +114,8 @@ def _one(item: Any, where: list[str], sit: Situation) -> Remedy:
                 "float64": lambda: Float64(where),
                 "fixed-batch": lambda: FixedBatch(sit.batch_size, sit.batch_dim),
                 "precision": PrecisionOff, "math-attention": MathAttention,
-                "deterministic": Deterministic, "float32-head": Float32Head}.get(item)
+                "deterministic": Deterministic, "float32-head": Float32Head,
+                "inductor": lambda: InductorSettings.for_device(sit.on_cuda)}.get(item)
         if made is None:
             raise DivtraceValueError(f"unknown remedy {item!r}; the names are "
                                      f"{', '.join(NAMES)} and 'defaults' (all of them)")
@@ -147,8 +151,11 @@ def verify(remedy: Remedy, plan: Plan, model: nn.Module, kept: Sequence[Any] = (
         again = replace(plan, explain=list(kept) or None, keep=False, progress=False,
                         kind=plan.kind if padded is None else Padded(padded),
                         graphs=False if padded else plan.graphs)
-        with remedy.applied(model), quiet():
-            found = _model_sites(execute(again, model), remedy)
+        try:
+            with remedy.applied(model), quiet():
+                found = _model_sites(execute(again, model), remedy)
+        finally:
+            _fresh(plan)  # a compiled copy is made anew under each remedy
         if found.verdict == "identical" or remedy.modules is None:
             break
         wider = remedy.widened(_wider(found, remedy.modules))
@@ -156,6 +163,14 @@ def verify(remedy: Remedy, plan: Plan, model: nn.Module, kept: Sequence[Any] = (
             break
         remedy = wider
     return remedy, found, rounds
+
+
+def _fresh(plan: Plan) -> None:
+    """The compiled copies of the model the runs made, dropped: the next comparison
+    compiles its own under its remedy, and none stays with the result."""
+    for run in (plan.a, plan.b):
+        if isinstance(run, Compiled):
+            run.copies.clear()
 
 
 def _model_sites(found: Comparison, remedy: Remedy) -> Comparison:
@@ -193,6 +208,20 @@ def _wider(found: Comparison, modules: Sequence[str]) -> list[str]:
     return []
 
 
+#: The remedies that act through global settings, not hooks on the model: they reach
+#: code that runs on copies of it (``compare_compiled``'s).
+_GLOBAL = (PrecisionOff, Deterministic, MathAttention, InductorSettings)
+
+
+def _on_copies(remedy: Remedy, sit: Situation) -> str | None:
+    """Why a remedy cannot reach runs of copies of the model (None: it can)."""
+    if not sit.compiled or isinstance(remedy, _GLOBAL) or (
+            isinstance(remedy, CudnnOff) and remedy.modules is None):
+        return None
+    return ("it acts through hooks on the model, and the compiled runs run copies of it: "
+            "leave the region eager instead (compare_compiled(..., regions=[...]))")
+
+
 def _per_token(found: Comparison) -> str:
     """The log-probabilities under a remedy, for the note: what a rollout's user watches."""
     table = token_figures(found).logprobs
@@ -228,7 +257,8 @@ def _refused(plan: Plan) -> None:
     cannot = kind_of(plan).cannot.get("remedies")
     if cannot is not None:
         raise DivtraceValueError(cannot)
-    changed = [w for w, run in (("a", plan.a), ("b", plan.b)) if run.changes_model]
+    changed = [w for w, run in (("a", plan.a), ("b", plan.b))
+               if run.changes_model and not isinstance(run, Compiled)]
     if changed:
         raise DivtraceValueError(
             f"remedies() puts hooks on the model and runs the comparison again, but run "
@@ -265,7 +295,7 @@ def find(result: Comparison, plan: Plan, model: nn.Module, given: Any = None,
                disable=not progress, leave=False)
     with bar:
         for index, remedy in enumerate(chosen):
-            why = remedy.unusable(sit)
+            why = remedy.unusable(sit) or _on_copies(remedy, sit)
             if why is not None:
                 rows.append(_row(remedy, None, before, f"not tried: {why}"))
             else:
