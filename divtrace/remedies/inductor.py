@@ -42,23 +42,28 @@ class InductorSettings(Remedy):
             raise DivtraceValueError(
                 f"InductorSettings(settings) takes a dict of inductor settings, e.g. "
                 f"{{'split_reductions': False}}; got {settings!r}")
-        try:
-            inductor_settings(settings)  # the names checked now, not when applied
-        except ValueError as error:
-            raise DivtraceValueError(f"{error}: give names of torch._inductor.config") from None
         self.settings = dict(settings)
+        self.missing = _missing(self.settings)
+        if self.missing is not None:  # the names checked now, not when applied
+            raise DivtraceValueError(f"{self.missing}: give names of torch._inductor.config")
 
     @classmethod
     def for_device(cls, on_cuda: bool) -> InductorSettings:
-        """The settings tried by default on that device."""
-        return cls(DEFAULTS["cuda" if on_cuda else "cpu"])
+        """The settings tried by default on that device (not tried where this torch's
+        inductor lacks them)."""
+        made = cls.__new__(cls)
+        made.settings = dict(DEFAULTS["cuda" if on_cuda else "cpu"])
+        made.missing = _missing(made.settings)
+        return made
 
     @property
     def name(self) -> str:
         return "inductor " + ", ".join(f"{k}={v!r}" for k, v in self.settings.items())
 
     def unusable(self, situation: Situation) -> str | None:
-        return None if situation.compiled else "the runs run no code compiled by divtrace"
+        if not situation.compiled:
+            return "the runs run no code compiled by divtrace"
+        return self.missing
 
     def caveat(self, situation: Situation) -> str:
         return f"a setting of torch {torch.__version__}'s inductor, in force when compiling"
@@ -68,3 +73,12 @@ class InductorSettings(Remedy):
 
     def enter(self, model: nn.Module, stack: ExitStack) -> None:
         stack.enter_context(inductor_settings(self.settings))
+
+
+def _missing(settings: Mapping[str, Any]) -> str | None:
+    """Why inductor cannot take ``settings`` (None: it can)."""
+    try:
+        inductor_settings(settings)
+    except ValueError as error:
+        return str(error)
+    return None
