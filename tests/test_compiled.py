@@ -296,8 +296,8 @@ def test_remedies_of_compiled_code_are_compiled_under_them_verified_and_costed()
     threads = config.cpp.threads
     result = compare_compiled(model, x, samples=[0], progress=False)
     assert result.verdict == "rounding"
-    found = result.remedies(candidates=["inductor", "float64", "deterministic"], repeats=1,
-                            progress=False)
+    found = result.remedies(candidates=["inductor", "float64", "deterministic", "dynamic",
+                                        "eager-region"], repeats=1, progress=False)
     assert config.cpp.threads == threads  # inductor's config as it was
     table = found.table.set_index("kind")
     # by hand: the norm compiled statically under the setting, row 0 against alone
@@ -306,5 +306,11 @@ def test_remedies_of_compiled_code_are_compiled_under_them_verified_and_costed()
     assert bool(table.loc["inductor", "identical"]) == agrees
     assert table.loc["inductor", "cost"] > 0
     assert table.loc["float64", "note"].startswith("not tried: it acts through hooks")
+    # the region left eager: the eager norm computes row 0 alike at any batch; dynamic
+    # shapes: as the norm compiled with dynamic=True by hand does
+    assert table.loc["eager-region", "remedy"] == "eager in layers.1"
+    assert bool(table.loc["eager-region", "identical"])
+    assert bool(table.loc["dynamic", "identical"]) == (
+        not _row0_apart(model.layers[1], x, dynamic=True))
     gc.collect()
     assert [o for o in gc.get_objects() if isinstance(o, Norm)] == [model.layers[1]]

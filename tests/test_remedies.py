@@ -64,7 +64,8 @@ def test_the_table_verifies_each_candidate(found: tuple[nn.Module, torch.Tensor,
     table = remedies.table.set_index("kind")
     assert list(remedies.table["kind"]) == ["cudnn", "cudnn", "float64", "fixed-batch",
                                             "precision", "math-attention", "deterministic",
-                                            "float32-head", "inductor"]
+                                            "float32-head", "inductor", "dynamic",
+                                            "eager-region"]
     assert list(remedies.table.columns) == list(divtrace.remedies.result.COLUMNS)
     assert bool(table.loc["float64", "identical"])
     assert table.loc["float64", "modules"] == 1
@@ -74,8 +75,8 @@ def test_the_table_verifies_each_candidate(found: tuple[nn.Module, torch.Tensor,
     assert not bool(table.loc["deterministic", "identical"])  # the seed user's attempt
     assert table.loc["deterministic", "output_ratio"] == 1
     # cuDNN twice, precision, attention, the head (an MLP has no output embedding), and
-    # inductor's settings (nothing compiled)
-    assert table["identical"].isna().sum() == 6
+    # the three for compiled code (nothing compiled)
+    assert table["identical"].isna().sum() == 8
     assert table.loc["inductor", "note"] == "not tried: the runs run no code compiled by divtrace"
     assert table.loc["float32-head", "note"] == (
         "not tried: the model has no output embedding (get_output_embeddings())")
@@ -107,7 +108,7 @@ def test_the_summary_names_the_best_and_what_failed(
     assert "Not bit-identical: deterministic algorithms" in text
     assert "Not tried: cuDNN off in 3 (the model runs on the CPU, without cuDNN)" in text
     assert "No candidate" not in text
-    assert repr(remedies).startswith("<divtrace.Remedies: 9 candidates, best: ")
+    assert repr(remedies).startswith("<divtrace.Remedies: 11 candidates, best: ")
     assert "<table" in remedies._repr_html_()
 
 

@@ -99,10 +99,11 @@ def _timer(model: nn.Module, plan: Plan, which: str, passes: list[Pass],
     copies: dict[int, nn.Module] = {}  # a compiled run: a copy compiled under each remedy
 
     def net(remedy: Remedy | None) -> nn.Module:
-        if not isinstance(run, Compiled):
+        mine = run if remedy is None else getattr(remedy.replanned(plan), which)
+        if not isinstance(mine, Compiled):
             return model
         if id(remedy) not in copies:
-            copies[id(remedy)] = replace(run, copies={}).model(model)
+            copies[id(remedy)] = replace(mine, copies={}).model(model)
         return copies[id(remedy)]
 
     def one(mine: nn.Module, rows: tuple[int, int], args: tuple[Any, ...],

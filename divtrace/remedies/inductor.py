@@ -1,10 +1,12 @@
-"""Inductor settings as a remedy for compiled code (:class:`InductorSettings`): while in
-force, code compiled under them is made with them (``compare_compiled``'s regions)."""
+"""Remedies for compiled code (``compare_compiled``'s regions): inductor settings in force
+while compiling (:class:`InductorSettings`), one kernel for every batch size
+(:class:`DynamicShapes`), a region left eager (:class:`EagerRegions`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -12,9 +14,10 @@ from torch import nn
 
 from divtrace.compat import inductor_settings
 from divtrace.errors import DivtraceValueError
+from divtrace.plan.compiled import Compiled
 from divtrace.remedies.remedy import Remedy, Situation
 
-__all__ = ["InductorSettings"]
+__all__ = ["DynamicShapes", "EagerRegions", "InductorSettings"]
 
 #: What ``candidates=["inductor"]`` tries on each device: the setting that keeps a
 #: reduction from being split by the batch's shape (the C++ backend's threads over one
@@ -82,3 +85,77 @@ def _missing(settings: Mapping[str, Any]) -> str | None:
     except ValueError as error:
         return str(error)
     return None
+
+
+def _recompiled(plan: Any, **settings: Any) -> Any:
+    """``plan`` with its compiled runs compiled otherwise (one new copy shared by both)."""
+    copies: dict[int, nn.Module] = {}
+    runs = {which: replace(run, copies=copies, **settings) if isinstance(run, Compiled)
+            else run for which, run in (("a", plan.a), ("b", plan.b))}
+    return replace(plan, **runs)
+
+
+class _Recompiling(Remedy):
+    """A remedy that compiles the runs' copies otherwise: applied by compiling so."""
+
+    def unusable(self, situation: Situation) -> str | None:
+        return None if situation.compiled else "the runs run no code compiled by divtrace"
+
+    def enter(self, model: nn.Module, stack: ExitStack) -> None:
+        """Nothing to put in force: the runs' copies are compiled otherwise
+        (:meth:`replanned`)."""
+
+
+class DynamicShapes(_Recompiling):
+    """The regions compiled with ``dynamic=True``: one kernel for every batch size (apply
+    it as ``torch.compile(..., dynamic=True)``, or ``torch._dynamo.mark_dynamic`` on the
+    batch dimension)."""
+
+    kind = "dynamic"
+
+    @property
+    def name(self) -> str:
+        return "dynamic shapes"
+
+    def caveat(self, situation: Situation) -> str:
+        return "compiled with dynamic=True: every dimension may vary, not only the batch's"
+
+    def replanned(self, plan: Any) -> Any:
+        return _recompiled(plan, dynamic=True)
+
+
+class EagerRegions(_Recompiling):
+    """Some regions left eager, the others compiled (apply it by not compiling them).
+
+    Args:
+        modules: The regions left eager.
+    """
+
+    kind = "eager-region"
+
+    def __init__(self, modules: Sequence[str]) -> None:
+        self._modules = tuple([modules] if isinstance(modules, str) else modules)
+        if not self._modules:
+            raise DivtraceValueError("EagerRegions(modules) takes the regions to leave eager")
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        return self._modules
+
+    @property
+    def name(self) -> str:
+        shown = ", ".join(self._modules[:3])
+        more = len(self._modules) - 3
+        return f"eager in {shown}" + (f" (+{more} more)" if more > 0 else "")
+
+    def unusable(self, situation: Situation) -> str | None:
+        return super().unusable(situation) or (
+            None if self._modules else "no compiled region parts the runs")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "modules": list(self._modules)}
+
+    def replanned(self, plan: Any) -> Any:
+        run = plan.b if isinstance(plan.b, Compiled) else plan.a
+        kept = tuple(r for r in run.regions if r not in self._modules)
+        return _recompiled(plan, regions=kept)

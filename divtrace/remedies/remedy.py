@@ -136,6 +136,11 @@ class Remedy:
         """The remedy as plain data, for saved files."""
         return {"kind": self.kind, "name": self.name}
 
+    def replanned(self, plan: Any) -> Any:
+        """The plan the remedy is verified and costed on (default: ``plan`` itself; a
+        remedy for compiled code compiles the runs' copies otherwise)."""
+        return plan
+
     def enter(self, model: nn.Module, stack: ExitStack) -> None:
         """Puts the remedy in force on ``model``; registers its undoing on ``stack``."""
         raise NotImplementedError(f"{type(self).__name__} must define enter(model, stack)")

@@ -56,7 +56,8 @@ class Saved(Remedy):
 _CLASSES = {"cudnn": "CudnnOff", "float64": "Float64", "fixed-batch": "FixedBatch",
             "precision": "PrecisionOff", "math-attention": "MathAttention",
             "deterministic": "Deterministic", "float32-head": "Float32Head",
-            "inductor": "InductorSettings",
+            "inductor": "InductorSettings", "dynamic": "DynamicShapes",
+            "eager-region": "EagerRegions",
             "custom": "Custom"}
 
 

@@ -34,7 +34,7 @@ from divtrace.remedies.catalog import (
 )
 from divtrace.remedies.cost import costs, quiet
 from divtrace.remedies.head import Float32Head, output_head
-from divtrace.remedies.inductor import InductorSettings
+from divtrace.remedies.inductor import DynamicShapes, EagerRegions, InductorSettings
 from divtrace.remedies.remedy import Custom, Remedy, Scoped, Situation
 from divtrace.remedies.result import Remedies
 from divtrace.report.comparison import Comparison
@@ -46,7 +46,8 @@ __all__ = ["NAMES", "Again", "find"]
 
 #: How ``candidates=`` names the remedies divtrace tries, in the table's order.
 NAMES = ("cudnn", "cudnn-everywhere", "float64", "fixed-batch", "precision",
-         "math-attention", "deterministic", "float32-head", "inductor")
+         "math-attention", "deterministic", "float32-head", "inductor", "dynamic",
+         "eager-region")
 #: A scoped remedy that leaves the runs apart is widened to the sources of its own run,
 #: at most this many times.
 ROUNDS = 8
@@ -115,7 +116,9 @@ def _one(item: Any, where: list[str], sit: Situation) -> Remedy:
                 "fixed-batch": lambda: FixedBatch(sit.batch_size, sit.batch_dim),
                 "precision": PrecisionOff, "math-attention": MathAttention,
                 "deterministic": Deterministic, "float32-head": Float32Head,
-                "inductor": lambda: InductorSettings.for_device(sit.on_cuda)}.get(item)
+                "inductor": lambda: InductorSettings.for_device(sit.on_cuda),
+                "dynamic": DynamicShapes, "eager-region": lambda: EagerRegions(where),
+                }.get(item)
         if made is None:
             raise DivtraceValueError(f"unknown remedy {item!r}; the names are "
                                      f"{', '.join(NAMES)} and 'defaults' (all of them)")
@@ -136,7 +139,7 @@ def candidates(given: Any, where: list[str], sit: Situation) -> list[Remedy]:
     if not expanded:
         raise DivtraceValueError("candidates is empty; leave it out to try every remedy")
     if not where:
-        expanded = [i for i in expanded if i not in ("cudnn", "float64")]
+        expanded = [i for i in expanded if i not in ("cudnn", "float64", "eager-region")]
     return [_one(item, where, sit) for item in expanded]
 
 
@@ -148,14 +151,16 @@ def verify(remedy: Remedy, plan: Plan, model: nn.Module, kept: Sequence[Any] = (
     again. Returns the remedy as finally tried, its comparison and the rounds it took."""
     for rounds in range(1, ROUNDS + 1):
         padded = remedy.pads()
-        again = replace(plan, explain=list(kept) or None, keep=False, progress=False,
-                        kind=plan.kind if padded is None else Padded(padded),
-                        graphs=False if padded else plan.graphs)
+        again = remedy.replanned(replace(
+            plan, explain=list(kept) or None, keep=False, progress=False,
+            kind=plan.kind if padded is None else Padded(padded),
+            graphs=False if padded else plan.graphs))
         try:
             with remedy.applied(model), quiet():
                 found = _model_sites(execute(again, model), remedy)
         finally:
             _fresh(plan)  # a compiled copy is made anew under each remedy
+            _fresh(again)
         if found.verdict == "identical" or remedy.modules is None:
             break
         wider = remedy.widened(_wider(found, remedy.modules))
@@ -210,7 +215,8 @@ def _wider(found: Comparison, modules: Sequence[str]) -> list[str]:
 
 #: The remedies that act through global settings, not hooks on the model: they reach
 #: code that runs on copies of it (``compare_compiled``'s).
-_GLOBAL = (PrecisionOff, Deterministic, MathAttention, InductorSettings)
+_GLOBAL = (PrecisionOff, Deterministic, MathAttention, InductorSettings, DynamicShapes,
+           EagerRegions)
 
 
 def _on_copies(remedy: Remedy, sit: Situation) -> str | None:
@@ -218,8 +224,8 @@ def _on_copies(remedy: Remedy, sit: Situation) -> str | None:
     if not sit.compiled or isinstance(remedy, _GLOBAL) or (
             isinstance(remedy, CudnnOff) and remedy.modules is None):
         return None
-    return ("it acts through hooks on the model, and the compiled runs run copies of it: "
-            "leave the region eager instead (compare_compiled(..., regions=[...]))")
+    return ("it acts through hooks on the model, and the compiled runs run copies of it "
+            "(the eager-region remedy leaves a region eager instead)")
 
 
 def _per_token(found: Comparison) -> str:
