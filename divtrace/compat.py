@@ -15,26 +15,10 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.module_tracker import ModuleTracker
 
-__all__ = [
-    "BATCH_NORM",
-    "DROPOUT",
-    "TorchDispatchMode",
-    "compiled_code_kept",
-    "compiling",
-    "cuda_driver",
-    "default_tolerances",
-    "foreach_copy",
-    "forward_hooks",
-    "generator_kept",
-    "impl",
-    "inductor_settings",
-    "is_compiled",
-    "modes_off",
-    "module_tracker",
-    "own_tensors",
-    "pytree",
-    "version",
-]
+__all__ = ["BATCH_NORM", "DROPOUT", "TorchDispatchMode", "compiled_code_kept", "compiling",
+           "cuda_driver", "default_tolerances", "foreach_copy", "forward_hooks",
+           "generator_kept", "impl", "inductor_settings", "is_compiled", "modes_off",
+           "module_tracker", "own_tensors", "pytree", "version"]
 
 #: The base classes of BatchNorm and of Dropout layers (they mix samples, or draw random
 #: numbers, in train mode).
@@ -60,9 +44,8 @@ def compiled_code_kept(codes: Sequence[CodeType], shapes: int = 0) -> Iterator[l
     that later compilations of it start afresh (one that held some keeps them, and what
     the block added). Inside the block dynamo's recompile limit is at least ``shapes`` (the
     compilations the block asks for) more than the entries a code held before, and put
-    back after. Yields a list that, after the
-    block, holds the most entries one of the codes held and the limit in force (both 0
-    where torch has no dynamo)."""
+    back after. Yields a list that, after the block, holds the most entries one of the
+    codes held and the limit in force (both 0 where torch has no dynamo)."""
     found = [0, 0]
     try:
         from torch._dynamo import config, reset_code

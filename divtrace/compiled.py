@@ -180,7 +180,7 @@ def _run(eager: nn.Module, x: Any, chosen: tuple[str, ...], settings: Settings,
     a: Run = replace(b, chunk=settings.chunk, name="compiled split") if against == "split" else (
         Run(name="eager"))  # the model as given, its wrappers taken off
     kind = CompiledRegions.of(x, a, b)
-    codes = [type(found[r]).forward.__code__ for r in chosen if r in found]
+    codes = [type(found[r]).forward.__code__ for r in chosen]
     # the compilations asked for: per dtype (the precision test's float64 too), one per
     # shape of run a's passes (a prompt alone: its own length) and run b's
     shapes = 2 * ((len(x) if isinstance(x, Prompts) else 2) + 1) + 2

@@ -91,7 +91,8 @@ def moved_in_calls(meter: Meter, first: RowStore, again: RowStore, rows: list[in
     sites, their fingerprints) and another pass recorded into ``again`` (its parts cut
     to the tokens measured against run a's, whose store ``first`` says where each began):
     1.0 or 0.0 after ``host`` fetched."""
-    at = [meter.store.samples.index(s) for s in rows]
+    at = torch.tensor([meter.store.samples.index(s) for s in rows])
+    index: dict[torch.device, torch.Tensor] = {}  # one upload per device
     found: dict[str, Deferred] = {}
     for measured in meter.sites:
         stored, reference = again.rows.get(measured.site.key), first.rows.get(
@@ -105,9 +106,11 @@ def moved_in_calls(meter: Meter, first: RowStore, again: RowStore, rows: list[in
         now = meter.fingerprints([cut.unsqueeze(0) for cut in cuts])
         if now.shape != measured.prints.shape:
             continue
-        index = upload(torch.tensor(at), now.device)
-        moved = now.index_select(0, index) != measured.prints.index_select(
-            0, index.to(measured.prints.device)).to(now.device)
+        device = measured.prints.device
+        if device not in index:
+            index[device] = upload(at, device)
+        moved = now.to(device).index_select(0, index[device]) != (
+            measured.prints.index_select(0, index[device]))
         found[measured.site.key] = host.add(moved.any().double().reshape(1))
     return found
 

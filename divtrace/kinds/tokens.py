@@ -42,7 +42,7 @@ class Tokens(Ragged):
     driver: LayoutDriver
     name: ClassVar[str] = "token layouts"
     cannot: ClassVar[Mapping[str, str]] = {
-        **{k: v for k, v in Ragged.cannot.items() if k != "padded"},
+        **Ragged.cannot,
         "padded": "the runs lay the same tokens out in calls of other lengths, not only of "
                   "other rows: no batch size makes their calls one shape (the decode layout "
                   "keeps every sequence in its batch at every step already)"}

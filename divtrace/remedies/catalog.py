@@ -61,6 +61,10 @@ class CudnnOff(Scoped):
     kind = "cudnn"
     what = "cuDNN off"
 
+    @property
+    def reaches_copies(self) -> bool:
+        return self.modules is None  # the flag itself, not hooks on modules
+
     def unusable(self, situation: Situation) -> str | None:
         return None if situation.on_cuda else "the model runs on the CPU, without cuDNN"
 
@@ -259,6 +263,10 @@ class PrecisionOff(Remedy):
     kind = "precision"
 
     @property
+    def reaches_copies(self) -> bool:
+        return True
+
+    @property
     def name(self) -> str:
         return "reduced precision off"
 
@@ -283,6 +291,10 @@ class MathAttention(Remedy):
     kind = "math-attention"
 
     @property
+    def reaches_copies(self) -> bool:
+        return True
+
+    @property
     def name(self) -> str:
         return "math attention backend"
 
@@ -305,6 +317,10 @@ class Deterministic(Remedy):
     kind = "deterministic"
 
     @property
+    def reaches_copies(self) -> bool:
+        return True
+
+    @property
     def name(self) -> str:
         return "deterministic algorithms"
 
@@ -316,4 +332,3 @@ class Deterministic(Remedy):
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
-

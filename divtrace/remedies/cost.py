@@ -96,15 +96,14 @@ def _timer(model: nn.Module, plan: Plan, which: str, passes: list[Pass],
     run = plan.a if which == "a" else plan.b
     driver = plan.batch.driver
     chunk = None if driver is None else driver.observed(Sink())  # told, never recording
-    copies: dict[int, nn.Module] = {}  # a compiled run: a copy compiled under each remedy
+    nets: dict[int, nn.Module] = {}  # a compiled run: a copy compiled under each remedy
 
     def net(remedy: Remedy | None) -> nn.Module:
-        mine = run if remedy is None else getattr(remedy.replanned(plan), which)
-        if not isinstance(mine, Compiled):
-            return model
-        if id(remedy) not in copies:
-            copies[id(remedy)] = replace(mine, copies={}).model(model)
-        return copies[id(remedy)]
+        if id(remedy) not in nets:
+            mine = run if remedy is None else getattr(remedy.replanned(plan), which)
+            nets[id(remedy)] = replace(mine, copies={}).model(model) if isinstance(
+                mine, Compiled) else model
+        return nets[id(remedy)]
 
     def one(mine: nn.Module, rows: tuple[int, int], args: tuple[Any, ...],
             kwargs: dict[str, Any]) -> Any:

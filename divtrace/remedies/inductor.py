@@ -40,6 +40,10 @@ class InductorSettings(Remedy):
 
     kind = "inductor"
 
+    @property
+    def reaches_copies(self) -> bool:
+        return True
+
     def __init__(self, settings: Mapping[str, Any]) -> None:
         if not isinstance(settings, Mapping) or not settings:
             raise DivtraceValueError(
@@ -97,6 +101,10 @@ def _recompiled(plan: Any, **settings: Any) -> Any:
 
 class _Recompiling(Remedy):
     """A remedy that compiles the runs' copies otherwise: applied by compiling so."""
+
+    @property
+    def reaches_copies(self) -> bool:
+        return True
 
     def unusable(self, situation: Situation) -> str | None:
         return None if situation.compiled else "the runs run no code compiled by divtrace"

@@ -118,6 +118,13 @@ class Remedy:
         """Why the remedy cannot be tried on this comparison (None: it can)."""
         return None
 
+    @property
+    def reaches_copies(self) -> bool:
+        """Whether it acts through global settings (backend flags, compiler settings)
+        rather than hooks on the model: then it reaches runs of copies of the model too
+        (``compare_compiled``'s)."""
+        return False
+
     def own(self, module: str, op: str) -> bool:
         """Whether a site (its module, its op; ``""`` for a module's output) shows the
         remedy's own workings rather than the model's numbers, e.g. float64 values

@@ -213,16 +213,9 @@ def _wider(found: Comparison, modules: Sequence[str]) -> list[str]:
     return []
 
 
-#: The remedies that act through global settings, not hooks on the model: they reach
-#: code that runs on copies of it (``compare_compiled``'s).
-_GLOBAL = (PrecisionOff, Deterministic, MathAttention, InductorSettings, DynamicShapes,
-           EagerRegions)
-
-
 def _on_copies(remedy: Remedy, sit: Situation) -> str | None:
     """Why a remedy cannot reach runs of copies of the model (None: it can)."""
-    if not sit.compiled or isinstance(remedy, _GLOBAL) or (
-            isinstance(remedy, CudnnOff) and remedy.modules is None):
+    if not sit.compiled or remedy.reaches_copies:
         return None
     return ("it acts through hooks on the model, and the compiled runs run copies of it "
             "(the eager-region remedy leaves a region eager instead)")
