@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import copy
 import gc
+from typing import Any
 
+import pandas as pd
 import pytest
 import torch
 from torch import nn
@@ -314,3 +316,50 @@ def test_remedies_of_compiled_code_are_compiled_under_them_verified_and_costed()
         not _row0_apart(model.layers[1], x, dynamic=True))
     gc.collect()
     assert [o for o in gc.get_objects() if isinstance(o, Norm)] == [model.layers[1]]
+
+
+def test_the_inductor_candidates_are_settings_of_this_torch() -> None:
+    from divtrace.remedies.inductor import InductorSettings
+
+    cpu, cuda = InductorSettings.defaults(False), InductorSettings.defaults(True)
+    assert [r.settings for r in cpu] == [{"cpp.threads": 1}]
+    assert [r.settings for r in cuda] == [{"split_reductions": False},
+                                          {"triton.persistent_reductions": False}]
+    assert all(r.missing is None for r in cpu + cuda)  # this torch's inductor has them
+
+
+def _by_hand(kind: str, remedy: Any, block: nn.Module, x: torch.Tensor,
+             rows: list[int]) -> bool:
+    """A remedy applied by hand in a plain loop: ``block`` compiled as the remedy says,
+    the whole batch, then each compared row alone; whether every row is bit-identical."""
+    from contextlib import nullcontext
+
+    from torch._inductor import config
+
+    settings = config.patch(remedy.settings) if kind == "inductor" else nullcontext()
+    with settings, torch.no_grad():
+        run = block if kind == "eager-region" else torch.compile(
+            copy.deepcopy(block), dynamic=kind == "dynamic")
+        whole = run(x)
+        return all(torch.equal(whole[i:i + 1], run(x[i:i + 1])) for i in rows)
+
+
+@pytest.mark.cuda
+def test_a_remedy_called_identical_is_bit_identical_by_hand_on_cuda() -> None:
+    model = Blocks(nn.Identity(), Softmax()).eval().cuda()
+    x = torch.randn(512, WIDE, generator=torch.Generator().manual_seed(0)).mul(4).cuda()
+    rows = [0, 1, 2, 3]
+    result = compare_compiled(model, x, samples=rows, explain=["kernels"], progress=False)
+    table = result.table.set_index("site")
+    # the region's kernels: inductor's Triton kernels, named by their strategy, in at
+    # least one run (at one shape inductor may call ATen's own kernel instead)
+    assert "triton_" in table.loc["layers.1", "kernels_a"] + table.loc["layers.1", "kernels_b"]
+    if result.verdict == "identical":
+        pytest.skip("this GPU's compiled softmax computes the rows alike at batch 512")
+    found = result.remedies(candidates=["inductor", "dynamic", "eager-region"], repeats=1,
+                            progress=False)
+    tried = [(row, remedy) for row, remedy in zip(
+        found.table.itertuples(), found.candidates, strict=True) if not pd.isna(row.identical)]
+    assert any(row.kind == "dynamic" and row.identical for row, _ in tried)  # one kernel
+    for row, remedy in tried:  # what the table says of each, a plain loop says too
+        assert _by_hand(row.kind, remedy, Softmax(), x, rows) == bool(row.identical), row.remedy

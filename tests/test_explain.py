@@ -272,6 +272,12 @@ def test_kernel_families_are_short() -> None:
     assert kernel_family("aten::_slow_conv2d_forward") == (
         "convolution (_slow_conv2d_forward)")
     assert kernel_family("aten::addmm") != kernel_family("aten::mm")
+    # inductor's Triton kernels: the reduction strategy it chose, and the kernel
+    assert kernel_family("triton_per_fused__softmax_0") == (
+        "persistent reduction (triton_per_fused__softmax_0)")
+    assert kernel_family("triton_red_fused__softmax_0") == (
+        "looped reduction (triton_red_fused__softmax_0)")
+    assert kernel_family("triton_poi_fused_add_0").startswith("pointwise")
 
 
 @pytest.mark.slow

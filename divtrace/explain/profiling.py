@@ -24,6 +24,11 @@ _PREFIX = "divtrace::"
 
 #: Substrings of kernel (or CPU op) names, most specific first, and the family they name.
 _FAMILIES = (
+    # inductor's Triton kernels, named by what they do (triton_<kind>_fused_<ops>_<n>)
+    ("triton_per_", "persistent reduction"),
+    ("triton_red_", "looped reduction"),
+    ("triton_poi_", "pointwise"),
+    ("triton_tem_", "Triton template"),
     ("winograd", "Winograd"),
     ("fft", "FFT"),
     ("implicit_precomp", "implicit GEMM (precomputed)"),
@@ -92,7 +97,8 @@ def kernel_family(name: str) -> str:
 
 
 #: Families that say what a kernel computes but not how.
-_GENERIC = frozenset({"GEMM", "convolution"})
+_GENERIC = frozenset({"GEMM", "convolution", "persistent reduction", "looped reduction",
+                      "pointwise", "Triton template"})
 
 
 def _short(name: str, limit: int = 48) -> str:

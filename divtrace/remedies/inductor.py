@@ -19,11 +19,14 @@ from divtrace.remedies.remedy import Remedy, Situation
 
 __all__ = ["DynamicShapes", "EagerRegions", "InductorSettings"]
 
-#: What ``candidates=["inductor"]`` tries on each device: the setting that keeps a
-#: reduction from being split by the batch's shape (the C++ backend's threads over one
-#: reduction; Triton's split reductions).
-DEFAULTS: dict[str, dict[str, Any]] = {"cpu": {"cpp.threads": 1},
-                                     "cuda": {"split_reductions": False}}
+#: What ``candidates=["inductor"]`` tries on each device, one remedy each: the settings
+#: that keep a reduction's strategy from following the batch's shape (the C++ backend's
+#: threads over one reduction; Triton's split reductions, and its persistent reductions,
+#: whose choice depends on the size of the reduced rows). ``max_autotune`` is off by
+#: default, so it is not among them.
+DEFAULTS: dict[str, tuple[dict[str, Any], ...]] = {
+    "cpu": ({"cpp.threads": 1},),
+    "cuda": ({"split_reductions": False}, {"triton.persistent_reductions": False})}
 
 
 class InductorSettings(Remedy):
@@ -55,12 +58,15 @@ class InductorSettings(Remedy):
             raise DivtraceValueError(f"{self.missing}: give names of torch._inductor.config")
 
     @classmethod
-    def for_device(cls, on_cuda: bool) -> InductorSettings:
-        """The settings tried by default on that device (not tried where this torch's
-        inductor lacks them)."""
-        made = cls.__new__(cls)
-        made.settings = dict(DEFAULTS["cuda" if on_cuda else "cpu"])
-        made.missing = _missing(made.settings)
+    def defaults(cls, on_cuda: bool) -> list[InductorSettings]:
+        """The settings tried by default on that device, one remedy each (not tried
+        where this torch's inductor lacks them)."""
+        made = []
+        for settings in DEFAULTS["cuda" if on_cuda else "cpu"]:
+            one = cls.__new__(cls)
+            one.settings = dict(settings)
+            one.missing = _missing(one.settings)
+            made.append(one)
         return made
 
     @property

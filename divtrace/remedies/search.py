@@ -4,7 +4,7 @@ again under it, then costed."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -105,20 +105,21 @@ def scope(result: Comparison) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def _one(item: Any, where: list[str], sit: Situation) -> Remedy:
+def _one(item: Any, where: list[str], sit: Situation) -> Remedy | Sequence[Remedy]:
     if isinstance(item, Remedy):
         return item
     if isinstance(item, type) and issubclass(item, Remedy):
         return item(where) if issubclass(item, Scoped) else item()
     if isinstance(item, str):
-        made = {"cudnn": lambda: CudnnOff(where), "cudnn-everywhere": CudnnOff,
+        makers: dict[str, Callable[[], Remedy | Sequence[Remedy]]] = {
+                "cudnn": lambda: CudnnOff(where), "cudnn-everywhere": CudnnOff,
                 "float64": lambda: Float64(where),
                 "fixed-batch": lambda: FixedBatch(sit.batch_size, sit.batch_dim),
                 "precision": PrecisionOff, "math-attention": MathAttention,
                 "deterministic": Deterministic, "float32-head": Float32Head,
-                "inductor": lambda: InductorSettings.for_device(sit.on_cuda),
-                "dynamic": DynamicShapes, "eager-region": lambda: EagerRegions(where),
-                }.get(item)
+                "inductor": lambda: InductorSettings.defaults(sit.on_cuda),
+                "dynamic": DynamicShapes, "eager-region": lambda: EagerRegions(where)}
+        made = makers.get(item)
         if made is None:
             raise DivtraceValueError(f"unknown remedy {item!r}; the names are "
                                      f"{', '.join(NAMES)} and 'defaults' (all of them)")
@@ -140,7 +141,8 @@ def candidates(given: Any, where: list[str], sit: Situation) -> list[Remedy]:
         raise DivtraceValueError("candidates is empty; leave it out to try every remedy")
     if not where:
         expanded = [i for i in expanded if i not in ("cudnn", "float64", "eager-region")]
-    return [_one(item, where, sit) for item in expanded]
+    made = [_one(item, where, sit) for item in expanded]
+    return [one for item in made for one in ([item] if isinstance(item, Remedy) else item)]
 
 
 def verify(remedy: Remedy, plan: Plan, model: nn.Module, kept: Sequence[Any] = ()
