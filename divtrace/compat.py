@@ -6,7 +6,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from types import CodeType
+from types import CodeType, FunctionType
 
 import torch
 from torch import nn
@@ -15,10 +15,11 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.module_tracker import ModuleTracker
 
-__all__ = ["BATCH_NORM", "DROPOUT", "TorchDispatchMode", "compiled_code_kept", "compiling",
-           "cuda_driver", "default_tolerances", "foreach_copy", "forward_hooks",
+__all__ = ["BATCH_NORM", "DROPOUT", "TorchDispatchMode", "compiling",
+           "cuda_driver", "default_tolerances", "dropped", "foreach_copy", "forward_hooks",
            "generator_kept", "impl", "inductor_settings", "is_compiled", "modes_off",
-           "module_tracker", "own_tensors", "pytree", "version"]
+           "module_tracker", "own_code", "own_tensors", "pytree", "recompile_limit",
+           "recompiles_allowed", "version"]
 
 #: The base classes of BatchNorm and of Dropout layers (they mix samples, or draw random
 #: numbers, in train mode).
@@ -37,35 +38,56 @@ def is_compiled(module: nn.Module) -> bool:
     return isinstance(module, OptimizedModule)
 
 
+def own_code(function: Callable[..., object]) -> Callable[..., object]:
+    """A copy of ``function`` with a code object of its own. Dynamo keeps what it compiled
+    per code object: compiling the copy fills no cache of ``function``'s (a user's
+    compiled model's, or one that hit the recompile limit and now runs only the shapes it
+    holds), and a copy compiled under other settings compiles anew."""
+    mine = FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                        function.__defaults__, function.__closure__)
+    mine.__kwdefaults__ = function.__kwdefaults__
+    mine.__dict__.update(function.__dict__)
+    mine.__qualname__ = function.__qualname__
+    return mine
+
+
 @contextmanager
-def compiled_code_kept(codes: Sequence[CodeType], shapes: int = 0) -> Iterator[list[int]]:
-    """Compiled code of ``codes`` (functions' code objects) that appears inside the block is
-    dropped after it: dynamo's cache of a code object that held none before is reset, so
-    that later compilations of it start afresh (one that held some keeps them, and what
-    the block added). Inside the block dynamo's recompile limit is at least ``shapes`` (the
-    compilations the block asks for) more than the entries a code held before, and put
-    back after. Yields a list that, after the block, holds the most entries one of the
-    codes held and the limit in force (both 0 where torch has no dynamo)."""
-    found = [0, 0]
+def recompile_limit(at_least: int) -> Iterator[None]:
+    """Dynamo's recompile limit at least ``at_least`` inside the block, put back after."""
     try:
-        from torch._dynamo import config, reset_code
+        from torch._dynamo import config
+    except ImportError:  # a torch without dynamo
+        yield
+        return
+    word = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    with config.patch({word: recompiles_allowed(at_least)}):
+        yield
+
+
+def recompiles_allowed(at_least: int) -> int:
+    """The recompile limit :func:`recompile_limit` puts in force (0 without dynamo)."""
+    try:
+        from torch._dynamo import config
+    except ImportError:
+        return 0
+    word = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    return max(int(getattr(config, word)), at_least)
+
+
+def dropped(codes: Sequence[CodeType]) -> int:
+    """Dynamo's compiled code of ``codes`` (code objects of divtrace's own, from
+    :func:`own_code`) dropped; returns the most entries one of them held (0 where torch has
+    no dynamo)."""
+    try:
+        from torch._dynamo import reset_code
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     except ImportError:  # a torch without dynamo, or another layout of it
-        yield found
-        return
+        return 0
     unique = list(dict.fromkeys(codes))
-    held = {code: len(_debug_get_cache_entry_list(code)) for code in unique}
-    empty = [code for code, count in held.items() if not count]
-    word = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    limit = max(int(getattr(config, word)), max(held.values(), default=0) + shapes)
-    try:
-        with config.patch({word: limit}):
-            yield found
-    finally:
-        found[0] = max((len(_debug_get_cache_entry_list(c)) for c in unique), default=0)
-        found[1] = limit
-        for code in empty:
-            reset_code(code)
+    most = max((len(_debug_get_cache_entry_list(code)) for code in unique), default=0)
+    for code in unique:
+        reset_code(code)
+    return most
 
 
 def compiling() -> tuple[int, float]:
@@ -76,12 +98,9 @@ def compiling() -> tuple[int, float]:
     except ImportError:
         return 0, 0.0
     graphs = int(utils.counters["stats"].get("unique_graphs", 0))
-    try:
-        lines = utils.compile_times(repr="str").splitlines()
-    except Exception:  # a private report whose shape may change
-        return graphs, 0.0
-    row = next((line for line in lines if line.startswith("_compile.compile_inner,")), "")
-    seconds = sum(float(v) for v in row.split(",")[1:] if v.strip())
+    times = getattr(utils, "compilation_time_metrics", {})  # seconds per timed step
+    inner = [values for name, values in times.items() if name.endswith("compile_inner")]
+    seconds = float(sum(inner[0])) if inner else 0.0
     return graphs, seconds
 
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from types import CodeType
 from typing import Any
 
 from torch import nn
 
 from divtrace.compare import compare
-from divtrace.compat import compiled_code_kept
+from divtrace.compat import dropped, recompiles_allowed
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
 from divtrace.explain.regions import Regions
 from divtrace.explain.registry import Explain
@@ -171,25 +172,27 @@ def _narrowed(eager: nn.Module, x: Any, chosen: tuple[str, ...], settings: Setti
 def _run(eager: nn.Module, x: Any, chosen: tuple[str, ...], settings: Settings,
          **options: Any) -> Comparison:
     """One comparison of ``eager`` with ``chosen`` compiled as regions."""
-    found = checked_regions(eager, chosen)
+    checked_regions(eager, chosen)
     against = settings.against
     copies: dict[int, nn.Module] = {}
+    codes: list[CodeType] = []
+    # the compilations asked for: one per shape of run a's passes (a prompt alone: its own
+    # length) and run b's, per dtype (a copy compiled in float64 for the precision test
+    # has code of its own)
+    shapes = 2 * ((len(x) if isinstance(x, Prompts) else 2) + 1) + 2
     b = Compiled(regions=chosen, dynamic=settings.dynamic, backend=settings.backend,
-                 options=settings.options, copies=copies,
+                 options=settings.options, copies=copies, codes=codes, shapes=shapes,
                  name="compiled batched" if against == "split" else "compiled")
     a: Run = replace(b, chunk=settings.chunk, name="compiled split") if against == "split" else (
         Run(name="eager"))  # the model as given, its wrappers taken off
     kind = CompiledRegions.of(x, a, b)
-    codes = [type(found[r]).forward.__code__ for r in chosen]
-    # the compilations asked for: per dtype (the precision test's float64 too), one per
-    # shape of run a's passes (a prompt alone: its own length) and run b's
-    shapes = 2 * ((len(x) if isinstance(x, Prompts) else 2) + 1) + 2
     try:
-        with compiled_code_kept(codes, shapes) as entries:
-            result = compare(eager, x, kind=kind, **options)
+        result = compare(eager, x, kind=kind, **options)
     finally:
         copies.clear()  # the compiled copy is not kept with the result
-    most, limit = entries
+        most = dropped(codes)
+        codes.clear()
+    limit = recompiles_allowed(shapes)
     if limit and most >= limit:
         raise DivtraceValueError(
             f"a compiled region was compiled {most} times, the recompile limit in force "

@@ -55,6 +55,7 @@ def _wide() -> torch.Tensor:
 
 def _row0_apart(module: nn.Module, x: torch.Tensor, dynamic: bool) -> bool:
     """By hand: ``module`` compiled, its row 0 at the whole batch against alone."""
+    torch._dynamo.reset_code(type(module).forward.__code__)  # compiled afresh, here
     compiled = torch.compile(copy.deepcopy(module), dynamic=dynamic)
     with torch.no_grad():
         return not torch.equal(compiled(x)[:1], compiled(x[:1]))
@@ -182,6 +183,30 @@ def test_nothing_is_left_compiled_and_no_recompile_is_asked_for() -> None:
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
+def test_a_function_past_its_recompile_limit_is_still_compared_compiled() -> None:
+    from torch._dynamo import config
+
+    class Capped(nn.Module):  # a forward of its own: its own code object
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.linspace(0.5, 1.5, WIDE))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+    model = Blocks(nn.Identity(), Capped()).eval()
+    x = _wide()
+    users = torch.compile(Capped.forward, dynamic=False)
+    with config.patch(recompile_limit=1), torch.no_grad():
+        users(model.layers[1], x)
+        users(model.layers[1], x[:1])  # past the limit: from now on only 64 rows compiled
+    result = compare_compiled(model, x, samples=[0], progress=False)
+    assert result.meta.notes["regions"]["graphs"] >= 2  # it compiled its own code
+    first = result.first_divergence  # compiled code at both shapes, as by hand
+    assert first is not None
+    assert first["site"] == "layers.1"
+
+
 def test_bad_input_is_refused_with_the_fix() -> None:
     model = Blocks(nn.Identity(), RMSNorm(8)).eval()
     x = torch.randn(4, 8)
@@ -247,6 +272,18 @@ def test_eager_against_compiled_on_a_small_llama_against_its_regions_by_hand() -
     assert (f"'model.layers.0', 'model.layers.1', 'model.layers.2' and 1 more (4 in all) "
             f"each ran torch.compile'd code, its output a site; the {hidden} modules inside "
             f"them ran compiled code") in result.summary()
+
+
+def test_the_precision_test_replays_the_compiled_run_compiled() -> None:
+    model = _llama(layers=2).to(torch.bfloat16)
+    ids = torch.randint(0, 100, (4, 12), generator=torch.Generator().manual_seed(0))
+    result = compare_compiled(model, {"input_ids": ids, "use_cache": False},
+                              against="eager", progress=False)
+    assert result.meta.notes["precision"]["ran"]
+    # a graph in bfloat16 and one in float64: the float64 replay of run b ran compiled
+    # code too, not the eager model (whose float64 output would equal run a's exactly)
+    assert result.meta.notes["regions"]["graphs"] == 2
+    assert float(result.table.iloc[-1]["fp64_rel_l2"]) > 0
 
 
 def test_compiled_batched_against_split_on_prompts() -> None:
@@ -337,6 +374,7 @@ def _by_hand(kind: str, remedy: Any, block: nn.Module, x: torch.Tensor,
     from torch._inductor import config
 
     settings = config.patch(remedy.settings) if kind == "inductor" else nullcontext()
+    torch._dynamo.reset_code(type(block).forward.__code__)  # compiled afresh, so
     with settings, torch.no_grad():
         run = block if kind == "eager-region" else torch.compile(
             copy.deepcopy(block), dynamic=kind == "dynamic")

@@ -198,9 +198,9 @@ class Precision(Probe):
             "dtype": double})
         if other is None and plan.a.same_copy(plan.b):  # one float64 copy for both
             return Runner(cast, a.model, a.modules, a.recorder, name)
-        if other is None:
-            return Runner.of(cast, ctx.model, plan.modules, plan.output_only, name,
-                             ctx.recorder)
+        if other is None:  # run b's own kind of run (compiled code stays compiled)
+            return Runner.of(replace(plan.b, dtype=double), ctx.model, plan.modules,
+                             plan.output_only, name, ctx.recorder)
         mine = replace(plan.b, other=copy.deepcopy(other).to(double))  # type: ignore[call-arg]
         own = Runner.of(mine, ctx.model,
                         plan.modules, plan.output_only, name, ctx.recorder)

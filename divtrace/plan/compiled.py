@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import CodeType
 from typing import Any
 
 import torch
 from torch import nn
 
 from divtrace.align.sites import ROOT
-from divtrace.compat import is_compiled
+from divtrace.compat import is_compiled, own_code, recompile_limit
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
 from divtrace.plan.checks import fields_checked
 from divtrace.plan.runs import Run
@@ -104,6 +106,12 @@ class Compiled(Run):
     options: tuple[tuple[str, Any], ...] = ()
     #: the copy of the model as given, by the model's id: shared by the runs made alike
     copies: dict[int, nn.Module] = field(default_factory=dict, repr=False)
+    #: the compilations one comparison's passes ask for: dynamo's recompile limit is at
+    #: least this during each pass
+    shapes: int = 0
+    #: the code objects of divtrace's own that the copies compile (one per region class
+    #: and copy): no cache of the user's functions is filled or read
+    codes: list[CodeType] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -124,6 +132,11 @@ class Compiled(Run):
     @property
     def changes_model(self) -> bool:
         return True
+
+    @contextmanager
+    def flags(self) -> Iterator[None]:
+        with super().flags(), recompile_limit(self.shapes):
+            yield
 
     def same_copy(self, other: Run) -> bool:
         return (isinstance(other, Compiled) and other.copies is self.copies
@@ -153,7 +166,8 @@ class Compiled(Run):
         config = getattr(mine, "config", None)
         if config is not None and getattr(config, "use_cache", False):  # a cache handed to
             config.use_cache = False  # each layer, new at every call, recompiles the layer
-        _compile(mine, self.regions, self.dynamic, self.backend, dict(self.options))
+        _compile(mine, self.regions, self.dynamic, self.backend, dict(self.options),
+                 self.codes)
         if kept:
             self.copies[id(model)] = mine
         return mine
@@ -173,14 +187,17 @@ def checked_regions(model: nn.Module, regions: Sequence[str]) -> dict[str, nn.Mo
 
 
 def _compile(model: nn.Module, regions: Sequence[str], dynamic: bool | None, backend: str,
-             options: dict[str, Any]) -> None:
-    """Each region's ``forward`` on ``model`` compiled: one compiled function per class."""
+             options: dict[str, Any], codes: list[CodeType]) -> None:
+    """Each region's ``forward`` on ``model`` compiled: one compiled function per class, of
+    a copy of the class's ``forward`` whose code object is this copy's own (``codes``)."""
     found = checked_regions(model, regions)
     made: dict[type, Any] = {}
     for name in regions:
         module = found[name]
         kind = type(module)
         if kind not in made:
-            made[kind] = torch.compile(kind.forward, dynamic=dynamic, backend=backend,
+            mine = own_code(kind.forward)
+            codes.append(mine.__code__)
+            made[kind] = torch.compile(mine, dynamic=dynamic, backend=backend,
                                        options=options or None)
         module.forward = functools.partial(made[kind], module)  # hooks stay outside

@@ -146,7 +146,10 @@ class Run:
 
     def same_copy(self, other: Run) -> bool:
         """Whether ``other`` runs the same copy of the model as this run: the same device,
-        dtype, memory format and compilation (its name, chunks and flags may differ)."""
+        dtype, memory format and compilation (its name, chunks and flags may differ);
+        a run of another kind (a :class:`~divtrace.plan.compiled.Compiled` run) says."""
+        if type(other).same_copy is not Run.same_copy:
+            return other.same_copy(self)
         return ((self.device, self.dtype, self.channels_last, self.compile)
                 == (other.device, other.dtype, other.channels_last, other.compile))
 
