@@ -313,14 +313,22 @@ def test_a_compiled_comparison_saves_and_loads(tmp_path: object) -> None:
 def test_a_compiled_softmax_that_depends_on_the_batch_shape_on_cuda(batch: int) -> None:
     model = Blocks(nn.Identity(), Softmax()).eval().cuda()
     x = torch.randn(512, WIDE, generator=torch.Generator().manual_seed(0)).mul(4)[:batch].cuda()
-    assert divtrace.compare(model, x, samples=[0], progress=False).verdict == "identical"
-    static = compare_compiled(model, x, samples=[0], progress=False)
-    if _row0_apart(Softmax(), x, dynamic=False):  # by hand, as the GPU computes it
+    rows = [0, 1, 2, 3]
+    assert divtrace.compare(model, x, samples=rows, progress=False).verdict == "identical"
+    static = compare_compiled(model, x, samples=rows, progress=False)
+    torch._dynamo.reset_code(Softmax.forward.__code__)  # by hand, compiled afresh
+    by_hand = torch.compile(Softmax(), dynamic=False)
+    with torch.no_grad():
+        whole = by_hand(x)
+        apart = [i for i in rows if not torch.equal(whole[i:i + 1], by_hand(x[i:i + 1]))]
+    samples = static.per_sample
+    assert sorted(set(samples.loc[samples["mismatch"] > 0, "sample"])) == apart
+    if apart:
         assert static.first_divergence["site"] == "layers.1"
         assert static.verdict == "rounding"
     else:
         assert static.verdict == "identical"
-    dynamic = compare_compiled(model, x, samples=[0], dynamic=True, progress=False)
+    dynamic = compare_compiled(model, x, samples=rows, dynamic=True, progress=False)
     assert dynamic.verdict == "identical"  # one kernel for every batch size
 
 
