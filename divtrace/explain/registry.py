@@ -18,14 +18,16 @@ from divtrace.explain.precision import Precision
 from divtrace.explain.probe import Probe
 from divtrace.explain.regions import Regions
 from divtrace.explain.repeat import Repeat
+from divtrace.explain.replay import Replay
 from divtrace.explain.roles import Roles
+from divtrace.explain.routing import Routing
 from divtrace.explain.tokens import PerToken
 
 __all__ = ["BY_DEFAULT", "EXPLAIN_COLUMNS", "NAMES", "PROBES", "Explain", "chosen", "probes_for"]
 
 #: Every built-in probe; a new one is one more entry here (and its own file).
 PROBES: tuple[type[Probe], ...] = (Roles, Independence, Precision, Local, Fp64, Repeat,
-                                   Kernels, Observer, PerToken, Regions)
+                                   Kernels, Observer, PerToken, Regions, Routing, Replay)
 
 #: The names ``explain=`` takes, each with its probe.
 NAMES: dict[str, type[Probe]] = {probe.spec.name: probe for probe in PROBES if probe.spec.name}

@@ -28,8 +28,13 @@ class ModuleHooks(Recorder):
     ``on_call`` first sees the call's inputs.
     """
 
-    def __init__(self, modules: dict[str, nn.Module]) -> None:
+    def __init__(self, modules: dict[str, nn.Module], inside: dict[str, str] | None = None,
+                 blocks: dict[str, nn.Module] | None = None) -> None:
         self.modules = modules
+        #: modules that see the tokens flattened (inside a mixture-of-experts block), by
+        #: the block whose input says the pass's (rows, sequence): ``blocks``
+        self.inside = dict(inside or {})
+        self.blocks = dict(blocks or {})
         self._target = _Target()
         self._hooks: list[tuple[nn.Module, Callable[..., None]]] | None = None
 
@@ -42,13 +47,17 @@ class ModuleHooks(Recorder):
         if self._target.sink is not None:
             raise RuntimeError("this recorder is already observing a run")
         if self._hooks is None:  # made once: every run of the comparison uses them
-            self._hooks = [(module, _hook(name, module, self._target))
+            self._hooks = [(module, _hook(name, module, self._target, self.inside.get(name)))
                            for name, module in self.modules.items()]
         self._target.bind(sink, tracker)
+        handles = [block.register_forward_pre_hook(_tokens(name, self._target))
+                   for name, block in self.blocks.items()]
         try:
             with forward_hooks(self._hooks):
                 yield tracker
         finally:
+            for handle in handles:
+                handle.remove()
             self._target.bind(None, None)
 
     @contextmanager
@@ -85,9 +94,10 @@ class _Target:
     """The sink and tracker the hooks of a :class:`ModuleHooks` hand to, while it
     observes (the hooks are made once, the target set for each run)."""
 
-    __slots__ = ("on_call", "on_tensor", "sink", "tracker")
+    __slots__ = ("on_call", "on_tensor", "sink", "tokens", "tracker")
 
     def __init__(self) -> None:
+        self.tokens: dict[str, tuple[int, int]] = {}  # block -> (rows, sequence)
         self.bind(None, None)
 
     def bind(self, sink: Sink | None, tracker: Tracker | None) -> None:
@@ -96,8 +106,29 @@ class _Target:
         self.on_tensor = None if sink is None else sink.on_tensor
 
 
-def _hook(name: str, module: nn.Module, target: _Target) -> Callable[..., None]:
-    """The forward hook of one module (kept lean: it runs for every module call)."""
+def _tokens(block: str, target: _Target) -> Callable[..., None]:
+    """A mixture-of-experts block's pre-hook: the (rows, sequence) of its input."""
+    def pre(_module: nn.Module, args: Any) -> None:
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if first is not None and first.dim() >= 3:
+            target.tokens[block] = (int(first.shape[0]), int(first.shape[1]))
+        else:
+            target.tokens.pop(block, None)
+    return pre
+
+
+def _unflattened(tensor: torch.Tensor, tokens: tuple[int, int] | None) -> torch.Tensor:
+    """``tensor`` read as ``(rows, sequence, ...)`` when its first axis holds the block's
+    tokens flattened (as it is handed on, else)."""
+    if tokens is None or tensor.dim() == 0 or tensor.shape[0] != tokens[0] * tokens[1]:
+        return tensor
+    return tensor.unflatten(0, tokens)
+
+
+def _hook(name: str, module: nn.Module, target: _Target, block: str | None = None
+          ) -> Callable[..., None]:
+    """The forward hook of one module (kept lean: it runs for every module call);
+    ``block``: the mixture-of-experts block it lies in, whose tokens it sees flattened."""
     module_type = type(module).__name__
     leaf = is_leaf(module)
     sites: dict[tuple[int, str, Status | None], Site] = {}
@@ -118,7 +149,8 @@ def _hook(name: str, module: nn.Module, target: _Target) -> Callable[..., None]:
         tracker.calls[name] = call + 1
         if leaf and target.on_call is not None:
             target.on_call(site(call, ""), mod, args, kwargs, output, tracker)
-        if isinstance(output, torch.Tensor):  # the common case, kept cheap
+        tokens = None if block is None else target.tokens.get(block)
+        if isinstance(output, torch.Tensor) and tokens is None:  # the common case, cheap
             here = site(call, "")
             tracker.last_site = here.key
             on_tensor(here, output)
@@ -127,7 +159,7 @@ def _hook(name: str, module: nn.Module, target: _Target) -> Callable[..., None]:
         for path, tensor, opaque in flatten_output(output):
             here = site(call, path, opaque)
             tracker.last_site = here.key
-            on_tensor(here, tensor)
+            on_tensor(here, _unflattened(tensor, tokens))
             tracker.produced(here.key, tensor)
 
     return hook

@@ -1,0 +1,287 @@
+"""Routing flips in a mixture of experts (``"routing"``, on by default; it works only
+where the model has mixture-of-experts blocks): at each block's router, the tokens whose
+set of chosen experts differs between the runs, with each run's margin.
+
+A router (Hugging Face's ``mlp.gate``: Mixtral, Qwen2-MoE, Qwen3-MoE) returns its logits
+(path ``0``) and the chosen experts (path ``2``) per token; both are sites, read per token
+(:mod:`divtrace.record.experts`). Per flipped token, in each run:
+
+* the **margin**: its k-th largest logit minus its (k+1)-th, the gap its choice stood on;
+* whether the run chose **by its scores**: its chosen experts are the top k of its own
+  logits (ties allowed);
+* **Δ**: the largest difference between the runs' logits at that token, also in units of
+  the logits' rounding (the spacing of their dtype at their size).
+
+The scores are what the router ranks by: for a softmax router, the softmax of the logits
+in float32, computed as it computes them; for a router divtrace does not know, the logits
+(and whether a run chose by them is then not judged). When both runs chose by their
+scores, the flip is a near tie that the runs' difference at that token tipped, and
+whether that difference is rounding is what the verdict's tests judge at the router's
+logits. A run that chose
+otherwise than the top k of its own logits (an expert's capacity, dropping, a bias) is
+said so: that flip is not the scores' doing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from divtrace.align.status import Status
+from divtrace.explain.context import Context
+from divtrace.explain.probe import Explained, Hooks, Judged, Probe, Spec
+from divtrace.measure.host import Deferred, Host
+from divtrace.measure.measured import Measured
+from divtrace.record.experts import moe_blocks
+from divtrace.words import the
+
+__all__ = ["Routing"]
+
+#: Flipped tokens kept in the note per router, for the sentences and the user.
+KEPT = 64
+
+#: The figures per token, in order.
+_FIGURES = ("flipped", "margin_a", "margin_b", "by_scores_a", "by_scores_b", "delta", "ulp")
+
+
+def _margin(logits: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token: the k-th largest logit minus the (k+1)-th, and whether ``chosen`` (k
+    experts per token) are the top k of ``logits`` (ties allowed)."""
+    k = chosen.shape[-1]
+    ranked = logits.sort(-1, descending=True).values
+    margin = ranked[:, k - 1] - ranked[:, k] if logits.shape[-1] > k else (
+        torch.full_like(ranked[:, 0], math.inf))
+    mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, chosen, True)
+    low = torch.where(mask, logits, torch.full_like(logits, math.inf)).amin(-1)
+    high = torch.where(mask, torch.full_like(logits, -math.inf), logits).amax(-1)
+    return margin, low >= high
+
+
+def softmax_scores(logits: torch.Tensor) -> torch.Tensor:
+    """The scores a softmax router ranks experts by (Mixtral's, Qwen2-MoE's and
+    Qwen3-MoE's ``TopKRouter``: a softmax of the logits in float32), as it computes them."""
+    return torch.softmax(logits.float(), -1)
+
+
+def scorer(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """How ``module``, a router, scores its experts from its logits; None where divtrace
+    does not know it (its margins are then read on the logits)."""
+    name = type(module).__name__.lower()
+    if name.endswith("topkrouter") and not name.startswith("deepseek"):
+        return softmax_scores
+    return None
+
+
+def figures(a_logits: torch.Tensor, b_logits: torch.Tensor, a_chosen: torch.Tensor,
+            b_chosen: torch.Tensor,
+            scores: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """Per token (rows), float64: :data:`_FIGURES`, then each run's chosen experts and
+    then each run's k best-scored ones, in order of index (k each); the logits
+    ``(tokens, experts)``, the chosen experts ``(tokens, k)``, each run's; ``scores``: what
+    the router ranks by (None: its logits, and whether a run chose by them is not judged:
+    NaN)."""
+    b_logits = b_logits.to(a_logits.device)
+    raw_a, raw_b = a_logits.double(), b_logits.double()
+    delta = (raw_a - raw_b).abs().amax(-1)  # the logits', in units of their dtype's rounding
+    ulp = _spacing(torch.maximum(raw_a.abs().amax(-1), raw_b.abs().amax(-1)), a_logits.dtype)
+    if scores is not None:
+        a_logits, b_logits = scores(a_logits), scores(b_logits)
+    a64, b64 = a_logits.double(), b_logits.double()
+    a_set = a_chosen.sort(-1).values
+    b_set = b_chosen.to(a_chosen.device).sort(-1).values
+    flipped = (a_set != b_set).any(-1)
+    margin_a, scores_a = _margin(a64, a_chosen.long())
+    margin_b, scores_b = _margin(b64, b_chosen.to(a_chosen.device).long())
+    judged = (lambda by: by.double()) if scores is not None else (
+        lambda by: torch.full_like(delta, math.nan))
+    return torch.cat([torch.stack([flipped.double(), margin_a, margin_b, judged(scores_a),
+                                   judged(scores_b), delta, ulp], 1),
+                      a_set.double(), b_set.double(), _top(a64, a_set.shape[-1]),
+                      _top(b64, b_set.shape[-1])], 1)
+
+
+def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Each token's k best-scored experts, in order of index."""
+    return scores.topk(k, -1).indices.sort(-1).values.double()
+
+
+def _spacing(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The distance between neighbouring numbers of ``dtype`` at ``value`` (a unit of its
+    rounding there)."""
+    if not dtype.is_floating_point:
+        return torch.ones_like(value)
+    info = torch.finfo(dtype)
+    exponent = torch.floor(torch.log2(value.clamp_min(info.tiny)))
+    return torch.exp2(exponent) * info.eps
+
+
+class Routing(Probe):
+    """``"routing"``: the routing flips at each mixture-of-experts block's router."""
+
+    spec: ClassVar[Spec] = Spec(name="routing", default=True)
+
+    def __init__(self) -> None:
+        self._routers: set[str] | None = None
+        self._scorers: dict[str, Callable[[torch.Tensor], torch.Tensor] | None] = {}
+        self._logits: dict[tuple[str, int], list[tuple[int, int, Any, Any]]] = {}
+        self._found: dict[str, tuple[Deferred, list[tuple[int, int, int]], int]] = {}
+        self._host = Host()
+        self.found: dict[str, Any] | None = None
+
+    def check(self, model: nn.Module) -> bool:
+        return bool(moe_blocks(model))  # left out of models without a router
+
+    def hooks(self) -> Hooks:
+        return Hooks(site=self._site, after=self._after)
+
+    def _site(self, ctx: Context, measured: Measured, tensor: torch.Tensor,
+              rows: torch.Tensor) -> None:
+        site = measured.site
+        if self._routers is None:
+            named = dict(ctx.model.named_modules())
+            self._routers = {f"{block}.gate" for block in moe_blocks(ctx.model)}
+            self._scorers = {name: scorer(named[name]) for name in self._routers}
+        if site.module not in self._routers or site.op or site.path not in ("0", "2") or (
+                measured.status != Status.OK):
+            return
+        pairs = _pairs(ctx, site.key, tensor, rows)
+        if pairs is None:
+            return
+        if site.path == "0":
+            self._logits[site.module, site.call] = pairs
+            return
+        logits = self._logits.pop((site.module, site.call), None)
+        if logits is None or len(logits) != len(pairs):
+            return
+        found, spans = [], []
+        for (sample, first, a_logits, b_logits), (_, _, a_chosen, b_chosen) in zip(
+                logits, pairs, strict=True):
+            if a_logits.shape[0] != a_chosen.shape[0] or a_chosen.dim() != 2:
+                return
+            found.append(figures(a_logits, b_logits, a_chosen, b_chosen,
+                                 self._scorers.get(site.module)))
+            spans.append((sample, first, a_chosen.shape[0]))
+        key = site.module if site.call == 0 else f"{site.module}#{site.call}"
+        self._found[key] = (self._host.add(torch.cat(found)), spans,
+                            int(logits[0][2].shape[-1]))
+
+    def _after(self, ctx: Context) -> None:
+        if not self._found:
+            return
+        self._host.fetch()
+        routers = {}
+        for key, (deferred, spans, experts) in self._found.items():
+            values = np.asarray(deferred.get(), dtype=float)
+            where = [(sample, first + t) for sample, first, count in spans
+                     for t in range(count)]
+            flipped = np.flatnonzero(values[:, 0] > 0)
+            k = (values.shape[1] - len(_FIGURES)) // 4
+            sets = values[:, len(_FIGURES):].astype(int)  # chosen a, b; best-scored a, b
+            kept = [dict(zip(("sample", "token"), where[i], strict=True)) | {
+                name: (_judged(values[i, j]) if name.startswith("by_") else float(values[i, j]))
+                for j, name in enumerate(_FIGURES) if name != "flipped"} | {
+                "experts_a": sets[i, :k].tolist(), "experts_b": sets[i, k:2 * k].tolist()}
+                for i in flipped[:KEPT]]
+            # the experts a run scored within its top k but did not choose: they turned
+            # the token away (full, or another rule)
+            lost = [e for i in flipped for run in (0, 1) if values[i, 3 + run] == 0
+                    for e in set(sets[i, (2 + run) * k:(3 + run) * k]) - set(
+                        sets[i, run * k:(run + 1) * k])]
+            routers[key] = {"tokens": len(where), "experts": experts,
+                            "flips": int(flipped.size), "flipped": kept,
+                            "not_by_scores": int(((values[flipped, 3] == 0)
+                                                  | (values[flipped, 4] == 0)).sum()),
+                            "experts_not_by_scores": sorted(
+                                set(lost), key=lambda e: (-lost.count(e), e))}
+        self.found = {"routers": routers}
+
+    def note(self) -> Any:
+        return self.found
+
+    @classmethod
+    def explain(cls, result: Judged) -> Explained:
+        found = (result.meta.notes.get("routing") or {}).get("routers")
+        if not found:
+            return Explained()
+        names = result.meta.names
+        flipped = {key: router for key, router in found.items() if router["flips"]}
+        if not flipped:
+            counts = sorted({router["tokens"] for router in found.values()})
+            each = (f"each of its {counts[0]} compared tokens" if len(counts) == 1 else
+                    "each compared token")
+            return Explained((f"Routing: at each of the {len(found)} routers, {each} went "
+                              f"to the same experts in both runs.",))
+        first_key = next(iter(flipped))
+        first = flipped[first_key]["flipped"][0]
+        per = ", ".join(f"'{key}' {router['flips']} of {router['tokens']}"
+                        for key, router in flipped.items())
+        total = sum(r["flips"] for r in flipped.values())
+        said = [f"Routing flips: {total} token{'s' * (total != 1)} went to another set of "
+                f"experts in {the(names[1])} than in {the(names[0])} ({per}); the first at "
+                f"'{first_key}', sample {first['sample']}, token "
+                f"{first['token']}: {_flip(first, names)}."]
+        odd = {key: router for key, router in flipped.items() if router["not_by_scores"]}
+        unjudged = [key for key, router in flipped.items()
+                    if router["flipped"] and router["flipped"][0]["by_scores_a"] is None]
+        for key, router in odd.items():
+            count, away = router["not_by_scores"], router["experts_not_by_scores"][:4]
+            experts = (f"expert{'s' * (len(away) != 1)} {', '.join(map(str, away))} "
+                       f"turned away tokens {'their' if len(away) != 1 else 'its'} scores "
+                       f"sent {'them' if len(away) != 1 else 'it'}")
+            said.append(f"At '{key}' a run chose other experts than the top k of its own "
+                        f"scores for {count} token{'s' * (count != 1)}: {experts}. Those "
+                        f"flips are not the scores' doing (an expert's capacity, dropping or "
+                        f"another rule chose).")
+        if unjudged and not odd:
+            said.append("How the router at " + ", ".join(f"'{k}'" for k in unjudged) +
+                        " scores its experts is not known to divtrace: its margins are read "
+                        "on its logits, and whether each run chose by them is not judged.")
+        elif not odd:
+            said.append("Every flip is a near tie: both runs chose the top k of their own "
+                        "scores, so the runs' difference of the scores at that token tipped "
+                        "the choice; whether that difference is rounding is what the "
+                        "verdict's tests judge.")
+        return Explained(tuple(said))
+
+
+def _judged(value: float) -> bool | None:
+    return None if math.isnan(value) else bool(value)
+
+
+def _flip(flip: dict[str, Any], names: tuple[str, str]) -> str:
+    """One flip's margins, in words."""
+    units = flip["delta"] / (flip["ulp"] or 1.0)
+    return (f"margins {flip['margin_a']:.3g} in {the(names[0])} and {flip['margin_b']:.3g} "
+            f"in {the(names[1])} "
+            f"(k-th minus (k+1)-th score), the runs' logits there {flip['delta']:.3g} apart "
+            f"({units:.3g} unit{'s' * (units != 1)} of their rounding), experts "
+            f"{flip['experts_a']} against {flip['experts_b']}")
+
+
+def _pairs(ctx: Context, key: str, tensor: torch.Tensor, rows: torch.Tensor
+           ) -> list[tuple[int, int, torch.Tensor, torch.Tensor]] | None:
+    """Per compared sample: (sample, its first token, run a's rows, run b's rows), each
+    ``(tokens, ...)``; None where the site is not laid out so."""
+    part_of = getattr(ctx.meter, "part_of", None)  # a meter of prompts' tokens
+    stored = ctx.store.rows.get(key)
+    if part_of is not None and stored is not None and stored.parts is not None:
+        firsts = stored.firsts or [0] * len(stored.parts)
+        found = []
+        for slot, sample in enumerate(ctx.store.samples):
+            a = stored.parts[slot]
+            if a is None or a.dim() < 2:
+                return None
+            b = part_of(key, tensor, sample, tuple(a.shape))
+            if b.shape != a.shape:
+                return None
+            found.append((sample, firsts[slot], a, b))
+        return found
+    b = ctx.pick(tensor)
+    if b.shape != rows.shape or rows.dim() < 3:
+        return None
+    return [(sample, 0, rows[slot], b[slot]) for slot, sample in enumerate(ctx.store.samples)]

@@ -1,0 +1,282 @@
+"""Mixture of experts: the router and the experts read per token, the routing flips found
+and judged (``explain/routing.py``), each against the router's outputs read by hand."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import divtrace
+from divtrace.plan.prompts import pad
+
+LENGTHS = (5, 9, 12, 7, 16, 3)
+
+
+def _tiny(kind: str, attention: str) -> nn.Module:
+    """A random-init two-layer Mixtral or Qwen2-MoE whose four experts' router rows are
+    nearly alike: every token's choice is a near tie."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    shared = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+              "num_experts_per_tok": 2, "attn_implementation": attention}
+    if kind == "mixtral":
+        model = transformers.MixtralForCausalLM(
+            transformers.MixtralConfig(num_local_experts=4, **shared))
+    else:
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+            **shared))
+    return model.eval()
+
+
+def _near_ties(model: nn.Module, spread: float) -> nn.Module:
+    with torch.no_grad():
+        for layer in model.model.layers:
+            weight = layer.mlp.gate.weight
+            weight.copy_(weight[0] * (1 + spread * torch.randn_like(weight)))
+    return model
+
+
+def _prompts() -> divtrace.Prompts:
+    generator = torch.Generator().manual_seed(0)
+    return divtrace.Prompts([torch.randint(0, 100, (n,), generator=generator)
+                             for n in LENGTHS])
+
+
+def _gates(model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[tuple[Any, Any]]:
+    """By hand: each router's (logits, chosen experts) over the pass's flattened tokens."""
+    found: list[tuple[Any, Any]] = []
+    handles = [layer.mlp.gate.register_forward_hook(
+        lambda _m, _a, out: found.append((out[0].detach().clone(), out[2].clone())))
+        for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found
+
+
+def _flips_by_hand(model: nn.Module, prompts: divtrace.Prompts) -> list[list[tuple[Any, ...]]]:
+    """Per router: (prompt, token, margin alone, margin batched) of each token whose set
+    of experts differs between the padded batch and the prompt alone."""
+    inputs, layout = pad(prompts, 0, len(prompts))
+    batched = _gates(model, inputs)
+    length = inputs["input_ids"].shape[1]
+    found: list[list[tuple[Any, ...]]] = [[] for _ in batched]
+    for sample, prompt in enumerate(prompts.prompts):
+        alone = _gates(model, pad(prompts, sample, sample + 1)[0])
+        start = sample * length + layout.offsets[sample]
+        for router, ((logits_b, chosen_b), (logits_a, chosen_a)) in enumerate(
+                zip(batched, alone, strict=True)):
+            rows_b = slice(start, start + prompt.numel())
+            for token in range(prompt.numel()):
+                a, b = chosen_a[token].sort().values, chosen_b[rows_b][token].sort().values
+                if not torch.equal(a, b):
+                    found[router].append((sample, token, _margin(logits_a[token]),
+                                          _margin(logits_b[rows_b][token])))
+    return found
+
+
+def _margin(logits: torch.Tensor, k: int = 2) -> float:
+    ranked = torch.softmax(logits.float(), -1).double().sort(descending=True).values
+    return float(ranked[k - 1] - ranked[k])
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize(("dtype", "attention"), [(torch.float32, "eager"),
+                                                  (torch.bfloat16, "sdpa")],
+                         ids=["fp32", "bf16"])
+def test_every_routing_flip_is_found_as_the_router_read_by_hand_says(
+        kind: str, dtype: torch.dtype, attention: str) -> None:
+    spread = 1e-7 if dtype == torch.float32 else 1e-3
+    model = _near_ties(_tiny(kind, attention), spread).to(dtype)
+    prompts = _prompts()
+    result = divtrace.compare(model, prompts, progress=False)
+    routers = result.meta.notes["routing"]["routers"]
+    by_hand = _flips_by_hand(model, prompts)
+    assert list(routers) == [f"model.layers.{i}.mlp.gate" for i in range(2)]
+    assert sum(len(flips) for flips in by_hand) > 0  # the planted near ties do flip
+    for router, flips in zip(routers.values(), by_hand, strict=True):
+        assert router["tokens"] == sum(LENGTHS)
+        assert router["flips"] == len(flips)
+        found = [(f["sample"], f["token"], f["margin_a"], f["margin_b"])
+                 for f in router["flipped"]]
+        assert [f[:2] for f in found] == [f[:2] for f in flips]
+        for mine, hand in zip(found, flips, strict=True):  # margins equal
+            assert mine[2:] == pytest.approx(hand[2:], rel=1e-12, abs=1e-15)
+        assert router["not_by_scores"] == 0  # each run chose its own top 2
+    # the router's sites are compared per token, not skipped as unbatched
+    table = result.table.set_index("site")
+    for path in ("0", "1", "2"):
+        assert table.loc[f"model.layers.1.mlp.gate/{path}", "status"] == "ok"
+    assert table.loc["model.layers.1.mlp.experts", "status"] == "ok"
+    # every flip a near tie, and the tests judge the runs' difference rounding
+    assert result.verdict == "rounding"
+    summary = result.summary()
+    assert "Every flip is a near tie" in summary
+    first = next(r for r in routers.values() if r["flips"])["flipped"][0]
+    assert f"sample {first['sample']}, token {first['token']}" in summary
+
+
+def test_no_flip_is_said_plainly() -> None:
+    model = _tiny("mixtral", "eager").to(torch.bfloat16)
+    result = divtrace.compare(model, _prompts(), progress=False)
+    routers = result.meta.notes["routing"]["routers"]
+    assert all(router["flips"] == 0 for router in routers.values())
+    assert (f"at each of the 2 routers, each of its {sum(LENGTHS)} compared tokens went to "
+            f"the same experts in both runs") in result.summary()
+
+
+class CapacityRouter(nn.Module):
+    """Top-1 with a capacity factor of 1.0: a token whose expert is full (counting the
+    tokens before it in the batch) goes to its next choice with room."""
+
+    def __init__(self, width: int, experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(experts, width))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x = x.reshape(-1, x.shape[-1])
+        logits = F.linear(x, self.weight)
+        scores = torch.softmax(logits.float(), -1)
+        experts = scores.shape[-1]
+        capacity = math.ceil(x.shape[0] / experts)
+        taken = [0] * experts
+        chosen = torch.empty(x.shape[0], 1, dtype=torch.long)
+        for token, order in enumerate(scores.argsort(-1, descending=True).tolist()):
+            expert = next(e for e in order if taken[e] < capacity)
+            taken[expert] += 1
+            chosen[token, 0] = expert
+        return logits, scores.gather(1, chosen), chosen
+
+
+class CapacityTopKRouter(CapacityRouter):
+    """Named as Hugging Face names its softmax routers: divtrace reads its scores so."""
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, experts: int) -> None:
+        super().__init__()
+        self.gate = CapacityTopKRouter(width, experts)
+        self.experts = nn.ModuleList(nn.Linear(width, width) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        _, weights, chosen = self.gate(flat)
+        out = torch.stack([self.experts[int(e)](row) for row, e in zip(flat, chosen[:, 0],
+                                                                       strict=True)])
+        return (out * weights).reshape(x.shape)
+
+
+class Capacity(nn.Module):
+    def __init__(self, width: int = 16, experts: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(width, width), Block(width, experts)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_capacity_limited_router_is_not_rounding_and_names_its_experts() -> None:
+    torch.manual_seed(0)
+    model = Capacity().eval()
+    x = torch.randn(8, 6, 16, generator=torch.Generator().manual_seed(1))
+    result = divtrace.compare(model, x, samples=[0, 1, 2], progress=False)
+    router = result.meta.notes["routing"]["routers"]["layers.1.gate"]
+    assert router["flips"] > 0
+    assert router["not_by_scores"] > 0  # a run chose other than its own top 1
+    # alone a sample's 6 tokens share capacity 2 per expert, in the batch 48 share 12:
+    # which tokens an expert turns away depends on the others
+    flipped = router["flipped"][0]
+    assert flipped["experts_a"] != flipped["experts_b"]
+    assert result.verdict != "rounding"  # the other samples' tokens decide: mixing
+    summary = result.summary()
+    assert "'layers.1.gate'" in summary
+    assert "not the scores' doing" in summary
+    away = router["experts_not_by_scores"]
+    assert away
+    assert f"expert{'s' * (len(away) != 1)} {', '.join(map(str, away[:4]))} turned away" in summary
+
+
+@pytest.mark.parametrize(("kind", "dtype", "attention", "spread"),
+                         [("mixtral", torch.bfloat16, "sdpa", 1e-3),
+                          ("qwen2_moe", torch.float32, "eager", 1e-7)], ids=["mixtral-bf16",
+                                                                            "qwen2-fp32"])
+def test_routing_replayed_leaves_a_rounding_sized_difference(
+        kind: str, dtype: torch.dtype, attention: str, spread: float) -> None:
+    model = _near_ties(_tiny(kind, attention), spread).to(dtype)
+    result = divtrace.compare(model, _prompts(), progress=False, explain=["replay"])
+    assert sum(r["flips"] for r in result.meta.notes["routing"]["routers"].values()) > 0
+    replay = result.meta.notes["replay"]
+    assert replay["ran"]
+    out = result.table[result.table["module"] == "(model)"].iloc[-1]
+    before, after = float(out["rel_l2"]), replay["rel_l2"][out["site"]]
+    # what routing leaves: a few units of the dtype's rounding, far below the flips' own
+    assert after <= 8 * torch.finfo(dtype).eps / 2
+    assert after < before / 5
+    assert f"at the output rel_l2 {before:.3g} becomes {after:.3g}" in result.summary()
+
+
+def test_routing_replay_is_the_whole_of_a_capacity_routers_difference() -> None:
+    torch.manual_seed(0)
+    model = Capacity().eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(8, 6, 16, generator=torch.Generator().manual_seed(1))
+    result = divtrace.compare(model, x, samples=[0, 1, 2], progress=False, explain=["replay"])
+    out = result.table[result.table["module"] == "(model)"].iloc[-1]
+    assert float(out["rel_l2"]) > 0.1
+    # the tokens alone are computed as in the batch once each gets the same expert
+    assert result.meta.notes["replay"]["rel_l2"][out["site"]] == 0
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert not any(m._forward_hooks for m in model.modules())  # no hook left on the model
+
+
+def test_routing_replay_says_why_it_cannot_run() -> None:
+    model = nn.Sequential(nn.Linear(4, 4)).eval()
+    result = divtrace.compare(model, torch.randn(4, 4), progress=False, explain=["replay"])
+    assert ("Routing replay did not run: the model has no mixture-of-experts router"
+            in result.summary())
+
+
+def test_routing_flips_in_a_packed_layout_as_the_router_read_by_hand_says() -> None:
+    model = _near_ties(_tiny("mixtral", "sdpa"), 1e-3).to(torch.bfloat16)
+    prompts = _prompts()
+    result = divtrace.compare_layouts(model, prompts.prompts, a="alone", b="packed",
+                                      progress=False)
+    routers = result.meta.notes["routing"]["routers"]
+    # by hand: one row of every sequence, position ids restarting, against each alone
+    ids = torch.cat(prompts.prompts).unsqueeze(0)
+    positions = torch.cat([torch.arange(n) for n in LENGTHS]).unsqueeze(0)
+    packed = _gates(model, {"input_ids": ids, "position_ids": positions, "use_cache": False})
+    starts = [sum(LENGTHS[:i]) for i in range(len(LENGTHS))]
+    for router, (name, found) in enumerate(routers.items()):
+        flips = []
+        for sample, prompt in enumerate(prompts.prompts):
+            _, chosen_a = _gates(model, {"input_ids": prompt.unsqueeze(0),
+                                         "use_cache": False})[router]
+            chosen_b = packed[router][1][starts[sample]:starts[sample] + prompt.numel()]
+            flips += [(sample, t) for t in range(prompt.numel())
+                      if not torch.equal(chosen_a[t].sort().values,
+                                         chosen_b[t].sort().values)]
+        assert found["tokens"] == sum(LENGTHS), name
+        assert [(f["sample"], f["token"]) for f in found["flipped"]] == flips, name
+
+
+def test_a_rollout_reports_routing_flips_at_its_decode_steps() -> None:
+    model = _near_ties(_tiny("mixtral", "sdpa"), 1e-3).to(torch.bfloat16)
+    result = divtrace.compare_rollout(model, _prompts().prompts, max_new_tokens=4,
+                                      progress=False)
+    routers = result.meta.notes["routing"]["routers"]
+    assert list(routers) == [f"model.layers.{i}.mlp.gate" for i in range(2)]
+    assert all(router["tokens"] > sum(LENGTHS) for router in routers.values())
+    assert "Routing" in result.summary()
