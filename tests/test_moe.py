@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pandas as pd
 import pytest
 import torch
 from torch import nn
@@ -128,11 +129,14 @@ def test_every_routing_flip_is_found_as_the_router_read_by_hand_says(
 
 def test_no_flip_is_said_plainly() -> None:
     model = _tiny("mixtral", "eager").to(torch.bfloat16)
-    result = divtrace.compare(model, _prompts(), progress=False)
+    result = divtrace.compare(model, _prompts(), progress=False, explain=["replay"])
     routers = result.meta.notes["routing"]["routers"]
     assert all(router["flips"] == 0 for router in routers.values())
+    summary = result.summary()
     assert (f"at each of the 2 routers, each of its {sum(LENGTHS)} compared tokens went to "
-            f"the same experts in both runs") in result.summary()
+            f"the same experts in both runs") in summary
+    assert ("Routing replay did not run: no token went to other experts in the two runs"
+            in summary)
 
 
 class CapacityRouter(nn.Module):
@@ -280,3 +284,62 @@ def test_a_rollout_reports_routing_flips_at_its_decode_steps() -> None:
     assert list(routers) == [f"model.layers.{i}.mlp.gate" for i in range(2)]
     assert all(router["tokens"] > sum(LENGTHS) for router in routers.values())
     assert "Routing" in result.summary()
+
+
+def test_the_flipped_tokens_share_of_the_output_difference_is_as_by_hand() -> None:
+    model = _near_ties(_tiny("mixtral", "sdpa"), 1e-3).to(torch.bfloat16)
+    prompts = _prompts()
+    result = divtrace.compare(model, prompts, progress=False)
+    output = result.meta.notes["routing"]["output"]
+    flipped = {(f[0], f[1]) for flips in _flips_by_hand(model, prompts) for f in flips}
+    inputs, layout = pad(prompts, 0, len(prompts))
+    with torch.no_grad():
+        batched = model(**inputs).logits.double()
+        squares, on = [], []
+        for sample, prompt in enumerate(prompts.prompts):
+            alone = model(**pad(prompts, sample, sample + 1)[0]).logits[0].double()
+            mine = batched[sample, layout.offsets[sample]:]
+            squares += (mine - alone).square().sum(-1).tolist()
+            on += [(sample, t) in flipped for t in range(prompt.numel())]
+    share = sum(s for s, o in zip(squares, on, strict=True) if o) / sum(squares)
+    assert output["tokens"] == sum(LENGTHS)
+    assert output["flipped"] == len(flipped) > 0
+    assert output["share"] == pytest.approx(share, rel=1e-9)
+    assert (f"carry {output['share']:.1%} of the runs' squared difference"
+            in result.summary())
+
+
+def test_the_snowball_marks_the_routers_that_flipped() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    model = _near_ties(_tiny("mixtral", "sdpa"), 1e-3).to(torch.bfloat16)
+    result = divtrace.compare(model, _prompts(), progress=False)
+    routers = result.meta.notes["routing"]["routers"]
+    total = sum(router["flips"] for router in routers.values())
+    first = next(key for key, router in routers.items() if router["flips"])
+    ax = result.plot()
+    labels = [text.get_text() for text in ax.get_legend().get_texts()]
+    assert f"routing flips ({total} tokens), the first at {first}" in labels
+    # the chosen experts differ at the flipped routers: not drawn as bit-identical
+    assert "differs, no rel_l2 (integers): in the lane" in labels
+    matplotlib.pyplot.close(ax.figure)
+
+
+def test_the_routers_in_float32_is_a_remedy_verified_and_costed() -> None:
+    model = _near_ties(_tiny("mixtral", "sdpa"), 1e-3).to(torch.bfloat16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = divtrace.compare(model, _prompts(), progress=False)
+    found = result.remedies(candidates=["float32-router"], repeats=1, progress=False)
+    row = found.table.iloc[0]
+    assert row["remedy"] == "float32 router"
+    assert not pd.isna(row["identical"])  # tried, verified
+    out = result.table[result.table["module"] == "(model)"].iloc[-1]
+    assert row["output_rel_l2"] < float(out["rel_l2"])  # the router's own rounding is less
+    assert row["cost"] > 0
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    plain = divtrace.compare(nn.Sequential(nn.Linear(4, 4)).eval(), torch.randn(4, 4),
+                             progress=False)
+    none = plain.remedies(candidates=["float32-router"], repeats=1, progress=False)
+    assert none.table.iloc[0]["note"] == (
+        "not tried: the model has no mixture-of-experts router")

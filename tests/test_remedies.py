@@ -64,8 +64,8 @@ def test_the_table_verifies_each_candidate(found: tuple[nn.Module, torch.Tensor,
     table = remedies.table.set_index("kind")
     assert list(remedies.table["kind"]) == ["cudnn", "cudnn", "float64", "fixed-batch",
                                             "precision", "math-attention", "deterministic",
-                                            "float32-head", "inductor", "dynamic",
-                                            "eager-region"]
+                                            "float32-head", "float32-router", "inductor",
+                                            "dynamic", "eager-region"]
     assert list(remedies.table.columns) == list(divtrace.remedies.result.COLUMNS)
     assert bool(table.loc["float64", "identical"])
     assert table.loc["float64", "modules"] == 1
@@ -74,12 +74,14 @@ def test_the_table_verifies_each_candidate(found: tuple[nn.Module, torch.Tensor,
     assert table.loc["fixed-batch", "output_change"] == 0  # the batched call is unchanged
     assert not bool(table.loc["deterministic", "identical"])  # the seed user's attempt
     assert table.loc["deterministic", "output_ratio"] == 1
-    # cuDNN twice, precision, attention, the head (an MLP has no output embedding), and
-    # the three for compiled code (nothing compiled)
-    assert table["identical"].isna().sum() == 8
+    # cuDNN twice, precision, attention, the head (an MLP has no output embedding), the
+    # routers (nor a mixture of experts), and the three for compiled code (nothing compiled)
+    assert table["identical"].isna().sum() == 9
     assert table.loc["inductor", "note"] == "not tried: the runs run no code compiled by divtrace"
     assert table.loc["float32-head", "note"] == (
         "not tried: the model has no output embedding (get_output_embeddings())")
+    assert table.loc["float32-router", "note"] == (
+        "not tried: the model has no mixture-of-experts router")
     assert "CPU" in remedies.table.iloc[0]["note"]
     tried = remedies.table[remedies.table["identical"].notna()]
     assert (tried["cost"] > 0).all()
@@ -108,7 +110,7 @@ def test_the_summary_names_the_best_and_what_failed(
     assert "Not bit-identical: deterministic algorithms" in text
     assert "Not tried: cuDNN off in 3 (the model runs on the CPU, without cuDNN)" in text
     assert "No candidate" not in text
-    assert repr(remedies).startswith("<divtrace.Remedies: 11 candidates, best: ")
+    assert repr(remedies).startswith("<divtrace.Remedies: 12 candidates, best: ")
     assert "<table" in remedies._repr_html_()
 
 
@@ -121,7 +123,9 @@ def test_nothing_is_left_behind() -> None:
     tried = remedies.table["identical"].notna().tolist()
     for remedy, usable in zip(remedies.candidates, tried, strict=True):
         if not usable and isinstance(remedy, divtrace.remedies.Float32Head):
-            with pytest.raises(divtrace.DivtraceValueError, match="name the head"), (
+            fix = ("name the routers" if isinstance(remedy, divtrace.remedies.Float32Router)
+                   else "name the head")
+            with pytest.raises(divtrace.DivtraceValueError, match=fix), (
                     remedy.applied(model)):
                 pass
             continue

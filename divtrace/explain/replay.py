@@ -104,6 +104,10 @@ class Replay(Probe):
             return "the model has no mixture-of-experts router"
         if not self._keys:
             return "no router's choice was compared"
+        routing = ctx.finding("routing") or {}
+        if routing.get("routers") and not any(
+                router["flips"] for router in routing["routers"].values()):
+            return "no token went to other experts in the two runs"
         batch = ctx.plan.batch
         layout = getattr(batch, "layout", None)
         if layout is not None and (layout(0, batch.batch_size).starts is not None or (

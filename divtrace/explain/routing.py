@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from divtrace.align.sites import ROOT
 from divtrace.align.status import Status
 from divtrace.explain.context import Context
 from divtrace.explain.probe import Explained, Hooks, Judged, Probe, Spec
@@ -44,6 +45,9 @@ __all__ = ["Routing"]
 
 #: Flipped tokens kept in the note per router, for the sentences and the user.
 KEPT = 64
+
+#: The paths of the model's output read as its tokens' result.
+_OUTPUT = ("logits", "")
 
 #: The figures per token, in order.
 _FIGURES = ("flipped", "margin_a", "margin_b", "by_scores_a", "by_scores_b", "delta", "ulp")
@@ -130,6 +134,7 @@ class Routing(Probe):
         self._scorers: dict[str, Callable[[torch.Tensor], torch.Tensor] | None] = {}
         self._logits: dict[tuple[str, int], list[tuple[int, int, Any, Any]]] = {}
         self._found: dict[str, tuple[Deferred, list[tuple[int, int, int]], int]] = {}
+        self._squares: tuple[Deferred, list[tuple[int, int, int]]] | None = None
         self._host = Host()
         self.found: dict[str, Any] | None = None
 
@@ -146,6 +151,10 @@ class Routing(Probe):
             named = dict(ctx.model.named_modules())
             self._routers = {f"{block}.gate" for block in moe_blocks(ctx.model)}
             self._scorers = {name: scorer(named[name]) for name in self._routers}
+        if site.module == ROOT and site.call == 0 and site.path in _OUTPUT and not site.op and (
+                self._routers and measured.status == Status.OK):
+            self._output(ctx, site.key, tensor, rows)
+            return
         if site.module not in self._routers or site.op or site.path not in ("0", "2") or (
                 measured.status != Status.OK):
             return
@@ -170,16 +179,29 @@ class Routing(Probe):
         self._found[key] = (self._host.add(torch.cat(found)), spans,
                             int(logits[0][2].shape[-1]))
 
+    def _output(self, ctx: Context, key: str, tensor: torch.Tensor, rows: torch.Tensor) -> None:
+        """The model's output: each compared token's squared difference between the runs,
+        for the share of it on the flipped tokens."""
+        pairs = _pairs(ctx, key, tensor, rows)
+        if pairs is None:
+            return
+        squares = [(b.double() - a.to(b.device).double()).flatten(1).square().sum(1)
+                   for _, _, a, b in pairs]
+        self._squares = (self._host.add(torch.cat(squares)),
+                         [(sample, first, a.shape[0]) for sample, first, a, _ in pairs])
+
     def _after(self, ctx: Context) -> None:
         if not self._found:
             return
         self._host.fetch()
-        routers = {}
+        routers: dict[str, Any] = {}
+        flipped_tokens: set[tuple[int, int]] = set()
         for key, (deferred, spans, experts) in self._found.items():
             values = np.asarray(deferred.get(), dtype=float)
             where = [(sample, first + t) for sample, first, count in spans
                      for t in range(count)]
             flipped = np.flatnonzero(values[:, 0] > 0)
+            flipped_tokens.update(where[i] for i in flipped)
             k = (values.shape[1] - len(_FIGURES)) // 4
             sets = values[:, len(_FIGURES):].astype(int)  # chosen a, b; best-scored a, b
             kept = [dict(zip(("sample", "token"), where[i], strict=True)) | {
@@ -198,14 +220,28 @@ class Routing(Probe):
                                                   | (values[flipped, 4] == 0)).sum()),
                             "experts_not_by_scores": sorted(
                                 set(lost), key=lambda e: (-lost.count(e), e))}
-        self.found = {"routers": routers}
+        self.found = {"routers": routers, "output": self._share(flipped_tokens)}
+
+    def _share(self, flipped: set[tuple[int, int]]) -> dict[str, Any] | None:
+        """At the output: the compared tokens, those flipped at some router, and the share
+        of the runs' squared difference that those carry."""
+        if self._squares is None:
+            return None
+        deferred, spans = self._squares
+        squares = np.asarray(deferred.get(), dtype=float)
+        where = [(sample, first + t) for sample, first, count in spans for t in range(count)]
+        on = np.asarray([w in flipped for w in where], dtype=bool)
+        total = float(squares.sum())
+        return {"tokens": len(where), "flipped": int(on.sum()),
+                "share": float(squares[on].sum()) / total if total > 0 else None}
 
     def note(self) -> Any:
         return self.found
 
     @classmethod
     def explain(cls, result: Judged) -> Explained:
-        found = (result.meta.notes.get("routing") or {}).get("routers")
+        found_all = result.meta.notes.get("routing") or {}
+        found = found_all.get("routers")
         if not found:
             return Explained()
         names = result.meta.names
@@ -225,6 +261,12 @@ class Routing(Probe):
                 f"experts in {the(names[1])} than in {the(names[0])} ({per}); the first at "
                 f"'{first_key}', sample {first['sample']}, token "
                 f"{first['token']}: {_flip(first, names)}."]
+        out = found_all.get("output")
+        if out and out["flipped"] and out["share"] is not None:
+            said.append(f"At the output the {out['flipped']} token{'s' * (out['flipped'] != 1)} "
+                        f"flipped at some router ({out['flipped'] / out['tokens']:.1%} of the "
+                        f"{out['tokens']} compared) carry {out['share']:.1%} of the runs' "
+                        f"squared difference.")
         odd = {key: router for key, router in flipped.items() if router["not_by_scores"]}
         unjudged = [key for key, router in flipped.items()
                     if router["flipped"] and router["flipped"][0]["by_scores_a"] is None]

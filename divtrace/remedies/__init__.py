@@ -15,12 +15,13 @@ from divtrace.remedies.catalog import (
     MathAttention,
     PrecisionOff,
 )
-from divtrace.remedies.head import Float32Head
+from divtrace.remedies.head import Float32Head, Float32Router
 from divtrace.remedies.inductor import DynamicShapes, EagerRegions, InductorSettings
 from divtrace.remedies.remedy import Custom, Remedy, Scoped, Situation
 from divtrace.remedies.result import Remedies
 from divtrace.remedies.search import NAMES
 
 __all__ = ["NAMES", "CudnnOff", "Custom", "Deterministic", "DynamicShapes", "EagerRegions",
-           "FixedBatch", "Float32Head", "Float64", "InductorSettings", "MathAttention",
+           "FixedBatch", "Float32Head", "Float32Router", "Float64", "InductorSettings",
+           "MathAttention",
            "PrecisionOff", "Remedies", "Remedy", "Scoped", "Situation"]

@@ -12,10 +12,11 @@ from torch import nn
 
 from divtrace.align.sites import ROOT
 from divtrace.errors import DivtraceValueError
+from divtrace.record.experts import moe_blocks
 from divtrace.remedies.catalog import Leave, Upcast, around
 from divtrace.remedies.remedy import Remedy, Situation, targets
 
-__all__ = ["Float32Head", "output_head"]
+__all__ = ["Float32Head", "Float32Router", "output_head", "routers_of"]
 
 
 def output_head(model: nn.Module) -> tuple[str, ...]:
@@ -71,12 +72,17 @@ class Float32Head(Remedy):
     def caveat(self, situation: Situation) -> str:
         return "the logits are float32, not the model's dtype"
 
-    def enter(self, model: nn.Module, stack: ExitStack) -> None:
-        names = self._modules if self._modules is not None else output_head(model)
+    def _found(self, model: nn.Module) -> tuple[str, ...]:
+        """The modules it computes in float32 when none were named."""
+        names = output_head(model)
         if not names:
             raise DivtraceValueError(
                 f"{type(model).__name__} has no output embedding (get_output_embeddings()) "
                 f"to compute in float32; name the head: Float32Head(['lm_head'])")
+        return names
+
+    def enter(self, model: nn.Module, stack: ExitStack) -> None:
+        names = self._modules if self._modules is not None else self._found(model)
 
         def enter(_module: nn.Module, _args: tuple[Any, ...]) -> Leave:
             mode = Upcast(torch.float32)
@@ -88,3 +94,45 @@ class Float32Head(Remedy):
             return leave
 
         around(targets(model, names), enter, stack)
+
+
+def routers_of(model: nn.Module) -> tuple[str, ...]:
+    """The qualified names of ``model``'s mixture-of-experts routers (each block's
+    ``gate``)."""
+    return tuple(f"{block}.gate" for block in moe_blocks(model))
+
+
+class Float32Router(Float32Head):
+    """The mixture-of-experts routers in float32: while a router runs, every torch
+    function takes its bfloat16 and float16 tensors (its weight too) as float32 copies,
+    and its outputs (logits, weights) stay float32. The parameters are not changed.
+
+    Args:
+        modules: The routers' qualified names (None: every block's ``gate``).
+    """
+
+    kind = "float32-router"
+
+    @property
+    def name(self) -> str:
+        return "float32 router" + ("" if self._modules is None else
+                                   f" ({', '.join(self._modules)})")
+
+    def unusable(self, situation: Situation) -> str | None:
+        if not situation.routers:
+            return "the model has no mixture-of-experts router"
+        if situation.router_dtype not in ("bfloat16", "float16"):
+            return f"the routers compute in {situation.router_dtype} already"
+        return None
+
+    def caveat(self, situation: Situation) -> str:
+        return "the routers' logits and weights are float32, not the model's dtype"
+
+    def _found(self, model: nn.Module) -> tuple[str, ...]:
+        names = routers_of(model)
+        if not names:
+            raise DivtraceValueError(
+                f"{type(model).__name__} has no mixture-of-experts router (a module with a "
+                f"gate and experts); name the routers: Float32Router(['model.layers.0.mlp."
+                f"gate'])")
+        return names

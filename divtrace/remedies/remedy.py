@@ -48,6 +48,8 @@ class Situation:
         head_dtype: The dtype of the output embedding's weight (None: no head).
         compiled: The runs run code divtrace compiled (``compare_compiled``): on copies
             of the model, so hooks on the model are not in them.
+        routers: The model's mixture-of-experts routers, by qualified name.
+        router_dtype: The dtype of the first router's weight (None: no router).
     """
 
     batch_size: int
@@ -61,6 +63,8 @@ class Situation:
     head: tuple[str, ...] = ()
     head_dtype: str | None = None
     compiled: bool = False
+    routers: tuple[str, ...] = ()
+    router_dtype: str | None = None
 
 
 class _Flags:

@@ -33,7 +33,7 @@ from divtrace.remedies.catalog import (
     PrecisionOff,
 )
 from divtrace.remedies.cost import costs, quiet
-from divtrace.remedies.head import Float32Head, output_head
+from divtrace.remedies.head import Float32Head, Float32Router, output_head, routers_of
 from divtrace.remedies.inductor import DynamicShapes, EagerRegions, InductorSettings
 from divtrace.remedies.remedy import Custom, Remedy, Scoped, Situation
 from divtrace.remedies.result import Remedies
@@ -46,8 +46,8 @@ __all__ = ["NAMES", "Again", "find"]
 
 #: How ``candidates=`` names the remedies divtrace tries, in the table's order.
 NAMES = ("cudnn", "cudnn-everywhere", "float64", "fixed-batch", "precision",
-         "math-attention", "deterministic", "float32-head", "inductor", "dynamic",
-         "eager-region")
+         "math-attention", "deterministic", "float32-head", "float32-router", "inductor",
+         "dynamic", "eager-region")
 #: A scoped remedy that leaves the runs apart is widened to the sources of its own run,
 #: at most this many times.
 ROUNDS = 8
@@ -88,9 +88,13 @@ def situation(plan: Plan, model: nn.Module) -> Situation:
     head_dtype = str(weight.dtype).removeprefix("torch.") if isinstance(
         weight, torch.Tensor) else None
     compiled = any(isinstance(run, Compiled) for run in (plan.a, plan.b))
+    routers = routers_of(model)
+    first = next((p for p in dict(model.named_modules())[routers[0]].parameters()), None
+                 ) if routers else None
     return Situation(plan.batch.batch_size, plan.batch.batch_dim, on_cuda,
                      dict(kind_of(plan).cannot), plan.a.chunk, batch_only, reduced, attention,
-                     head, head_dtype, compiled)
+                     head, head_dtype, compiled, routers,
+                     None if first is None else str(first.dtype).removeprefix("torch."))
 
 
 def scope(result: Comparison) -> list[str]:
@@ -117,6 +121,7 @@ def _one(item: Any, where: list[str], sit: Situation) -> Remedy | Sequence[Remed
                 "fixed-batch": lambda: FixedBatch(sit.batch_size, sit.batch_dim),
                 "precision": PrecisionOff, "math-attention": MathAttention,
                 "deterministic": Deterministic, "float32-head": Float32Head,
+                "float32-router": Float32Router,
                 "inductor": lambda: InductorSettings.defaults(sit.on_cuda),
                 "dynamic": DynamicShapes, "eager-region": lambda: EagerRegions(where)}
         made = makers.get(item)

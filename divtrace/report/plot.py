@@ -66,16 +66,24 @@ def plot_snowball(result: Comparison, ax: Axes | None = None, metric: str = "rel
     rows = _leaf_rows(result)
     values = rows[metric].to_numpy(dtype=float)
     depth, positive = np.arange(len(rows)), values > 0
+    # a site that differs with no value of the metric (integers: chosen experts, indices)
+    # is no bit-identical one: it is marked apart in the lane
+    unvalued = ~positive & (rows["mismatch"].to_numpy(dtype=float) > 0)
     strip = lane(ax)
     kinds = rows["module_type"].where(rows["op"] == "", "op sites (ATen)")
     for kind, group in rows.groupby(kinds, sort=False):
         marker, colour = style(str(kind))
         at = group.index.to_numpy()
-        shown, still = at[positive[at]], at[~positive[at]]
+        shown, still = at[positive[at]], at[~positive[at] & ~unvalued[at]]
         ax.scatter(depth[shown], values[shown], marker=marker, color=colour, s=34, zorder=3,
                    label=kind)
         strip.scatter(depth[still], np.zeros(len(still)), marker=marker, color=colour, s=28,
                       zorder=3)
+    if unvalued.any():
+        strip.scatter(depth[unvalued], np.zeros(int(unvalued.sum())), marker="X",
+                      color="crimson", s=46, zorder=4)
+        ax.scatter([], [], marker="X", color="crimson", s=46,
+                   label=f"differs, no {metric} (integers): in the lane")
     if positive.any():
         ax.plot(depth[positive], values[positive], color="0.75", linewidth=1, zorder=1)
         _extras(ax, rows, depth, metric, result.meta.names)
@@ -92,12 +100,29 @@ def plot_snowball(result: Comparison, ax: Axes | None = None, metric: str = "rel
         for axis in (ax, strip):
             axis.axvline(at, color="crimson", linestyle="--", linewidth=1, zorder=2,
                          label=f"first divergence: {rows['site'][at]}" if axis is ax else None)
+    _flips(ax, strip, rows, result)
     site_ticks(strip, list(rows["site"]))
     strip.set_xlabel("depth (leaf sites in execution order)")
     ax.set_ylabel(f"{metric} ({versus(result.meta.names)})")
     ax.set_title(_title(result, f"{metric} by depth"), fontsize=10)
     ax.legend(**LEGEND)
     return ax
+
+
+def _flips(ax: Axes, strip: Axes, rows: pd.DataFrame, result: Comparison) -> None:
+    """Dotted lines at the routers where tokens went to other experts (the ``"routing"``
+    probe's flips), at each router's site of its chosen experts."""
+    routers = (result.meta.notes.get("routing") or {}).get("routers") or {}
+    sites = list(rows["site"])
+    flipped = [(key, router["flips"]) for key, router in routers.items()
+               if router["flips"] and f"{key}/2" in sites]
+    total = sum(count for _, count in flipped)
+    for index, (key, _) in enumerate(flipped):
+        at = sites.index(f"{key}/2")
+        for axis in (ax, strip):
+            axis.axvline(at, color="darkorange", linestyle=":", linewidth=1.4, zorder=2,
+                         label=(f"routing flips ({total} tokens), the first at {key}"
+                                if axis is ax and index == 0 else None))
 
 
 def _title(result: Comparison, what: str) -> str:
