@@ -19,8 +19,8 @@ LENGTHS = (5, 9, 12, 7, 16, 3)
 
 
 def _tiny(kind: str, attention: str) -> nn.Module:
-    """A random-init two-layer Mixtral or Qwen2-MoE whose four experts' router rows are
-    nearly alike: every token's choice is a near tie."""
+    """A random-init two-layer Mixtral, Qwen2-MoE or Qwen3-MoE (its four experts' router
+    rows made nearly alike by :func:`_near_ties`)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     shared = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -29,6 +29,9 @@ def _tiny(kind: str, attention: str) -> nn.Module:
     if kind == "mixtral":
         model = transformers.MixtralForCausalLM(
             transformers.MixtralConfig(num_local_experts=4, **shared))
+    elif kind == "qwen3_moe":
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            num_experts=4, moe_intermediate_size=32, **shared))
     else:
         model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
             num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64,
@@ -65,9 +68,11 @@ def _gates(model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[tuple[Any,
     return found
 
 
-def _flips_by_hand(model: nn.Module, prompts: divtrace.Prompts) -> list[list[tuple[Any, ...]]]:
+def _flips_by_hand(model: nn.Module, prompts: divtrace.Prompts, margin: Any = None
+                   ) -> list[list[tuple[Any, ...]]]:
     """Per router: (prompt, token, margin alone, margin batched) of each token whose set
     of experts differs between the padded batch and the prompt alone."""
+    margin = margin or _margin
     inputs, layout = pad(prompts, 0, len(prompts))
     batched = _gates(model, inputs)
     length = inputs["input_ids"].shape[1]
@@ -81,8 +86,8 @@ def _flips_by_hand(model: nn.Module, prompts: divtrace.Prompts) -> list[list[tup
             for token in range(prompt.numel()):
                 a, b = chosen_a[token].sort().values, chosen_b[rows_b][token].sort().values
                 if not torch.equal(a, b):
-                    found[router].append((sample, token, _margin(logits_a[token]),
-                                          _margin(logits_b[rows_b][token])))
+                    found[router].append((sample, token, margin(logits_a[token]),
+                                          margin(logits_b[rows_b][token])))
     return found
 
 
@@ -91,7 +96,7 @@ def _margin(logits: torch.Tensor, k: int = 2) -> float:
     return float(ranked[k - 1] - ranked[k])
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
 @pytest.mark.parametrize(("dtype", "attention"), [(torch.float32, "eager"),
                                                   (torch.bfloat16, "sdpa")],
                          ids=["fp32", "bf16"])
@@ -343,3 +348,56 @@ def test_the_routers_in_float32_is_a_remedy_verified_and_costed() -> None:
     none = plain.remedies(candidates=["float32-router"], repeats=1, progress=False)
     assert none.table.iloc[0]["note"] == (
         "not tried: the model has no mixture-of-experts router")
+
+
+def test_a_deepseek_router_is_judged_on_its_own_scores() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, vocab_size=100, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=0,
+        q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=16, n_shared_experts=1, attn_implementation="sdpa")
+    model = _near_ties(transformers.DeepseekV3ForCausalLM(config).eval(), 1e-4)
+    model = model.to(torch.bfloat16)
+
+    def margin(logits: torch.Tensor) -> float:  # by hand: sigmoid plus bias, best group
+        gate = model.model.layers[0].mlp.gate
+        scores = logits.float().sigmoid() + gate.e_score_correction_bias.float()
+        groups = scores.view(2, 4)
+        best = int(groups.topk(2, -1)[0].sum(-1).argmax())
+        ranked = groups[best].double().sort(descending=True).values
+        return float(ranked[1] - ranked[2])
+
+    prompts = _prompts()
+    result = divtrace.compare(model, prompts, progress=False)
+    routers = result.meta.notes["routing"]["routers"]
+    by_hand = _flips_by_hand(model, prompts, margin)
+    assert sum(len(flips) for flips in by_hand) > 0
+    for router, flips in zip(routers.values(), by_hand, strict=True):
+        found = [(f["sample"], f["token"], f["margin_a"], f["margin_b"])
+                 for f in router["flipped"]]
+        assert [f[:2] for f in found] == [f[:2] for f in flips]
+        for mine, hand in zip(found, flips, strict=True):
+            assert mine[2:] == pytest.approx(hand[2:], rel=1e-12, abs=1e-15)
+        assert router["not_by_scores"] == 0
+        assert all(f["by_scores_a"] and f["by_scores_b"] for f in router["flipped"])
+    assert "Every flip is a near tie" in result.summary()
+
+
+def test_a_router_divtrace_does_not_know_is_read_on_its_logits_unjudged() -> None:
+    torch.manual_seed(0)
+    model = Capacity().eval()
+    known = model.layers[1].gate
+    model.layers[1].gate = CapacityRouter(16, 4)  # not named as a softmax router
+    model.layers[1].gate.load_state_dict(known.state_dict())
+    x = torch.randn(8, 6, 16, generator=torch.Generator().manual_seed(1))
+    result = divtrace.compare(model, x, samples=[0, 1, 2], progress=False)
+    router = result.meta.notes["routing"]["routers"]["layers.1.gate"]
+    assert router["flips"] > 0
+    assert router["not_by_scores"] == 0  # not judged, so not counted
+    assert all(f["by_scores_a"] is None for f in router["flipped"])
+    summary = result.summary()
+    assert "How the router at 'layers.1.gate' scores its experts is not known" in summary
+    assert "Every flip is a near tie" not in summary

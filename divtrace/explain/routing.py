@@ -12,8 +12,9 @@ A router (Hugging Face's ``mlp.gate``: Mixtral, Qwen2-MoE, Qwen3-MoE) returns it
 * **Δ**: the largest difference between the runs' logits at that token, also in units of
   the logits' rounding (the spacing of their dtype at their size).
 
-The scores are what the router ranks by: for a softmax router, the softmax of the logits
-in float32, computed as it computes them; for a router divtrace does not know, the logits
+The scores are what the router ranks by, computed as it computes them: for a softmax
+router, the softmax of the logits in float32; for DeepSeek-V3's, the sigmoid plus its bias
+within the groups it kept; for a router divtrace does not know, the logits
 (and whether a run chose by them is then not judged). When both runs chose by their
 scores, the flip is a near tie that the runs' difference at that token tipped, and
 whether that difference is rounding is what the verdict's tests judge at the router's
@@ -72,10 +73,33 @@ def softmax_scores(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits.float(), -1)
 
 
+def grouped_sigmoid_scores(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The scores DeepSeek-V3's router (``DeepseekV3TopkRouter``) ranks experts by, as it
+    computes them: the sigmoid of the float32 logits plus its bias, every expert outside
+    the ``topk_group`` groups of the best two-expert sums set to minus infinity."""
+    found: dict[str, Any] = {name: getattr(module, name) for name in (
+        "num_group", "topk_group", "num_experts", "e_score_correction_bias")}
+    groups, chosen, experts = (int(found[n]) for n in ("num_group", "topk_group",
+                                                       "num_experts"))
+    bias: torch.Tensor = found["e_score_correction_bias"]
+
+    def scores(logits: torch.Tensor) -> torch.Tensor:
+        found = logits.float().sigmoid() + bias.float().to(logits.device)
+        per_group = found.view(-1, groups, experts // groups).topk(2, dim=-1)[0].sum(-1)
+        best = per_group.topk(chosen, dim=-1, sorted=False)[1]
+        kept = torch.zeros_like(per_group).scatter_(1, best, 1).bool()
+        kept = kept.unsqueeze(-1).expand(-1, groups, experts // groups).reshape(-1, experts)
+        return found.masked_fill(~kept, -math.inf)
+    return scores
+
+
 def scorer(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """How ``module``, a router, scores its experts from its logits; None where divtrace
     does not know it (its margins are then read on the logits)."""
     name = type(module).__name__.lower()
+    if name.startswith("deepseek") and all(hasattr(module, a) for a in (
+            "e_score_correction_bias", "num_group", "topk_group", "num_experts")):
+        return grouped_sigmoid_scores(module)
     if name.endswith("topkrouter") and not name.startswith("deepseek"):
         return softmax_scores
     return None
