@@ -18,9 +18,9 @@ within the groups it kept; for a router divtrace does not know, the logits
 (and whether a run chose by them is then not judged). When both runs chose by their
 scores, the flip is a near tie that the runs' difference at that token tipped, and
 whether that difference is rounding is what the verdict's tests judge at the router's
-logits. A run that chose
-otherwise than the top k of its own logits (an expert's capacity, dropping, a bias) is
-said so: that flip is not the scores' doing.
+logits. A run that chose otherwise than the top k of its own scores (an expert at its
+capacity, dropping) is said so, with the experts that turned tokens away: that flip is
+not the scores' doing. The scoring and the figures per token: :mod:`.routers`.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from divtrace.align.sites import ROOT
 from divtrace.align.status import Status
 from divtrace.explain.context import Context
 from divtrace.explain.probe import Explained, Hooks, Judged, Probe, Spec
+from divtrace.explain.routers import FIGURES, figures, scorer
 from divtrace.measure.host import Deferred, Host
 from divtrace.measure.measured import Measured
 from divtrace.record.experts import moe_blocks
@@ -50,102 +51,6 @@ KEPT = 64
 #: The paths of the model's output read as its tokens' result.
 _OUTPUT = ("logits", "")
 
-#: The figures per token, in order.
-_FIGURES = ("flipped", "margin_a", "margin_b", "by_scores_a", "by_scores_b", "delta", "ulp")
-
-
-def _margin(logits: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token: the k-th largest logit minus the (k+1)-th, and whether ``chosen`` (k
-    experts per token) are the top k of ``logits`` (ties allowed)."""
-    k = chosen.shape[-1]
-    ranked = logits.sort(-1, descending=True).values
-    margin = ranked[:, k - 1] - ranked[:, k] if logits.shape[-1] > k else (
-        torch.full_like(ranked[:, 0], math.inf))
-    mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, chosen, True)
-    low = torch.where(mask, logits, torch.full_like(logits, math.inf)).amin(-1)
-    high = torch.where(mask, torch.full_like(logits, -math.inf), logits).amax(-1)
-    return margin, low >= high
-
-
-def softmax_scores(logits: torch.Tensor) -> torch.Tensor:
-    """The scores a softmax router ranks experts by (Mixtral's, Qwen2-MoE's and
-    Qwen3-MoE's ``TopKRouter``: a softmax of the logits in float32), as it computes them."""
-    return torch.softmax(logits.float(), -1)
-
-
-def grouped_sigmoid_scores(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The scores DeepSeek-V3's router (``DeepseekV3TopkRouter``) ranks experts by, as it
-    computes them: the sigmoid of the float32 logits plus its bias, every expert outside
-    the ``topk_group`` groups of the best two-expert sums set to minus infinity."""
-    found: dict[str, Any] = {name: getattr(module, name) for name in (
-        "num_group", "topk_group", "num_experts", "e_score_correction_bias")}
-    groups, chosen, experts = (int(found[n]) for n in ("num_group", "topk_group",
-                                                       "num_experts"))
-    bias: torch.Tensor = found["e_score_correction_bias"]
-
-    def scores(logits: torch.Tensor) -> torch.Tensor:
-        found = logits.float().sigmoid() + bias.float().to(logits.device)
-        per_group = found.view(-1, groups, experts // groups).topk(2, dim=-1)[0].sum(-1)
-        best = per_group.topk(chosen, dim=-1, sorted=False)[1]
-        kept = torch.zeros_like(per_group).scatter_(1, best, 1).bool()
-        kept = kept.unsqueeze(-1).expand(-1, groups, experts // groups).reshape(-1, experts)
-        return found.masked_fill(~kept, -math.inf)
-    return scores
-
-
-def scorer(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """How ``module``, a router, scores its experts from its logits; None where divtrace
-    does not know it (its margins are then read on the logits)."""
-    name = type(module).__name__.lower()
-    if name.startswith("deepseek") and all(hasattr(module, a) for a in (
-            "e_score_correction_bias", "num_group", "topk_group", "num_experts")):
-        return grouped_sigmoid_scores(module)
-    if name.endswith("topkrouter") and not name.startswith("deepseek"):
-        return softmax_scores
-    return None
-
-
-def figures(a_logits: torch.Tensor, b_logits: torch.Tensor, a_chosen: torch.Tensor,
-            b_chosen: torch.Tensor,
-            scores: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """Per token (rows), float64: :data:`_FIGURES`, then each run's chosen experts and
-    then each run's k best-scored ones, in order of index (k each); the logits
-    ``(tokens, experts)``, the chosen experts ``(tokens, k)``, each run's; ``scores``: what
-    the router ranks by (None: its logits, and whether a run chose by them is not judged:
-    NaN)."""
-    b_logits = b_logits.to(a_logits.device)
-    raw_a, raw_b = a_logits.double(), b_logits.double()
-    delta = (raw_a - raw_b).abs().amax(-1)  # the logits', in units of their dtype's rounding
-    ulp = _spacing(torch.maximum(raw_a.abs().amax(-1), raw_b.abs().amax(-1)), a_logits.dtype)
-    if scores is not None:
-        a_logits, b_logits = scores(a_logits), scores(b_logits)
-    a64, b64 = a_logits.double(), b_logits.double()
-    a_set = a_chosen.sort(-1).values
-    b_set = b_chosen.to(a_chosen.device).sort(-1).values
-    flipped = (a_set != b_set).any(-1)
-    margin_a, scores_a = _margin(a64, a_chosen.long())
-    margin_b, scores_b = _margin(b64, b_chosen.to(a_chosen.device).long())
-    judged = (lambda by: by.double()) if scores is not None else (
-        lambda by: torch.full_like(delta, math.nan))
-    return torch.cat([torch.stack([flipped.double(), margin_a, margin_b, judged(scores_a),
-                                   judged(scores_b), delta, ulp], 1),
-                      a_set.double(), b_set.double(), _top(a64, a_set.shape[-1]),
-                      _top(b64, b_set.shape[-1])], 1)
-
-
-def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Each token's k best-scored experts, in order of index."""
-    return scores.topk(k, -1).indices.sort(-1).values.double()
-
-
-def _spacing(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The distance between neighbouring numbers of ``dtype`` at ``value`` (a unit of its
-    rounding there)."""
-    if not dtype.is_floating_point:
-        return torch.ones_like(value)
-    info = torch.finfo(dtype)
-    exponent = torch.floor(torch.log2(value.clamp_min(info.tiny)))
-    return torch.exp2(exponent) * info.eps
 
 
 class Routing(Probe):
@@ -226,11 +131,11 @@ class Routing(Probe):
                      for t in range(count)]
             flipped = np.flatnonzero(values[:, 0] > 0)
             flipped_tokens.update(where[i] for i in flipped)
-            k = (values.shape[1] - len(_FIGURES)) // 4
-            sets = values[:, len(_FIGURES):].astype(int)  # chosen a, b; best-scored a, b
+            k = (values.shape[1] - len(FIGURES)) // 4
+            sets = values[:, len(FIGURES):].astype(int)  # chosen a, b; best-scored a, b
             kept = [dict(zip(("sample", "token"), where[i], strict=True)) | {
                 name: (_judged(values[i, j]) if name.startswith("by_") else float(values[i, j]))
-                for j, name in enumerate(_FIGURES) if name != "flipped"} | {
+                for j, name in enumerate(FIGURES) if name != "flipped"} | {
                 "experts_a": sets[i, :k].tolist(), "experts_b": sets[i, k:2 * k].tolist()}
                 for i in flipped[:KEPT]]
             # the experts a run scored within its top k but did not choose: they turned
