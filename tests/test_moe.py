@@ -200,7 +200,8 @@ def test_a_capacity_limited_router_is_not_rounding_and_names_its_experts() -> No
     torch.manual_seed(0)
     model = Capacity().eval()
     x = torch.randn(8, 6, 16, generator=torch.Generator().manual_seed(1))
-    result = divtrace.compare(model, x, samples=[0, 1, 2], progress=False)
+    # the last samples: in the batch, the tokens before theirs have filled experts
+    result = divtrace.compare(model, x, samples=[5, 6, 7], progress=False)
     router = result.meta.notes["routing"]["routers"]["layers.1.gate"]
     assert router["flips"] > 0
     assert router["not_by_scores"] > 0  # a run chose other than its own top 1
@@ -210,6 +211,11 @@ def test_a_capacity_limited_router_is_not_rounding_and_names_its_experts() -> No
     assert flipped["experts_a"] != flipped["experts_b"]
     assert result.verdict != "rounding"  # the other samples' tokens decide: mixing
     summary = result.summary()
+    # the independence test names the router: its compared rows move with the others
+    assert "Independence test: the compared rows change at 'layers.1.gate/" in summary
+    assert "(batch mixing)" in summary
+    odd = next(f for f in router["flipped"] if False in (f["by_scores_a"], f["by_scores_b"]))
+    assert f"sample {odd['sample']} token {odd['token']}" in summary
     assert "'layers.1.gate'" in summary
     assert "not the scores' doing" in summary
     away = router["experts_not_by_scores"]

@@ -204,8 +204,12 @@ class Routing(Probe):
             experts = (f"expert{'s' * (len(away) != 1)} {', '.join(map(str, away))} "
                        f"turned away tokens {'their' if len(away) != 1 else 'its'} scores "
                        f"sent {'them' if len(away) != 1 else 'it'}")
+            odd_tokens = [f for f in router["flipped"]
+                          if f["by_scores_a"] is False or f["by_scores_b"] is False][:3]
+            shown = ", ".join(f"sample {f['sample']} token {f['token']}" for f in odd_tokens)
             said.append(f"At '{key}' a run chose other experts than the top k of its own "
-                        f"scores for {count} token{'s' * (count != 1)}: {experts}. Those "
+                        f"scores for {count} token{'s' * (count != 1)} ({shown}"
+                        f"{', ...' if count > len(odd_tokens) else ''}): {experts}. Those "
                         f"flips are not the scores' doing (an expert's capacity, dropping or "
                         f"another rule chose).")
         if unjudged and not odd:
