@@ -407,3 +407,14 @@ def test_a_router_divtrace_does_not_know_is_read_on_its_logits_unjudged() -> Non
     summary = result.summary()
     assert "How the router at 'layers.1.gate' scores its experts is not known" in summary
     assert "Every flip is a near tie" not in summary
+
+
+def test_a_result_with_routing_flips_saves_and_loads(tmp_path: Any) -> None:
+    model = _near_ties(_tiny("mixtral", "sdpa"), 1e-3).to(torch.bfloat16)
+    result = divtrace.compare(model, _prompts(), progress=False, explain=["replay"])
+    result.save(tmp_path / "moe")
+    back = divtrace.load(tmp_path / "moe")
+    assert back.meta.notes["routing"] == result.meta.notes["routing"]
+    assert back.meta.notes["replay"] == result.meta.notes["replay"]
+    assert back.summary() == result.summary()
+    assert "Routing flips" in result.to_html(tmp_path / "moe.html").read_text()

@@ -96,7 +96,8 @@ class Replay(Probe):
         meter.flush()
         host.fetch()
         found = figures_of(meter, ctx.plan.batch.batch_size)
-        self.found = {"ran": True, "rel_l2": {key: rel for key, (_, rel) in found.items()}}
+        self.found = {"ran": True, "rel_l2": {  # None: no rel_l2 (a site of integers)
+            key: rel if math.isfinite(rel) else None for key, (_, rel) in found.items()}}
 
     def _cannot(self, ctx: Context, routers: set[str]) -> str | None:
         """Why the replay cannot run here (None: it can)."""
@@ -131,7 +132,9 @@ class Replay(Probe):
             return Explained()
         site = str(out.iloc[-1]["site"])
         before = float(out.iloc[-1]["rel_l2"])
-        after = found["rel_l2"].get(site, math.nan)
+        after = found["rel_l2"].get(site)
+        if after is None:
+            return Explained()
         names = result.meta.names
         return Explained((
             f"Routing replay (one more pass of {the(names[1])}, every router given "

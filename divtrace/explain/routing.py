@@ -134,7 +134,7 @@ class Routing(Probe):
             k = (values.shape[1] - len(FIGURES)) // 4
             sets = values[:, len(FIGURES):].astype(int)  # chosen a, b; best-scored a, b
             kept = [dict(zip(("sample", "token"), where[i], strict=True)) | {
-                name: (_judged(values[i, j]) if name.startswith("by_") else float(values[i, j]))
+                name: (_judged(values[i, j]) if name.startswith("by_") else _finite(values[i, j]))
                 for j, name in enumerate(FIGURES) if name != "flipped"} | {
                 "experts_a": sets[i, :k].tolist(), "experts_b": sets[i, k:2 * k].tolist()}
                 for i in flipped[:KEPT]]
@@ -224,6 +224,12 @@ class Routing(Probe):
         return Explained(tuple(said))
 
 
+def _finite(value: float) -> float | None:
+    """``value``, None where it is not finite (a margin with no (k+1)-th expert): the
+    note stays JSON."""
+    return float(value) if math.isfinite(value) else None
+
+
 def _judged(value: float) -> bool | None:
     return None if math.isnan(value) else bool(value)
 
@@ -231,7 +237,8 @@ def _judged(value: float) -> bool | None:
 def _flip(flip: dict[str, Any], names: tuple[str, str]) -> str:
     """One flip's margins, in words."""
     units = flip["delta"] / (flip["ulp"] or 1.0)
-    return (f"margins {flip['margin_a']:.3g} in {the(names[0])} and {flip['margin_b']:.3g} "
+    shown = [("none" if m is None else f"{m:.3g}") for m in (flip["margin_a"], flip["margin_b"])]
+    return (f"margins {shown[0]} in {the(names[0])} and {shown[1]} "
             f"in {the(names[1])} "
             f"(k-th minus (k+1)-th score), the runs' logits there {flip['delta']:.3g} apart "
             f"({units:.3g} unit{'s' * (units != 1)} of their rounding), experts "
