@@ -418,3 +418,17 @@ def test_a_result_with_routing_flips_saves_and_loads(tmp_path: Any) -> None:
     assert back.meta.notes["replay"] == result.meta.notes["replay"]
     assert back.summary() == result.summary()
     assert "Routing flips" in result.to_html(tmp_path / "moe.html").read_text()
+
+
+def test_a_decode_step_reports_its_flips_at_their_positions() -> None:
+    model = _near_ties(_tiny("mixtral", "sdpa"), 1e-3).to(torch.bfloat16)
+    generation = divtrace.compare_generate(model, _prompts(), max_new_tokens=4,
+                                           progress=False)
+    step = generation.at(2)
+    routers = step.meta.notes["routing"]["routers"]
+    assert all(router["tokens"] == len(LENGTHS) for router in routers.values())  # one each
+    flips = [f for router in routers.values() for f in router["flipped"]]
+    # the step's one token per prompt: the input at position length + step - 1
+    assert flips  # the near ties flip at this step
+    assert all(f["token"] == LENGTHS[f["sample"]] + 2 - 1 for f in flips)
+    assert f"token {flips[0]['token']}:" in step.summary()

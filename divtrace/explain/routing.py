@@ -252,7 +252,8 @@ def _pairs(ctx: Context, key: str, tensor: torch.Tensor, rows: torch.Tensor
     part_of = getattr(ctx.meter, "part_of", None)  # a meter of prompts' tokens
     stored = ctx.store.rows.get(key)
     if part_of is not None and stored is not None and stored.parts is not None:
-        firsts = stored.firsts or [0] * len(stored.parts)
+        batch = ctx.plan.batch
+        step = int(getattr(batch, "step", 0) or 0)
         found = []
         for slot, sample in enumerate(ctx.store.samples):
             a = stored.parts[slot]
@@ -261,7 +262,13 @@ def _pairs(ctx: Context, key: str, tensor: torch.Tensor, rows: torch.Tensor
             b = part_of(key, tensor, sample, tuple(a.shape))
             if b.shape != a.shape:
                 return None
-            found.append((sample, firsts[slot], a, b))
+            if stored.firsts is not None:
+                first = stored.firsts[slot]
+            else:  # a generation step's call: its tokens end at the step's last position
+                source = getattr(batch, "source", None)
+                length = int(source.prompts[sample].numel()) if step and source else a.shape[0]
+                first = max(length + step - a.shape[0], 0)
+            found.append((sample, first, a, b))
         return found
     b = ctx.pick(tensor)
     if b.shape != rows.shape or rows.dim() < 3:
