@@ -18,9 +18,12 @@ __all__ = ["FIGURES", "figures", "grouped_sigmoid_scores", "scorer", "softmax_sc
 FIGURES = ("flipped", "margin_a", "margin_b", "by_scores_a", "by_scores_b", "delta", "ulp")
 
 
-def _margin(logits: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token: the k-th largest logit minus the (k+1)-th, and whether ``chosen`` (k
-    experts per token) are the top k of ``logits`` (ties allowed)."""
+def _margin(logits: torch.Tensor, chosen: torch.Tensor, dtype: torch.dtype
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token: the k-th largest score minus the (k+1)-th, and whether ``chosen`` (k
+    experts per token) are the top k of the scores ``logits`` (float64 values of
+    ``dtype`` ones), ties and two units of ``dtype``'s rounding allowed (the scores are
+    recomputed, by kernels that may round otherwise than the router's)."""
     k = chosen.shape[-1]
     ranked = logits.sort(-1, descending=True).values
     margin = ranked[:, k - 1] - ranked[:, k] if logits.shape[-1] > k else (
@@ -28,7 +31,8 @@ def _margin(logits: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, t
     mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, chosen, True)
     low = torch.where(mask, logits, torch.full_like(logits, math.inf)).amin(-1)
     high = torch.where(mask, torch.full_like(logits, -math.inf), logits).amax(-1)
-    return margin, low >= high
+    slack = 2 * _spacing(high.abs().nan_to_num(0.0, 0.0, 0.0), dtype)
+    return margin, low >= high - slack
 
 
 def softmax_scores(logits: torch.Tensor) -> torch.Tensor:
@@ -87,8 +91,8 @@ def figures(a_logits: torch.Tensor, b_logits: torch.Tensor, a_chosen: torch.Tens
     a_set = a_chosen.sort(-1).values
     b_set = b_chosen.to(a_chosen.device).sort(-1).values
     flipped = (a_set != b_set).any(-1)
-    margin_a, scores_a = _margin(a64, a_chosen.long())
-    margin_b, scores_b = _margin(b64, b_chosen.to(a_chosen.device).long())
+    margin_a, scores_a = _margin(a64, a_chosen.long(), a_logits.dtype)
+    margin_b, scores_b = _margin(b64, b_chosen.to(a_chosen.device).long(), a_logits.dtype)
     judged = (lambda by: by.double()) if scores is not None else (
         lambda by: torch.full_like(delta, math.nan))
     return torch.cat([torch.stack([flipped.double(), margin_a, margin_b, judged(scores_a),
