@@ -432,3 +432,26 @@ def test_a_decode_step_reports_its_flips_at_their_positions() -> None:
     assert flips  # the near ties flip at this step
     assert all(f["token"] == LENGTHS[f["sample"]] + 2 - 1 for f in flips)
     assert f"token {flips[0]['token']}:" in step.summary()
+
+
+def test_expert_calls_that_follow_the_routing_are_not_control_flow_by_the_batch() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100, num_experts=16, num_experts_per_tok=2,
+        moe_intermediate_size=32, experts_implementation="eager")).eval()
+    result = divtrace.compare(model, _prompts(), progress=False)
+    table = result.table
+    apart = table[table["status"] == "missing_in_split"]
+    # the loop calls the activation once per expert that got a token: the batch hits more
+    assert not apart.empty
+    assert apart["module"].str.startswith("model.layers.").all()
+    assert apart["module"].str.contains(r"\.mlp\.experts\.act_fn$").all()
+    assert result.verdict == "rounding"
+    assert (f"{len(apart)} calls inside the mixture-of-experts blocks ran in one run only "
+            f"(the first '{apart.iloc[0]['site']}')") in result.summary()
+    # without the routing probe the same calls are control flow that depends on the batch
+    blind = divtrace.compare(model, _prompts(), progress=False, explain=["-routing"])
+    assert blind.verdict == "not rounding"
+    assert "the model's control flow depends on the batch" in blind.summary()

@@ -120,7 +120,9 @@ class Routing(Probe):
                          [(sample, first, a.shape[0]) for sample, first, a, _ in pairs])
 
     def _after(self, ctx: Context) -> None:
+        blocks = moe_blocks(ctx.model)
         if not self._found:
+            self.found = {"blocks": blocks, "routers": {}, "output": None}
             return
         self._host.fetch()
         routers: dict[str, Any] = {}
@@ -149,7 +151,8 @@ class Routing(Probe):
                                                   | (values[flipped, 4] == 0)).sum()),
                             "experts_not_by_scores": sorted(
                                 set(lost), key=lambda e: (-lost.count(e), e))}
-        self.found = {"routers": routers, "output": self._share(flipped_tokens)}
+        self.found = {"blocks": blocks, "routers": routers,
+                      "output": self._share(flipped_tokens)}
 
     def _share(self, flipped: set[tuple[int, int]]) -> dict[str, Any] | None:
         """At the output: the compared tokens, those flipped at some router, and the share
@@ -171,8 +174,9 @@ class Routing(Probe):
     def explain(cls, result: Judged) -> Explained:
         found_all = result.meta.notes.get("routing") or {}
         found = found_all.get("routers")
+        routed = _routed(result.table, found_all.get("blocks", ()))
         if not found:
-            return Explained()
+            return Explained(routed)
         names = result.meta.names
         flipped = {key: router for key, router in found.items() if router["flips"]}
         if not flipped:
@@ -180,7 +184,7 @@ class Routing(Probe):
             each = (f"each of its {counts[0]} compared tokens" if len(counts) == 1 else
                     "each compared token")
             return Explained((f"Routing: at each of the {len(found)} routers, {each} went "
-                              f"to the same experts in both runs.",))
+                              f"to the same experts in both runs.", *routed))
         first_key = next(iter(flipped))
         first = flipped[first_key]["flipped"][0]
         per = ", ".join(f"'{key}' {router['flips']} of {router['tokens']}"
@@ -221,7 +225,25 @@ class Routing(Probe):
                         "scores, so the runs' difference of the scores at that token tipped "
                         "the choice; whether that difference is rounding is what the "
                         "verdict's tests judge.")
-        return Explained(tuple(said))
+        return Explained((*said, *routed))
+
+
+def _routed(table: Any, blocks: Any) -> tuple[str, ...]:
+    """A sentence on the calls inside the mixture-of-experts ``blocks`` that one run made
+    and the other did not (none: no such call): each pass calls the experts its own tokens
+    chose, so the calls follow the routing, which is compared token by token."""
+    inside = tuple(f"{block}." for block in blocks)
+    if not inside:
+        return ()
+    apart = table[table["status"].isin(["missing_in_split", "missing_in_batched"])
+                  & (table["op"] == "") & table["module"].str.startswith(inside)]
+    if apart.empty:
+        return ()
+    count, first = len(apart), apart.iloc[0]["site"]
+    return (f"{count} call{'s' * (count != 1)} inside the mixture-of-experts blocks ran in "
+            f"one run only (the first '{first}'): a pass calls the experts its own tokens "
+            f"chose, so these calls follow the routing, which is compared token by token at "
+            f"the routers; they are not taken for control flow that depends on the batch.",)
 
 
 def _finite(value: float) -> float | None:

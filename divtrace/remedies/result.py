@@ -76,6 +76,15 @@ def _no(value: Any) -> bool:
     return not pd.isna(value) and not bool(value)
 
 
+def _apart(row: pd.Series) -> str:
+    """Where a remedy leaves the output bit-identical but not every site: how many sites
+    are still apart ("" otherwise)."""
+    if row["output_rel_l2"] != 0 or pd.isna(row["sites"]) or pd.isna(row["identical_sites"]):
+        return ""
+    return (f", with {int(row['sites'] - row['identical_sites'])} of its {int(row['sites'])} "
+            f"compared sites still apart")
+
+
 def _times(value: float) -> str:
     return "not measured" if value != value else f"{value:.3g}×"
 
@@ -175,8 +184,9 @@ class Remedies(Result):
                 not tried.empty) else None
             lines.append("No candidate makes the runs bit-identical." + ("" if closest is None
                          else f" The closest, {closest['remedy']}, leaves the output's "
-                              f"rel_l2 at {sci(closest['output_rel_l2'])} (without a "
-                              f"remedy: {sci(self.before)}).") + " " + self._without())
+                              f"rel_l2 at {sci(closest['output_rel_l2'])}{_apart(closest)} "
+                              f"(without a remedy: {sci(self.before)}).") + " "
+                         + self._without())
         others = [r for _, r in table.iterrows() if _yes(r["identical"])
                   and (best is None or r["remedy"] != best.name)]
         if others:
@@ -186,7 +196,8 @@ class Remedies(Result):
         apart = [r for _, r in table.iterrows() if _no(r["identical"])]
         if apart:
             lines.append("Not bit-identical: " + "; ".join(
-                f"{r['remedy']} (output rel_l2 {sci(r['output_rel_l2'])})" for r in apart)
+                f"{r['remedy']} (output rel_l2 {sci(r['output_rel_l2'])}{_apart(r)})"
+                for r in apart)
                 + ".")
         skipped = table[table["identical"].isna()]
         if not skipped.empty:
