@@ -43,7 +43,7 @@ from divtrace.measure.measured import Measured
 from divtrace.record.experts import moe_blocks
 from divtrace.words import the
 
-__all__ = ["Routing"]
+__all__ = ["Routing", "routed_calls"]
 
 #: Flipped tokens kept in the note per router, for the sentences and the user.
 KEPT = 64
@@ -174,7 +174,7 @@ class Routing(Probe):
     def explain(cls, result: Judged) -> Explained:
         found_all = result.meta.notes.get("routing") or {}
         found = found_all.get("routers")
-        routed = _routed(result.table, found_all.get("blocks", ()))
+        routed = _routed(result.table, result.meta.notes)
         if not found:
             return Explained(routed)
         names = result.meta.names
@@ -228,15 +228,19 @@ class Routing(Probe):
         return Explained((*said, *routed))
 
 
-def _routed(table: Any, blocks: Any) -> tuple[str, ...]:
-    """A sentence on the calls inside the mixture-of-experts ``blocks`` that one run made
-    and the other did not (none: no such call): each pass calls the experts its own tokens
-    chose, so the calls follow the routing, which is compared token by token."""
-    inside = tuple(f"{block}." for block in blocks)
-    if not inside:
-        return ()
+def routed_calls(table: Any, notes: Any) -> Any:
+    """The rows of ``table`` for module calls that one run made and the other did not,
+    inside the mixture-of-experts blocks the routing note (``notes["routing"]``) names:
+    each pass calls the experts its own tokens chose, so these follow the routing."""
+    inside = tuple(f"{block}." for block in (notes.get("routing") or {}).get("blocks", ()))
     apart = table[table["status"].isin(["missing_in_split", "missing_in_batched"])
-                  & (table["op"] == "") & table["module"].str.startswith(inside)]
+                  & (table["op"] == "")]
+    return apart[apart["module"].str.startswith(inside)] if inside else apart.iloc[:0]
+
+
+def _routed(table: Any, notes: Any) -> tuple[str, ...]:
+    """A sentence on :func:`routed_calls` (none: no such call)."""
+    apart = routed_calls(table, notes)
     if apart.empty:
         return ()
     count, first = len(apart), apart.iloc[0]["site"]

@@ -37,6 +37,7 @@ import pandas as pd
 from divtrace.explain.mixed import parted
 from divtrace.explain.probe import Explained, Findings, Judged, output_rows
 from divtrace.explain.rounding import CHECK, MODELS, budget, two_models
+from divtrace.explain.routing import routed_calls
 from divtrace.words import sci
 
 if TYPE_CHECKING:
@@ -104,9 +105,8 @@ def _by_design(table: pd.DataFrame, meta: Meta, mixing: tuple[str, str] | None
                 "runs differ by design.")
     apart = table[table["status"].isin(["missing_in_split", "missing_in_batched"])
                   & (table["op"] == "")]  # an op in one run only is another kernel path
-    routed = tuple(f"{b}." for b in (meta.notes.get("routing") or {}).get("blocks", ()))
-    if routed:  # a call inside a mixture of experts follows the routing (compared there)
-        apart = apart[~apart["module"].str.startswith(routed)]
+    # a call inside a mixture of experts follows the routing (compared there)
+    apart = apart.drop(routed_calls(table, meta.notes).index)
     if not apart.empty:
         row = apart.iloc[0]
         return (f"the runs did not run the same modules: '{row['site']}' ran in one of "
