@@ -458,3 +458,17 @@ def test_the_float64_remedy_runs_experts_on_grouped_mm() -> None:
             upcast = model(x).logits.double()
     assert model.config._experts_implementation == "grouped_mm"  # put back
     assert float((upcast - plain).norm() / plain.norm()) < 1e-5  # the same model, nearer float64
+
+
+def test_a_remedy_that_leaves_only_inner_sites_apart_says_how_many() -> None:
+    torch.manual_seed(0)  # the output is 0 in both runs; layer 3 parts them inside
+    model = nn.Sequential(*models.variant_mlp(), models.Scale(0.0)).eval()
+    result = divtrace.compare(model, torch.randn(6, 16), progress=False)
+    remedies = result.remedies(["deterministic"], repeats=1, progress=False)
+    table = remedies.comparisons["deterministic algorithms"].table
+    compared = table[table["status"] == "ok"]
+    apart = int((compared["max_abs"] > 0).sum())
+    assert remedies.table.loc[0, "output_rel_l2"] == 0 and 0 < apart < len(compared)
+    assert remedies.summary().splitlines()[1] == (
+        f"Not bit-identical: deterministic algorithms (output rel_l2 0, with {apart} of its "
+        f"{len(compared)} compared sites still apart).")
