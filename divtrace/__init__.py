@@ -32,6 +32,7 @@ from divtrace.explain.precision import Precision
 from divtrace.explain.probe import Explained, Findings, Hooks, Judged, Probe, Spec, output_rows
 from divtrace.explain.registry import EXPLAIN_COLUMNS
 from divtrace.explain.repeat import Repeat
+from divtrace.explain.routing import Routing
 from divtrace.explain.tokens import PerToken
 from divtrace.explain.view import TableView
 from divtrace.generate.result import Generation
@@ -44,6 +45,7 @@ from divtrace.measure.measured import Measured
 from divtrace.plan.prompts import Prompts
 from divtrace.plan.runs import Resources, Run
 from divtrace.plan.tokens import Layout
+from divtrace.record.experts import Routers
 from divtrace.report.comparison import Comparison
 from divtrace.report.diff import Diff, diff
 from divtrace.report.plot import overlay
@@ -89,6 +91,8 @@ __all__ = [
     "Repeat",
     "Resources",
     "Result",
+    "Routers",
+    "Routing",
     "Run",
     "Spec",
     "Sweep",

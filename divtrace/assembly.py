@@ -8,6 +8,7 @@ and are put together here, in the faces' layer.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from torch import nn
@@ -16,6 +17,7 @@ from divtrace.align.sites import ROOT
 from divtrace.errors import DivtraceValueError
 from divtrace.explain.probe import Probe
 from divtrace.explain.registry import probes_for
+from divtrace.explain.routing import routers_in
 from divtrace.measure.figures import FIGURES, Figure
 from divtrace.plan.make import Plan
 from divtrace.record.ops import OpRecorder
@@ -64,15 +66,19 @@ def parts_for(plan: Plan, model: nn.Module) -> Parts:
             f"explain={needing} need(s) run b to take the whole batch in one pass; got "
             f"b=Run(chunk={plan.b.chunk}). Swap a and b, or leave them out of explain=")
     through_views = not any("op_inputs" in probe.spec.needs for probe in probes)
-    return Parts(probes, FIGURES, _recorder(plan, through_views))
+    return Parts(probes, FIGURES, _recorder(plan, through_views, probes))
 
 
-def _recorder(plan: Plan, through_views: bool) -> RecorderFactory:
-    """The recorder of each run: module hooks, or with ``ops`` the op recorder (which
-    follows lineage through views unless the local replay needs every op's inputs)."""
+def _recorder(plan: Plan, through_views: bool, probes: tuple[Probe, ...]) -> RecorderFactory:
+    """The recorder of each run: module hooks (reading per token inside the
+    mixture-of-experts blocks of the routing probe's routers), or with ``ops`` the op
+    recorder (which follows lineage through views unless the local replay needs every
+    op's inputs)."""
     ops = plan.ops
     if not ops:
-        return module_hooks
+        routers = routers_in(probes)
+        return module_hooks if routers.pattern is None else functools.partial(
+            module_hooks, routers=routers)
     modules, batch_dim = plan.modules, plan.batch.batch_dim
 
     def make(model: nn.Module, selected: dict[str, nn.Module]) -> Recorder:

@@ -14,6 +14,7 @@ from torch.nn import functional as F
 
 import divtrace
 from divtrace.plan.prompts import pad
+from tests import models
 
 LENGTHS = (5, 9, 12, 7, 16, 3)
 
@@ -455,3 +456,132 @@ def test_expert_calls_that_follow_the_routing_are_not_control_flow_by_the_batch(
     blind = divtrace.compare(model, _prompts(), progress=False, explain=["-routing"])
     assert blind.verdict == "not rounding"
     assert "the model's control flow depends on the batch" in blind.summary()
+
+
+class OwnRouter(nn.Module):
+    """A router of one's own: top 2 of a softmax over 4 experts whose rows nearly tie,
+    its logits summed in another order once the pass has 7 tokens or more (as a kernel
+    switches with the batch), its output a dict."""
+
+    def __init__(self, width: int = 16, experts: int = 4) -> None:
+        super().__init__()
+        self.proj = models.OrderedLinear(width, experts, variant_from=7)
+        with torch.no_grad():
+            weight = self.proj.weight
+            weight.copy_(weight[0] * (1 + 1e-7 * torch.randn_like(weight)))
+
+    def forward(self, x: torch.Tensor) -> Any:
+        logits = self.proj(x)
+        weights, chosen = torch.softmax(logits, -1).topk(2, -1)
+        return {"weights": weights, "chosen": chosen, "logits": logits}
+
+
+class TupleRouter(OwnRouter):
+    """The same router, its output (weights, chosen, logits)."""
+
+    def forward(self, x: torch.Tensor) -> Any:
+        out = super().forward(x)
+        return out["weights"], out["chosen"], out["logits"]
+
+
+class OwnMoE(nn.Module):
+    """An expert block with no ``gate`` nor ``experts``: ``router`` and ``ffn``."""
+
+    def __init__(self, router: nn.Module, width: int = 16, experts: int = 4) -> None:
+        super().__init__()
+        self.router = router
+        self.ffn = nn.ModuleList(models.OrderedLinear(width, width) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        routed = self.router(flat)
+        weights, chosen = (routed["weights"], routed["chosen"]) if isinstance(
+            routed, dict) else routed[:2]
+        out = torch.zeros_like(flat)
+        for slot in range(chosen.shape[1]):
+            for expert, ffn in enumerate(self.ffn):
+                mask = chosen[:, slot] == expert
+                if mask.any():
+                    out[mask] += weights[mask, slot, None] * ffn(flat[mask])
+        return out.reshape(x.shape)
+
+
+def _own(router: type[nn.Module]) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(models.OrderedLinear(16, 16), OwnMoE(router())).eval()
+
+
+def _own_by_hand(model: nn.Module, x: torch.Tensor, chosen: str, logits: str
+                 ) -> list[tuple[int, int, float, float]]:
+    """By hand: (sample, token, margin alone, margin batched) of each flipped token."""
+    def routed(rows: torch.Tensor) -> Any:
+        found: list[Any] = []
+        handle = model[1].router.register_forward_hook(lambda _m, _a, out: found.append(out))
+        with torch.no_grad():
+            model(rows)
+        handle.remove()
+        out = found[0]
+        return (out[chosen], out[logits]) if isinstance(out, dict) else (
+            out[int(chosen)], out[int(logits)])
+    batched = routed(x)
+    flips = []
+    for sample in range(len(x)):
+        alone = routed(x[sample:sample + 1])
+        for token in range(x.shape[1]):
+            row = sample * x.shape[1] + token
+            if not torch.equal(alone[0][token].sort().values, batched[0][row].sort().values):
+                flips.append((sample, token, _margin(alone[1][token]),
+                              _margin(batched[1][row])))
+    return flips
+
+
+@pytest.mark.parametrize(("router", "routing"), [
+    (OwnRouter, divtrace.Routing("*.router", logits="logits", weights="weights",
+                                 experts="chosen", scores=lambda logits: logits.softmax(-1))),
+    (TupleRouter, divtrace.Routing(TupleRouter, logits="2", weights="0", experts="1",
+                                   scores=lambda logits: logits.softmax(-1)))],
+    ids=["pattern-dict", "type-tuple"])
+def test_a_router_of_ones_own_given_by_a_pattern(router: type, routing: Any) -> None:
+    model = _own(router)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(8, 6, 16, generator=torch.Generator().manual_seed(1))
+    result = divtrace.compare(model, x, progress=False, explain=[routing, "replay"])
+    routers = result.meta.notes["routing"]["routers"]
+    assert list(routers) == ["1.router"]
+    paths = routing.routers
+    by_hand = _own_by_hand(model, x, paths.experts, paths.logits)
+    assert by_hand  # the planted near ties flip
+    found = routers["1.router"]
+    assert found["tokens"] == 48
+    assert found["flips"] == len(by_hand)
+    mine = [(f["sample"], f["token"], f["margin_a"], f["margin_b"]) for f in found["flipped"]]
+    assert [f[:2] for f in mine] == [f[:2] for f in by_hand]
+    for got, hand in zip(mine, by_hand, strict=True):
+        assert got[2:] == pytest.approx(hand[2:], rel=1e-12, abs=1e-15)
+    assert found["not_by_scores"] == 0
+    assert result.verdict == "rounding"
+    assert "Every flip is a near tie" in result.summary()
+    # the experts forced from the split run: the block's output is the split run's
+    out = result.table[result.table["module"] == "(model)"].iloc[-1]
+    assert float(out["rel_l2"]) > 0
+    assert result.meta.notes["replay"]["rel_l2"][out["site"]] == 0
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert not any(m._forward_hooks for m in model.modules())
+    # the remedies find the same routers
+    remedies = result.remedies(candidates=["float32-router"], repeats=1, progress=False)
+    assert remedies.table.iloc[0]["note"] == "not tried: the routers compute in float32 already"
+
+
+def test_a_router_pattern_that_matches_nothing_or_misses_the_paths_names_the_fix() -> None:
+    model = _own(OwnRouter)
+    x = torch.randn(4, 6, 16)
+    with pytest.raises(divtrace.DivtraceValueError,
+                       match=r"Routing\(routers='\*\.gate'\) matches no module of Sequential; "
+                             r"give a glob on qualified names"):
+        divtrace.compare(model, x, progress=False, explain=[divtrace.Routing("*.gate")])
+    with pytest.raises(divtrace.DivtraceValueError, match="three different paths"):
+        divtrace.Routers("*.router", logits="0", experts="0")
+    result = divtrace.compare(model, x, progress=False, explain=[divtrace.Routing("*.router")])
+    assert ("Routing was not compared: router '1.router' gave the sites 'weights' (ok), "
+            "'chosen' (ok), 'logits' (ok), and divtrace reads its logits at '0' and its "
+            "chosen experts at '2'") in result.summary()

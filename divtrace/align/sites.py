@@ -13,7 +13,7 @@ from divtrace.align.status import Status
 from divtrace.compat import pytree
 
 __all__ = ["CONSTANT", "INPUT", "ROOT", "Site", "flatten_output", "input_site", "op_key",
-           "site_key"]
+           "replaced", "site_key"]
 
 #: The name under which the model itself (its final output) appears in the table.
 ROOT = "(model)"
@@ -130,3 +130,11 @@ def flatten_output(output: Any, prefix: str = ""
             fields = {f.name: getattr(leaf, f.name) for f in dataclasses.fields(leaf)}
             found.extend(flatten_output(fields, path))
     return found
+
+
+def replaced(output: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """``output`` rebuilt with the tensors at the given paths (as :func:`flatten_output`
+    names them) in place of its own; containers that pytree knows only."""
+    leaves, spec = pytree.tree_flatten_with_path(output, is_leaf=_packed)
+    return pytree.tree_unflatten(
+        [tensors.get("/".join(_key_str(k) for k in keys), leaf) for keys, leaf in leaves], spec)

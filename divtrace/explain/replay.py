@@ -3,9 +3,10 @@ choice forced at every mixture-of-experts router, to show how much of the differ
 routing. Run a's rows are kept until that pass (not released site by site as run b
 measures them).
 
-At each router (Hugging Face's ``mlp.gate``), the compared samples' tokens get run a's
-chosen experts and run a's weights for them (the router's outputs ``2`` and ``1``, as run
-a recorded them); every other token keeps run b's own. What is left between the runs at
+At each router (Hugging Face's ``mlp.gate``, or the routing probe's
+:class:`~divtrace.Routers`), the compared samples' tokens get run a's chosen experts and
+run a's weights for them (the router's outputs ``2`` and ``1``, or the paths the routers
+name, as run a recorded them); every other token keeps run b's own. What is left between the runs at
 the output is the difference that does not come from routing.
 """
 
@@ -17,13 +18,13 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from divtrace.align.sites import ROOT
+from divtrace.align.sites import ROOT, flatten_output, replaced
 from divtrace.explain.context import Context
 from divtrace.explain.held import figures_of
 from divtrace.explain.probe import Explained, Hooks, Judged, Probe, Spec
+from divtrace.explain.routing import routers_in
 from divtrace.measure.host import Host
 from divtrace.measure.measured import Measured
-from divtrace.record.experts import moe_blocks
 from divtrace.words import the
 
 __all__ = ["Replay"]
@@ -36,6 +37,7 @@ class Replay(Probe):
 
     def __init__(self) -> None:
         self._keys: dict[tuple[str, int], dict[str, str]] = {}  # (router, call) -> path: key
+        self._routers: set[str] | None = None
         self._held: list[str] = []
         self.found: dict[str, Any] | None = None
 
@@ -51,7 +53,9 @@ class Replay(Probe):
     def _site(self, ctx: Context, measured: Measured, tensor: torch.Tensor,
               rows: torch.Tensor) -> None:
         site = measured.site
-        if site.path in ("1", "2") and site.module.endswith(".gate") and not site.op:
+        if self._routers is None:
+            self._routers = set(routers_in(ctx.probes).names(ctx.model))
+        if site.module in self._routers and not site.op:
             self._keys.setdefault((site.module, site.call), {})[site.path] = site.key
 
     def _after(self, ctx: Context) -> None:
@@ -62,7 +66,9 @@ class Replay(Probe):
                 ctx.store.release(key)
 
     def _replay(self, ctx: Context) -> None:
-        routers = {f"{block}.gate" for block in moe_blocks(ctx.b.model)}
+        given = routers_in(ctx.probes)
+        routers = set(given.names(ctx.b.model))
+        paths = [p for p in (given.weights, given.experts) if p is not None]
         named = dict(ctx.b.model.named_modules())
         why = self._cannot(ctx, routers)
         if why:
@@ -77,12 +83,13 @@ class Replay(Probe):
                 call = calls.get(name, 0)
                 calls[name] = call + 1
                 keys = self._keys.get((name, call), {})
-                if set(keys) != {"1", "2"} or not isinstance(output, tuple):
+                if not set(paths) <= set(keys):
                     return None
-                weights, chosen = output[1].clone(), output[2].clone()
-                for path, target in (("1", weights), ("2", chosen)):
+                own = {path: tensor for path, tensor, _ in flatten_output(output)}
+                choice = {path: own[path].clone() for path in paths}
+                for path, target in choice.items():
                     _place(ctx, keys[path], target, tokens)
-                return (output[0], weights, chosen, *output[3:])
+                return replaced(output, choice)
             return hook
 
         handles = [named[name].register_forward_hook(forced(name)) for name in routers

@@ -1,17 +1,22 @@
 """How a mixture of experts' router scores its experts, and the figures per token of two
 runs' choices (:func:`figures`): the margins, whether each run chose its own top k, the
-logits' difference in units of their rounding."""
+logits' difference in units of their rounding; and a router site's rows of both runs per
+compared sample (:func:`both_rows`)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-__all__ = ["FIGURES", "figures", "grouped_sigmoid_scores", "scorer", "softmax_scores"]
+if TYPE_CHECKING:
+    from divtrace.explain.context import Context
+
+__all__ = ["FIGURES", "both_rows", "figures", "grouped_sigmoid_scores", "scorer",
+           "softmax_scores"]
 
 #: The figures per token, in order (then each run's chosen experts and each run's k
 #: best-scored ones).
@@ -114,3 +119,34 @@ def _spacing(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     info = torch.finfo(dtype)
     exponent = torch.floor(torch.log2(value.clamp_min(info.tiny)))
     return torch.exp2(exponent) * info.eps
+
+
+def both_rows(ctx: Context, key: str, tensor: torch.Tensor, rows: torch.Tensor
+           ) -> list[tuple[int, int, torch.Tensor, torch.Tensor]] | None:
+    """Per compared sample: (sample, its first token, run a's rows, run b's rows), each
+    ``(tokens, ...)``; None where the site is not laid out so."""
+    part_of = getattr(ctx.meter, "part_of", None)  # a meter of prompts' tokens
+    stored = ctx.store.rows.get(key)
+    if part_of is not None and stored is not None and stored.parts is not None:
+        batch = ctx.plan.batch
+        step = int(getattr(batch, "step", 0) or 0)
+        found = []
+        for slot, sample in enumerate(ctx.store.samples):
+            a = stored.parts[slot]
+            if a is None or a.dim() < 2:
+                return None
+            b = part_of(key, tensor, sample, tuple(a.shape))
+            if b.shape != a.shape:
+                return None
+            if stored.firsts is not None:
+                first = stored.firsts[slot]
+            else:  # a generation step's call: its tokens end at the step's last position
+                source = getattr(batch, "source", None)
+                length = int(source.prompts[sample].numel()) if step and source else a.shape[0]
+                first = max(length + step - a.shape[0], 0)
+            found.append((sample, first, a, b))
+        return found
+    b = ctx.pick(tensor)
+    if b.shape != rows.shape or rows.dim() < 3:
+        return None
+    return [(sample, 0, rows[slot], b[slot]) for slot, sample in enumerate(ctx.store.samples)]

@@ -2,9 +2,11 @@
 where the model has mixture-of-experts blocks): at each block's router, the tokens whose
 set of chosen experts differs between the runs, with each run's margin.
 
-A router (Hugging Face's ``mlp.gate``: Mixtral, Qwen2-MoE, Qwen3-MoE) returns its logits
-(path ``0``) and the chosen experts (path ``2``) per token; both are sites, read per token
-(:mod:`divtrace.record.experts`). Per flipped token, in each run:
+A router (Hugging Face's ``mlp.gate``: Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3) returns
+its logits (path ``0``) and the chosen experts (path ``2``) per token; both are sites, read
+per token (:mod:`divtrace.record.experts`). A router of one's own is named by a pattern,
+with the paths of its output and what it ranks by: ``Routing("*.moe.router", logits="2",
+experts="1", scores=lambda logits: logits.softmax(-1))``. Per flipped token, in each run:
 
 * the **margin**: its k-th largest logit minus its (k+1)-th, the gap its choice stood on;
 * whether the run chose **by its scores**: its chosen experts are the top k of its own
@@ -14,8 +16,8 @@ A router (Hugging Face's ``mlp.gate``: Mixtral, Qwen2-MoE, Qwen3-MoE) returns it
 
 The scores are what the router ranks by, computed as it computes them: for a softmax
 router, the softmax of the logits in float32; for DeepSeek-V3's, the sigmoid plus its bias
-within the groups it kept; for a router divtrace does not know, the logits
-(and whether a run chose by them is then not judged). When both runs chose by their
+within the groups it kept; for a router divtrace does not know, what ``scores=`` gives,
+else the logits (and whether a run chose by them is then not judged). When both runs chose by their
 scores, the flip is a near tie that the runs' difference at that token tipped, and
 whether that difference is rounding is what the verdict's tests judge at the router's
 logits. A run that chose otherwise than the top k of its own scores (an expert at its
@@ -35,15 +37,16 @@ from torch import nn
 
 from divtrace.align.sites import ROOT
 from divtrace.align.status import Status
+from divtrace.errors import DivtraceValueError
 from divtrace.explain.context import Context
 from divtrace.explain.probe import Explained, Hooks, Judged, Probe, Spec
-from divtrace.explain.routers import FIGURES, figures, scorer
+from divtrace.explain.routers import FIGURES, both_rows, figures, scorer
 from divtrace.measure.host import Deferred, Host
 from divtrace.measure.measured import Measured
-from divtrace.record.experts import moe_blocks
+from divtrace.record.experts import Routers
 from divtrace.words import the
 
-__all__ = ["Routing", "routed_calls"]
+__all__ = ["Routing", "routed_calls", "routers_in"]
 
 #: Flipped tokens kept in the note per router, for the sentences and the user.
 KEPT = 64
@@ -52,23 +55,50 @@ KEPT = 64
 _OUTPUT = ("logits", "")
 
 
-
 class Routing(Probe):
     """``"routing"``: the routing flips at each mixture-of-experts block's router."""
 
     spec: ClassVar[Spec] = Spec(name="routing", default=True)
 
-    def __init__(self) -> None:
+    def __init__(self, routers: str | type[nn.Module] | Routers | None = None, *,
+                 logits: str = "0", weights: str | None = "1", experts: str = "2",
+                 scores: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """``routers``: a glob on the routers' qualified names or their type (None: each
+        Hugging Face mixture-of-experts block's ``gate``); ``logits``, ``weights`` and
+        ``experts``: where a router's output holds them (:class:`~divtrace.Routers`);
+        ``scores``: what a router ranks its experts by, from its logits ``(tokens,
+        experts)``, computed as it computes it (None: as divtrace knows the router's type;
+        for one it does not know, the logits, and whether a run chose by them is not
+        judged)."""
+        self.routers = routers if isinstance(routers, Routers) else Routers(
+            routers, logits, weights, experts)
+        self.scores = scores
         self._routers: set[str] | None = None
+        self._seen: dict[str, dict[str, str]] = {}  # router -> path -> status
         self._scorers: dict[str, Callable[[torch.Tensor], torch.Tensor] | None] = {}
-        self._logits: dict[tuple[str, int], list[tuple[int, int, Any, Any]]] = {}
+        self._held: dict[tuple[str, int], dict[str, list[tuple[int, int, Any, Any]]]] = {}
         self._found: dict[str, tuple[Deferred, list[tuple[int, int, int]], int]] = {}
         self._squares: tuple[Deferred, list[tuple[int, int, int]]] | None = None
         self._host = Host()
         self.found: dict[str, Any] | None = None
 
+    def settings(self) -> dict[str, Any]:
+        pattern = self.routers.pattern
+        return {"routers": pattern if isinstance(pattern, str | None) else pattern.__name__,
+                **self.routers.paths(),
+                "scores": None if self.scores is None else getattr(
+                    self.scores, "__qualname__", type(self.scores).__name__)}
+
     def check(self, model: nn.Module) -> bool:
-        return bool(moe_blocks(model))  # left out of models without a router
+        found = self.routers.names(model)  # left out of models without a router
+        if not found and self.routers.pattern is not None:
+            names = [name for name, _ in model.named_modules() if name][:6]
+            raise DivtraceValueError(
+                f"Routing(routers={self.routers.described()}) matches no module of "
+                f"{type(model).__name__}; give a glob on qualified names as "
+                f"model.named_modules() lists them (e.g. {', '.join(names) or '(none)'}) "
+                f"or the routers' module type")
+        return bool(found)
 
     def hooks(self) -> Hooks:
         return Hooks(site=self._site, after=self._after)
@@ -78,23 +108,28 @@ class Routing(Probe):
         site = measured.site
         if self._routers is None:
             named = dict(ctx.model.named_modules())
-            self._routers = {f"{block}.gate" for block in moe_blocks(ctx.model)}
-            self._scorers = {name: scorer(named[name]) for name in self._routers}
+            self._routers = set(self.routers.names(ctx.model))
+            self._scorers = {name: self.scores or scorer(named[name]) for name in self._routers}
         if site.module == ROOT and site.call == 0 and site.path in _OUTPUT and not site.op and (
                 self._routers and measured.status == Status.OK):
             self._output(ctx, site.key, tensor, rows)
             return
-        if site.module not in self._routers or site.op or site.path not in ("0", "2") or (
+        if site.module not in self._routers or site.op:
+            return
+        self._seen.setdefault(site.module, {})[site.path] = str(measured.status)
+        if site.path not in (self.routers.logits, self.routers.experts) or (
                 measured.status != Status.OK):
             return
-        pairs = _pairs(ctx, site.key, tensor, rows)
+        pairs = both_rows(ctx, site.key, tensor, rows)
         if pairs is None:
             return
-        if site.path == "0":
-            self._logits[site.module, site.call] = pairs
+        held = self._held.setdefault((site.module, site.call), {})  # in either order
+        held[site.path] = pairs
+        if len(held) < 2:
             return
-        logits = self._logits.pop((site.module, site.call), None)
-        if logits is None or len(logits) != len(pairs):
+        del self._held[site.module, site.call]
+        logits, pairs = held[self.routers.logits], held[self.routers.experts]
+        if len(logits) != len(pairs):
             return
         found, spans = [], []
         for (sample, first, a_logits, b_logits), (_, _, a_chosen, b_chosen) in zip(
@@ -111,7 +146,7 @@ class Routing(Probe):
     def _output(self, ctx: Context, key: str, tensor: torch.Tensor, rows: torch.Tensor) -> None:
         """The model's output: each compared token's squared difference between the runs,
         for the share of it on the flipped tokens."""
-        pairs = _pairs(ctx, key, tensor, rows)
+        pairs = both_rows(ctx, key, tensor, rows)
         if pairs is None:
             return
         squares = [(b.double() - a.to(b.device).double()).flatten(1).square().sum(1)
@@ -120,9 +155,12 @@ class Routing(Probe):
                          [(sample, first, a.shape[0]) for sample, first, a, _ in pairs])
 
     def _after(self, ctx: Context) -> None:
-        blocks = moe_blocks(ctx.model)
+        blocks = list(self.routers.blocks(ctx.model))
         if not self._found:
-            self.found = {"blocks": blocks, "routers": {}, "output": None}
+            first = next(iter(self._seen), None)
+            self.found = {"blocks": blocks, "routers": {}, "output": None,
+                          "paths": self.routers.paths(), "unread": None if first is None
+                          else {"router": first, "seen": self._seen[first]}}
             return
         self._host.fetch()
         routers: dict[str, Any] = {}
@@ -151,8 +189,8 @@ class Routing(Probe):
                                                   | (values[flipped, 4] == 0)).sum()),
                             "experts_not_by_scores": sorted(
                                 set(lost), key=lambda e: (-lost.count(e), e))}
-        self.found = {"blocks": blocks, "routers": routers,
-                      "output": self._share(flipped_tokens)}
+        self.found = {"blocks": blocks, "routers": routers, "output": self._share(
+            flipped_tokens), "paths": self.routers.paths(), "unread": None}
 
     def _share(self, flipped: set[tuple[int, int]]) -> dict[str, Any] | None:
         """At the output: the compared tokens, those flipped at some router, and the share
@@ -176,7 +214,7 @@ class Routing(Probe):
         found = found_all.get("routers")
         routed = _routed(result.table, result.meta.notes)
         if not found:
-            return Explained(routed)
+            return Explained((*_unread(found_all), *routed))
         names = result.meta.names
         flipped = {key: router for key, router in found.items() if router["flips"]}
         if not flipped:
@@ -228,6 +266,25 @@ class Routing(Probe):
         return Explained((*said, *routed))
 
 
+def routers_in(probes: Any) -> Routers:
+    """The routers of the routing probe among ``probes`` (``explain=`` entries or
+    probes); Hugging Face's where none is given."""
+    return next((p.routers for p in probes if isinstance(p, Routing)), Routers())
+
+
+def _unread(found: dict[str, Any]) -> tuple[str, ...]:
+    """Why no router's choice was compared, where the routers ran but were not read."""
+    unread = found.get("unread")
+    if not unread:
+        return ()
+    paths, seen = found["paths"], unread["seen"]
+    shown = ", ".join(f"'{path}' ({status})" for path, status in list(seen.items())[:6])
+    return (f"Routing was not compared: router '{unread['router']}' gave the sites {shown}, "
+            f"and divtrace reads its logits at '{paths['logits']}' and its chosen experts "
+            f"at '{paths['experts']}', both compared per token; name the paths of its "
+            f"output: Routing(routers=..., logits=..., experts=...).",)
+
+
 def routed_calls(table: Any, notes: Any) -> Any:
     """The rows of ``table`` for module calls that one run made and the other did not,
     inside the mixture-of-experts blocks the routing note (``notes["routing"]``) names:
@@ -269,34 +326,3 @@ def _flip(flip: dict[str, Any], names: tuple[str, str]) -> str:
             f"(k-th minus (k+1)-th score), the runs' logits there {flip['delta']:.3g} apart "
             f"({units:.3g} unit{'s' * (units != 1)} of their rounding), experts "
             f"{flip['experts_a']} against {flip['experts_b']}")
-
-
-def _pairs(ctx: Context, key: str, tensor: torch.Tensor, rows: torch.Tensor
-           ) -> list[tuple[int, int, torch.Tensor, torch.Tensor]] | None:
-    """Per compared sample: (sample, its first token, run a's rows, run b's rows), each
-    ``(tokens, ...)``; None where the site is not laid out so."""
-    part_of = getattr(ctx.meter, "part_of", None)  # a meter of prompts' tokens
-    stored = ctx.store.rows.get(key)
-    if part_of is not None and stored is not None and stored.parts is not None:
-        batch = ctx.plan.batch
-        step = int(getattr(batch, "step", 0) or 0)
-        found = []
-        for slot, sample in enumerate(ctx.store.samples):
-            a = stored.parts[slot]
-            if a is None or a.dim() < 2:
-                return None
-            b = part_of(key, tensor, sample, tuple(a.shape))
-            if b.shape != a.shape:
-                return None
-            if stored.firsts is not None:
-                first = stored.firsts[slot]
-            else:  # a generation step's call: its tokens end at the step's last position
-                source = getattr(batch, "source", None)
-                length = int(source.prompts[sample].numel()) if step and source else a.shape[0]
-                first = max(length + step - a.shape[0], 0)
-            found.append((sample, first, a, b))
-        return found
-    b = ctx.pick(tensor)
-    if b.shape != rows.shape or rows.dim() < 3:
-        return None
-    return [(sample, 0, rows[slot], b[slot]) for slot, sample in enumerate(ctx.store.samples)]

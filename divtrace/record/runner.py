@@ -15,7 +15,7 @@ from divtrace.plan.inputs import BatchedInput, each_once
 from divtrace.plan.runs import Run
 from divtrace.plan.selection import select_modules
 from divtrace.plan.walk import Walk
-from divtrace.record.experts import flattened_inside
+from divtrace.record.experts import Routers, flattened_inside
 from divtrace.record.graphs import GraphedRun
 from divtrace.record.hooks import ModuleHooks
 from divtrace.record.loop import InputCopies, drive
@@ -29,10 +29,11 @@ __all__ = ["RecorderFactory", "Runner", "module_hooks"]
 RecorderFactory = Callable[[nn.Module, dict[str, nn.Module]], Recorder]
 
 
-def module_hooks(model: nn.Module, modules: dict[str, nn.Module]) -> Recorder:
+def module_hooks(model: nn.Module, modules: dict[str, nn.Module],
+                 routers: Routers | None = None) -> Recorder:
     """The default recorder: forward hooks on the selected modules (those inside a
-    mixture-of-experts block read per token)."""
-    return ModuleHooks(modules, *flattened_inside(model, modules))
+    mixture-of-experts block, of ``routers`` or Hugging Face's, read per token)."""
+    return ModuleHooks(modules, *flattened_inside(model, modules, routers))
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,11 @@ from torch import nn
 
 from divtrace.align.sites import ROOT
 from divtrace.errors import DivtraceValueError
-from divtrace.record.experts import moe_blocks
+from divtrace.record.experts import Routers
 from divtrace.remedies.catalog import Leave, Upcast, around
 from divtrace.remedies.remedy import Remedy, Situation, targets
 
-__all__ = ["Float32Head", "Float32Router", "output_head", "routers_of"]
+__all__ = ["Float32Head", "Float32Router", "output_head"]
 
 
 def output_head(model: nn.Module) -> tuple[str, ...]:
@@ -96,27 +96,28 @@ class Float32Head(Remedy):
         around(targets(model, names), enter, stack)
 
 
-def routers_of(model: nn.Module) -> tuple[str, ...]:
-    """The qualified names of ``model``'s mixture-of-experts routers (each block's
-    ``gate``)."""
-    return tuple(f"{block}.gate" for block in moe_blocks(model))
-
-
 class Float32Router(Float32Head):
     """The mixture-of-experts routers in float32: while a router runs, every torch
     function takes its bfloat16 and float16 tensors (its weight too) as float32 copies,
     and its outputs (logits, weights) stay float32. The parameters are not changed.
 
     Args:
-        modules: The routers' qualified names (None: every block's ``gate``).
+        modules: The routers' qualified names, or a :class:`~divtrace.Routers` that finds
+            them (None: every Hugging Face mixture-of-experts block's ``gate``).
     """
 
     kind = "float32-router"
 
+    def __init__(self, modules: Sequence[str] | Routers | None = None) -> None:
+        self._routing = modules if isinstance(modules, Routers) else Routers()
+        super().__init__(None if isinstance(modules, Routers) else modules)
+
     @property
     def name(self) -> str:
-        return "float32 router" + ("" if self._modules is None else
-                                   f" ({', '.join(self._modules)})")
+        if self._modules is not None:
+            return f"float32 router ({', '.join(self._modules)})"
+        pattern = self._routing.pattern
+        return "float32 router" + ("" if pattern is None else f" ({self._routing.described()})")
 
     def unusable(self, situation: Situation) -> str | None:
         if not situation.routers:
@@ -129,10 +130,10 @@ class Float32Router(Float32Head):
         return "the routers' logits and weights are float32, not the model's dtype"
 
     def _found(self, model: nn.Module) -> tuple[str, ...]:
-        names = routers_of(model)
+        names = self._routing.names(model)
         if not names:
             raise DivtraceValueError(
                 f"{type(model).__name__} has no mixture-of-experts router (a module with a "
                 f"gate and experts); name the routers: Float32Router(['model.layers.0.mlp."
-                f"gate'])")
+                f"gate']) or Float32Router(divtrace.Routers('*.router'))")
         return names

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -24,6 +24,7 @@ from torch import nn
 from divtrace.align.sites import ROOT
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
 from divtrace.plan.precision import restored
+from divtrace.record.experts import Routers
 
 __all__ = ["Custom", "Remedy", "Scoped", "Situation"]
 
@@ -50,6 +51,7 @@ class Situation:
             of the model, so hooks on the model are not in them.
         routers: The model's mixture-of-experts routers, by qualified name.
         router_dtype: The dtype of the first router's weight (None: no router).
+        routing: How they were found: the routing probe's :class:`~divtrace.Routers`.
     """
 
     batch_size: int
@@ -65,6 +67,7 @@ class Situation:
     compiled: bool = False
     routers: tuple[str, ...] = ()
     router_dtype: str | None = None
+    routing: Routers = field(default_factory=Routers)
 
 
 class _Flags:

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from divtrace.align.sites import ROOT
 from divtrace.errors import DivtraceTypeError, DivtraceValueError
 from divtrace.explain.probe import Judged
+from divtrace.explain.routing import Routing, routers_in
 from divtrace.explain.tokens import PerToken
 from divtrace.kinds.padded import Padded
 from divtrace.kinds.registry import kind_of
@@ -33,7 +34,7 @@ from divtrace.remedies.catalog import (
     PrecisionOff,
 )
 from divtrace.remedies.cost import costs, quiet
-from divtrace.remedies.head import Float32Head, Float32Router, output_head, routers_of
+from divtrace.remedies.head import Float32Head, Float32Router, output_head
 from divtrace.remedies.inductor import DynamicShapes, EagerRegions, InductorSettings
 from divtrace.remedies.remedy import Custom, Remedy, Scoped, Situation
 from divtrace.remedies.result import Remedies
@@ -88,13 +89,21 @@ def situation(plan: Plan, model: nn.Module) -> Situation:
     head_dtype = str(weight.dtype).removeprefix("torch.") if isinstance(
         weight, torch.Tensor) else None
     compiled = any(isinstance(run, Compiled) for run in (plan.a, plan.b))
-    routers = routers_of(model)
+    routing = routers_in(_given(plan))
+    routers = routing.names(model)
     first = next((p for p in dict(model.named_modules())[routers[0]].parameters()), None
                  ) if routers else None
     return Situation(plan.batch.batch_size, plan.batch.batch_dim, on_cuda,
                      dict(kind_of(plan).cannot), plan.a.chunk, batch_only, reduced, attention,
                      head, head_dtype, compiled, routers,
-                     None if first is None else str(first.dtype).removeprefix("torch."))
+                     None if first is None else str(first.dtype).removeprefix("torch."),
+                     routing)
+
+
+def _given(plan: Plan) -> list[Any]:
+    """``explain=`` as a list."""
+    return [] if plan.explain is None else (
+        [plan.explain] if isinstance(plan.explain, str) else list(plan.explain))
 
 
 def scope(result: Comparison) -> list[str]:
@@ -121,7 +130,7 @@ def _one(item: Any, where: list[str], sit: Situation) -> Remedy | Sequence[Remed
                 "fixed-batch": lambda: FixedBatch(sit.batch_size, sit.batch_dim),
                 "precision": PrecisionOff, "math-attention": MathAttention,
                 "deterministic": Deterministic, "float32-head": Float32Head,
-                "float32-router": Float32Router,
+                "float32-router": lambda: Float32Router(sit.routing),
                 "inductor": lambda: InductorSettings.defaults(sit.on_cuda),
                 "dynamic": DynamicShapes, "eager-region": lambda: EagerRegions(where)}
         made = makers.get(item)
@@ -284,18 +293,19 @@ def find(result: Comparison, plan: Plan, model: nn.Module, given: Any = None,
     judged = Judged(result.table, result.meta)
     tested = next((t for p in result.probes if (t := p.explain(judged).findings.independent)),
                   None)
+    routing = [p for p in _given(plan) if isinstance(p, Routing)]  # the user's routers
     if tested in (None, "untested"):
         with quiet():  # the verdict must rest on the independence test
-            base = execute(replace(plan, explain=None, keep=False, progress=False), model)
+            base = execute(replace(plan, explain=routing or None, keep=False,
+                                   progress=False), model)
     before = _output(base)
     reason = blocked(base.table, base.meta, base.probes)
     if base.verdict == "identical" or reason is not None:
         return Remedies.untried(base, reason)
     where = scope(base)
     chosen = candidates(given, where, sit)
-    given_probes = [] if plan.explain is None else (
-        [plan.explain] if isinstance(plan.explain, str) else list(plan.explain))
-    kept = [p for p in given_probes if p == "tokens" or isinstance(p, PerToken) or p is PerToken]
+    kept = [p for p in _given(plan) if p == "tokens" or isinstance(p, PerToken) or p is PerToken]
+    kept += routing
     rows, tried, comparisons = [], [], {}
     bar = tqdm(total=len(chosen) + repeats + 1, desc="divtrace: remedies",
                disable=not progress, leave=False)
