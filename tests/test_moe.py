@@ -585,3 +585,56 @@ def test_a_router_pattern_that_matches_nothing_or_misses_the_paths_names_the_fix
     assert ("Routing was not compared: router '1.router' gave the sites 'weights' (ok), "
             "'chosen' (ok), 'logits' (ok), and divtrace reads its logits at '0' and its "
             "chosen experts at '2'") in result.summary()
+
+
+class Centred(models.OrderedLinear):
+    """An expert that takes the mean over its tokens away: a difference by design."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out - out.mean(0, keepdim=True)
+
+
+class CountedMoE(OwnMoE):
+    """Its experts sum in another order once they get 7 tokens or more, as a kernel
+    chosen by the count of tokens routed to it does (``centred``: each takes the mean
+    over its tokens away too)."""
+
+    def __init__(self, centred: bool = False) -> None:
+        super().__init__(OwnRouter())
+        with torch.no_grad():  # wide margins: no token changes experts
+            self.router.proj.weight.copy_(torch.randn(4, 16))
+        expert = Centred if centred else models.OrderedLinear
+        self.ffn = nn.ModuleList(expert(16, 16, variant_from=7) for _ in range(4))
+
+
+@pytest.mark.parametrize("centred", [False, True], ids=["counted", "centred"])
+def test_experts_that_round_by_their_token_count_leave_the_independence_test_unsure(
+        centred: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(models.OrderedLinear(16, 16), CountedMoE(centred)).eval()
+    x = torch.randn(8, 6, 16, generator=torch.Generator().manual_seed(1))
+    result = divtrace.compare(model, x, progress=False, explain=[
+        divtrace.Routing("*.router", logits="logits", weights="weights", experts="chosen")])
+    router = result.meta.notes["routing"]["routers"]["1.router"]
+    assert router["flips"] == 0  # the same experts for every token in both runs
+    table = result.table.set_index("site")
+    assert not table.loc["1.router/chosen", "depends_on_others"]
+    summary = result.summary()
+    if centred:  # the mean over each expert's tokens moves rows far beyond rounding
+        assert result.verdict == "not rounding"
+        assert table.loc["1", "depends_on_others"]
+        assert "Independence test: the compared rows change at '1' (CountedMoE)" in summary
+        assert "(batch mixing)" in summary
+        return
+    assert pd.isna(table.loc["1", "depends_on_others"])  # the block: unsure from here
+    far = result.meta.notes["independence"]["routed"]["rel_l2"]
+    assert 0 < far < 1e-5
+    assert ("inconclusive from '1' on — at the router of the mixture-of-experts block '1' "
+            f"the compared tokens went to the same experts in every pass, and the rows "
+            f"move after it by rel_l2 {divtrace.words.sci(far)}") in summary
+    assert "(batch mixing)" not in summary
+    assert result.verdict == "rounding"  # the precision test: it shrinks in float64
+    assert "the difference shrinks in float64 as rounding does" in summary
+    assert ("the independence test was inconclusive from a mixture-of-experts block on"
+            in summary)

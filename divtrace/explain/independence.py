@@ -14,7 +14,10 @@ round.
 When some rows move, the pass is repeated on the unchanged batch with the rows kept: a
 site where the repetition moves too (a kernel that is not deterministic) makes the test
 inconclusive from there on; each moving pass then runs once more, measured against the
-kept rows, for how far the rows moved (``others_rel_l2``).
+kept rows, for how far the rows moved (``others_rel_l2``). So does a mixture-of-experts
+block whose rows move after its router gave the compared tokens the same experts: its
+experts are called on as many tokens as the other samples send them, a shape that follows
+values, and a kernel chosen by it may round otherwise.
 """
 
 from __future__ import annotations
@@ -32,8 +35,11 @@ from divtrace.explain.context import Context
 from divtrace.explain.held import differing, figures_of, groups, held_store, moved_in_calls
 from divtrace.explain.mixed import first_dependent, through_shared, unmoved
 from divtrace.explain.probe import Explained, Findings, Hooks, Judged, Probe, Settings, Spec
+from divtrace.explain.routed import routed_move, routed_sentence
+from divtrace.explain.routing import routers_in
 from divtrace.explain.view import TableView
 from divtrace.measure.host import Deferred, Host
+from divtrace.record.experts import Routers
 from divtrace.record.rows import RowStore
 from divtrace.words import sci
 
@@ -78,6 +84,7 @@ class Independence(Probe):
         self.noisy: list[str] = []  # sites that moved on a repetition with the same input
         self.tested: set[str] = set()
         self.found: dict[str, Any] = {"ran": False, "why": None}
+        self._routers = Routers()
 
 
     def _after(self, ctx: Context) -> None:
@@ -88,6 +95,7 @@ class Independence(Probe):
         if plan.b_chunks and not calls:
             self._skip(ctx, "run b takes the batch in chunks, not in one pass")
             return
+        self._routers = routers_in(ctx.probes)
         held = groups(list(plan.samples))
         ctx.progress.more(len(held) - 1)
         host, checks, unchanged_rows = Host(), [], set()
@@ -120,6 +128,9 @@ class Independence(Probe):
         elif moving:
             self._sized(ctx, moving)
         self.found["moved"] = bool(self.moved)
+        routed = routed_move(ctx, self.tested, self.moved, self._routers)
+        if routed is not None:  # a mixture of experts' shapes follow the other samples
+            self.found["routed"] = routed
 
     def _moved(self, ctx: Context, group: list[int], batch: Any, host: Host
                ) -> dict[str, Deferred]:
@@ -217,6 +228,7 @@ class Independence(Probe):
         noisy = set(self.noisy)
         unsure = False  # from the first site a repetition moved, nothing is sure
         first: dict[str, Any] | None = None
+        routed = (self.found.get("routed") or {}).get("site")
         for row in rows:
             key = row["site"]
             unsure |= key in noisy
@@ -225,6 +237,7 @@ class Independence(Probe):
                 continue
             moved = key in self.moved
             row["others_rel_l2"] = self.moved.get(key, 0.0)
+            unsure |= key == routed  # from here the experts' shapes follow the others
             if moved and unsure:
                 row["depends_on_others"] = pd.NA
             else:
@@ -256,6 +269,9 @@ class Independence(Probe):
                 f"the compared samples held in {groups_} groups, so that each one was "
                 f"held, at least once, while any other one was replaced")
         row = first_dependent(table)
+        if row is None and found.get("routed"):
+            return [f"Independence test ({passes} more batched passes, {held}): "
+                    + routed_sentence(found["routed"])]
         if row is None:
             unsure = table[table["depends_on_others"].isna() & (table["status"] == "ok")]
             if found.get("noisy") and not unsure.empty:
@@ -324,4 +340,5 @@ def _independent(meta: Settings) -> str:
     found = meta.notes.get("independence")
     if not found or not found.get("ran"):
         return "untested"
-    return "inconclusive" if found.get("noisy") else "independent"
+    return "inconclusive" if found.get("noisy") or found.get("routed") else "independent"
+

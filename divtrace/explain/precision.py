@@ -133,7 +133,8 @@ class Precision(Probe):
         independence = ctx.finding("independence") or {}
         if independence.get("state"):
             return "the model keeps state across calls"
-        if independence.get("moved") and not independence.get("noisy"):
+        if independence.get("moved") and not (independence.get("noisy")
+                                               or independence.get("routed")):
             return "the independence test found batch mixing"
         mismatch = INDEX["mismatch"]
         counts: dict[torch.device, list[torch.Tensor]] = {}

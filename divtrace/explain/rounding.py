@@ -11,7 +11,7 @@ import torch
 if TYPE_CHECKING:
     from divtrace.explain.probe import Settings
 
-__all__ = ["CHECK", "MODELS", "budget", "reduced", "two_models"]
+__all__ = ["CHECK", "MODELS", "budget", "own_budget", "reduced", "two_models"]
 
 _OPERAND_ROUNDINGS = 8
 _SUM_STEPS = 2.0**10  # sqrt(2**20): a reordered sum of up to a million terms
@@ -69,3 +69,14 @@ def budget(site_dtype: str, meta: Settings) -> tuple[float, float, str]:
     u_acc = _unit("float64") if u_op <= 2.0**-52 else _unit("float32")
     assert u_acc is not None
     return _OPERAND_ROUNDINGS * u_op + _SUM_STEPS * u_acc, u_op, str(name)
+
+
+def own_budget(site_dtype: str) -> float:
+    """The budget of a site of ``site_dtype`` from its own precision alone (none of the
+    runs' settings: a lower bound of :func:`budget`)."""
+    u_op = _unit(site_dtype)
+    if u_op is None:
+        return 0.0
+    u_acc = _unit("float64") if u_op <= 2.0**-52 else _unit("float32")
+    assert u_acc is not None
+    return _OPERAND_ROUNDINGS * u_op + _SUM_STEPS * u_acc

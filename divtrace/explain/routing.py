@@ -296,15 +296,28 @@ def routed_calls(table: Any, notes: Any) -> Any:
 
 
 def _routed(table: Any, notes: Any) -> tuple[str, ...]:
-    """A sentence on :func:`routed_calls` (none: no such call)."""
+    """Sentences on :func:`routed_calls` and on the calls inside the blocks whose rows are
+    the tokens routed to them, not every token (none: no such call)."""
     apart = routed_calls(table, notes)
-    if apart.empty:
-        return ()
-    count, first = len(apart), apart.iloc[0]["site"]
-    return (f"{count} call{'s' * (count != 1)} inside the mixture-of-experts blocks ran in "
+    inside = tuple(f"{block}." for block in (notes.get("routing") or {}).get("blocks", ()))
+    subsets = table[(table["status"] == "unbatched") & (table["op"] == "")
+                    & table["module"].str.startswith(inside)] if inside else table.iloc[:0]
+    said = []
+    if not apart.empty:
+        count, first = len(apart), apart.iloc[0]["site"]
+        said.append(
+            f"{count} call{'s' * (count != 1)} inside the mixture-of-experts blocks ran in "
             f"one run only (the first '{first}'): a pass calls the experts its own tokens "
             f"chose, so these calls follow the routing, which is compared token by token at "
-            f"the routers; they are not taken for control flow that depends on the batch.",)
+            f"the routers; they are not taken for control flow that depends on the batch.")
+    if not subsets.empty:
+        count, first = len(subsets), subsets.iloc[0]["site"]
+        said.append(
+            f"{count} call{'s' * (count != 1)} inside the mixture-of-experts blocks (the "
+            f"first '{first}') had rows that are not one per token, as an expert called "
+            f"on the tokens routed to it has; they are not compared row by row: the "
+            f"routing is compared token by token at the routers, and the block's output.")
+    return tuple(said)
 
 
 def _finite(value: float) -> float | None:

@@ -252,7 +252,16 @@ def _cause(meta: Meta) -> str:
 #: The independence test's state, when it did not show the samples independent.
 _UNTESTED = {"inconclusive": "the independence test was inconclusive (the batched run is "
                              "not deterministic)",
+             "routed": "the independence test was inconclusive from a mixture-of-experts "
+                       "block on (its experts are called on as many tokens as the other "
+                       "samples send them)",
              "untested": "the independence test did not run"}
+
+
+def _untested(tested: str, meta: Meta) -> str:
+    """Why the independence test did not show the samples independent, in words."""
+    routed = tested == "inconclusive" and (meta.notes.get("independence") or {}).get("routed")
+    return _UNTESTED["routed" if routed else tested]
 _SHRUNK = ("in float64 the runs' difference shrinks as rounding does at every site where "
            "they differ (precision test)")
 
@@ -277,7 +286,7 @@ def _ending(tested: str, precise: str, meta: Meta) -> str:
         if tested == "independent":
             return (f"No compared row moved when only the other samples changed "
                     f"(independence test) and {_SHRUNK}: not a bug; {_cause(meta)}.")
-        return (f"{_capital(_SHRUNK)}, but {_UNTESTED[tested]}: a dependence on the other "
+        return (f"{_capital(_SHRUNK)}, but {_untested(tested, meta)}: a dependence on the other "
                 f"samples' values is not ruled out.")
     shape = ("the precision test (the runs again in float64) was inconclusive"
              if precise == "inconclusive" else
@@ -286,7 +295,7 @@ def _ending(tested: str, precise: str, meta: Meta) -> str:
         return (f"No compared row moved when only the other samples changed (independence "
                 f"test), but {shape}, so that {_designed_not(meta)} rests on the size of "
                 f"the error alone.")
-    return (f"{_capital(_UNTESTED[tested])} and {shape}, so this rests on the size of the "
+    return (f"{_capital(_untested(tested, meta))} and {shape}, so this rests on the size of the "
             f"error alone.")
 
 
