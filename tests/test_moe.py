@@ -634,6 +634,11 @@ def test_experts_that_round_by_their_token_count_leave_the_independence_test_uns
             f"the compared tokens went to the same experts in every pass, and the rows "
             f"move after it by rel_l2 {divtrace.words.sci(far)}") in summary
     assert "(batch mixing)" not in summary
+    subsets = [s for s, st in zip(result.table["site"], result.table["status"], strict=True)
+               if s.startswith("1.ffn.") and st == "unbatched"]
+    assert subsets  # each expert called on the tokens routed to it
+    assert (f"{len(subsets)} calls inside the mixture-of-experts blocks (the first "
+            f"'{subsets[0]}') had rows that are not one per token") in summary
     assert result.verdict == "rounding"  # the precision test: it shrinks in float64
     assert "the difference shrinks in float64 as rounding does" in summary
     assert ("the independence test was inconclusive from a mixture-of-experts block on"
