@@ -341,4 +341,3 @@ def _independent(meta: Settings) -> str:
     if not found or not found.get("ran"):
         return "untested"
     return "inconclusive" if found.get("noisy") or found.get("routed") else "independent"
-

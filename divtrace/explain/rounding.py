@@ -66,17 +66,18 @@ def budget(site_dtype: str, meta: Settings) -> tuple[float, float, str]:
     if not found:
         return math.inf, math.nan, site_dtype
     u_op, name = max(found, key=lambda item: item[0])
+    return _of(u_op), u_op, str(name)
+
+
+def _of(u_op: float) -> float:
+    """The budget of operands rounded at ``u_op``, summed at float32 (or float64)."""
     u_acc = _unit("float64") if u_op <= 2.0**-52 else _unit("float32")
     assert u_acc is not None
-    return _OPERAND_ROUNDINGS * u_op + _SUM_STEPS * u_acc, u_op, str(name)
+    return _OPERAND_ROUNDINGS * u_op + _SUM_STEPS * u_acc
 
 
 def own_budget(site_dtype: str) -> float:
     """The budget of a site of ``site_dtype`` from its own precision alone (none of the
     runs' settings: a lower bound of :func:`budget`)."""
     u_op = _unit(site_dtype)
-    if u_op is None:
-        return 0.0
-    u_acc = _unit("float64") if u_op <= 2.0**-52 else _unit("float32")
-    assert u_acc is not None
-    return _OPERAND_ROUNDINGS * u_op + _SUM_STEPS * u_acc
+    return 0.0 if u_op is None else _of(u_op)

@@ -24,9 +24,7 @@ def routed_move(ctx: Context, tested: set[str], moved: dict[str, float], routers
     ``routers`` after a router whose chosen experts were ``tested`` and did not move, and
     moved (``moved``: how far, rel_l2) within its precision's budget: ``{"site",
     "block", "rel_l2"}``; None otherwise."""
-    seen = _Routed({block: tuple(r for r in routers.names(ctx.model)
-                                 if r.startswith(f"{block}."))
-                    for block in routers.blocks(ctx.model)}, routers.experts)
+    seen = _Routed(routers.names(ctx.model), routers.experts)
     for measured in ctx.meter.sites:
         key, module = measured.site.key, measured.site.module
         if key not in tested:
@@ -56,21 +54,19 @@ def routed_sentence(routed: dict[str, Any]) -> str:
 class _Routed:
     """Reads the sites in order: whether the first moved one lies in a mixture-of-experts
     block after its router, whose chosen experts were tested and did not move (the
-    compared tokens went to the same experts)."""
+    compared tokens went to the same experts). A router's block is the module that holds
+    it (:meth:`~divtrace.record.experts.Routers.blocks`)."""
 
-    def __init__(self, routers: dict[str, tuple[str, ...]], experts: str) -> None:
+    def __init__(self, routers: tuple[str, ...], experts: str) -> None:
         self.routers = routers
-        self.chosen = {f"{r}/{experts}": r for rs in routers.values() for r in rs}
+        self.chosen = {f"{r}/{experts}": r for r in routers}
         self.unmoved: set[str] = set()  # routers whose chosen experts were tested, unmoved
 
     def block(self, module: str) -> str | None:
         """The innermost block that holds ``module`` (or is it)."""
-        inside = [b for b in self.routers if module == b or module.startswith(f"{b}.")]
+        inside = [b for b in {r.rpartition(".")[0] for r in self.routers}
+                  if module == b or module.startswith(f"{b}.")]
         return max(inside, key=len) if inside else None
-
-    def _router(self, module: str) -> str | None:
-        return next((r for rs in self.routers.values() for r in rs
-                     if module == r or module.startswith(f"{r}.")), None)
 
     def see(self, key: str) -> None:
         """A tested site whose rows did not move."""
@@ -81,7 +77,7 @@ class _Routed:
         """Whether ``module`` lies in a block, not in its router, after the chosen experts
         of one of its routers were seen unmoved."""
         block = self.block(module)
-        if block is None or self._router(module) is not None:
+        if block is None or any(module == r or module.startswith(f"{r}.")
+                                for r in self.routers):
             return False
-        routers = set(self.routers[block])
-        return bool(routers & self.unmoved)
+        return any(r.rpartition(".")[0] == block for r in self.unmoved)

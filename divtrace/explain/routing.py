@@ -289,35 +289,30 @@ def routed_calls(table: Any, notes: Any) -> Any:
     """The rows of ``table`` for module calls that one run made and the other did not,
     inside the mixture-of-experts blocks the routing note (``notes["routing"]``) names:
     each pass calls the experts its own tokens chose, so these follow the routing."""
+    return _inside(table[table["status"].isin(["missing_in_split", "missing_in_batched"])
+                         & (table["op"] == "")], notes)
+
+
+def _inside(rows: Any, notes: Any) -> Any:
+    """Those of ``rows`` inside the mixture-of-experts blocks ``notes["routing"]`` names."""
     inside = tuple(f"{block}." for block in (notes.get("routing") or {}).get("blocks", ()))
-    apart = table[table["status"].isin(["missing_in_split", "missing_in_batched"])
-                  & (table["op"] == "")]
-    return apart[apart["module"].str.startswith(inside)] if inside else apart.iloc[:0]
+    return rows[rows["module"].str.startswith(inside)] if inside else rows.iloc[:0]
 
 
 def _routed(table: Any, notes: Any) -> tuple[str, ...]:
     """Sentences on :func:`routed_calls` and on the calls inside the blocks whose rows are
     the tokens routed to them, not every token (none: no such call)."""
-    apart = routed_calls(table, notes)
-    inside = tuple(f"{block}." for block in (notes.get("routing") or {}).get("blocks", ()))
-    subsets = table[(table["status"] == "unbatched") & (table["op"] == "")
-                    & table["module"].str.startswith(inside)] if inside else table.iloc[:0]
-    said = []
-    if not apart.empty:
-        count, first = len(apart), apart.iloc[0]["site"]
-        said.append(
-            f"{count} call{'s' * (count != 1)} inside the mixture-of-experts blocks ran in "
-            f"one run only (the first '{first}'): a pass calls the experts its own tokens "
-            f"chose, so these calls follow the routing, which is compared token by token at "
-            f"the routers; they are not taken for control flow that depends on the batch.")
-    if not subsets.empty:
-        count, first = len(subsets), subsets.iloc[0]["site"]
-        said.append(
-            f"{count} call{'s' * (count != 1)} inside the mixture-of-experts blocks (the "
-            f"first '{first}') had rows that are not one per token, as an expert called "
-            f"on the tokens routed to it has; they are not compared row by row: the "
-            f"routing is compared token by token at the routers, and the block's output.")
-    return tuple(said)
+    subsets = _inside(table[(table["status"] == "unbatched") & (table["op"] == "")], notes)
+    said = [(routed_calls(table, notes), "ran in one run only ({first}): a pass calls the "
+             "experts its own tokens chose, so these calls follow the routing, which is "
+             "compared token by token at the routers; they are not taken for control flow "
+             "that depends on the batch."),
+            (subsets, "({first}) had rows that are not one per token, as an expert called "
+             "on the tokens routed to it has; they are not compared row by row: the "
+             "routing is compared token by token at the routers, and the block's output.")]
+    return tuple(f"{len(rows)} call{'s' * (len(rows) != 1)} inside the mixture-of-experts "
+                 f"blocks " + text.format(first=f"the first '{rows.iloc[0]['site']}'")
+                 for rows, text in said if not rows.empty)
 
 
 def _finite(value: float) -> float | None:

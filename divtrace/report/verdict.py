@@ -257,13 +257,14 @@ _UNTESTED = {"inconclusive": "the independence test was inconclusive (the batche
                        "samples send them)",
              "untested": "the independence test did not run"}
 
+_SHRUNK = ("in float64 the runs' difference shrinks as rounding does at every site where "
+           "they differ (precision test)")
+
 
 def _untested(tested: str, meta: Meta) -> str:
     """Why the independence test did not show the samples independent, in words."""
     routed = tested == "inconclusive" and (meta.notes.get("independence") or {}).get("routed")
     return _UNTESTED["routed" if routed else tested]
-_SHRUNK = ("in float64 the runs' difference shrinks as rounding does at every site where "
-           "they differ (precision test)")
 
 
 def _capital(sentence: str) -> str:
