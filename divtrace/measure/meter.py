@@ -15,6 +15,7 @@ from divtrace.measure.elements import argmax, elementwise
 from divtrace.measure.host import Deferred, Host
 from divtrace.measure.measured import CallRecord, LeafCall, Measured
 from divtrace.measure.pair import pair_fields
+from divtrace.measure.printbatch import SitePrints
 from divtrace.measure.prints import Fingerprints
 from divtrace.measure.queue import QUEUE_WIDTH, FusedQueue, StatsQueue, budget_for
 from divtrace.measure.scale import WIDE, common
@@ -93,6 +94,9 @@ class Meter(Sink):
         self._last: LastTensor[Measured] = LastTensor()
         self._tracker: Tracker | None = None
         self.printer = Fingerprints()
+        # the sites' fingerprints, made together after the pass
+        self._prints = SitePrints(self.printer, budget)
+        self.host.before_fetch(self._prints.flush)
 
     # -- the sink ---------------------------------------------------------------------
 
@@ -104,6 +108,11 @@ class Meter(Sink):
     def on_tensor(self, site: Site, tensor: torch.Tensor) -> None:
         """Measures one observed tensor (called from its hook)."""
         self.sites.append(self.measure(site, tensor))
+
+    def end_chunk(self) -> bool:
+        """A pass ended: its sites' fingerprints, together."""
+        self._prints.flush()
+        return True
 
     def on_call(self, call: Site, module: nn.Module, args: tuple[Any, ...],
                 kwargs: dict[str, Any], output: Any, tracker: Tracker) -> None:
@@ -177,16 +186,24 @@ class Meter(Sink):
             picked = self.store.pick(tensor) if picked is None else picked
             measured.kept = picked.to(stored.rows.device).contiguous()
         if self.prints and measured.prints is None:
-            measured.prints = self.fingerprints(
-                picked if picked is not None else self.rows(tensor, self._runs))
+            self._fingerprint(measured, tensor, picked, earlier)
         self.store.measured(site.key)  # stream: released unless still needed
         return measured
+
+    def _fingerprint(self, measured: Measured, tensor: torch.Tensor,
+                     picked: torch.Tensor | None, earlier: Measured | None) -> None:
+        """``measured.prints`` after the pass: of ``picked`` (a copy of the compared rows)
+        or of a copy of ``tensor``'s; ``earlier``'s (the same rows) when still to come."""
+        self._prints.add(measured, None if picked is None else [picked], earlier,
+                         lambda: [b.clone(memory_format=torch.contiguous_format)
+                                  for b in self.rows(tensor, self._runs)])
 
     def flush(self) -> None:
         """Computes the queued sites' statistics now, so that the copies they hold are
         released (e.g. before the probes' passes)."""
         self._queue.flush()
         self._fused.flush()
+        self._prints.flush()
 
     def fingerprints(self, rows: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
         """``[k, ...]`` rows (or several such blocks, one after the other) → their ``[k]``
@@ -302,8 +319,8 @@ class Meter(Sink):
         """The queue that takes a pair of ``dtype`` against the stored ``rows`` (the CPU's
         for rows of at most ``widest`` elements), or None."""
         n = rows.shape[0]
-        if dtype != rows.dtype or not n or dtype in WIDE:  # WIDE: scaled
-            return None
+        if dtype != rows.dtype or not n or (dtype in WIDE and rows.device.type != "cpu"):
+            return None  # (WIDE: scaled; on the CPU in the queue)
         if self._queue.takes(rows.device, rows.numel() // n, _CPU_BLOCK // n, widest):
             return self._queue
         return self._fused if self._fused.takes(rows) else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -12,6 +13,8 @@ from divtrace.devices import upload
 from divtrace.measure.host import Deferred, Host
 from divtrace.measure.measured import Measured
 from divtrace.measure.meter import Meter
+from divtrace.measure.printbatch import PrintBatch
+from divtrace.measure.queue import budget_for
 from divtrace.plan.prompts import TokenMap
 from divtrace.record.recorder import Sink
 from divtrace.record.stored import runs_of
@@ -41,6 +44,10 @@ class PrintCheck(Sink):
         self._at = [samples.index(s) for s in self.held]  # their places among the compared
         self._runs = runs_of(self.held)
         self._index: dict[torch.device, torch.Tensor] = {}
+        # the held rows' fingerprints, made together after the pass
+        self._batch = PrintBatch(self.meter.printer, budget_for(self.meter.store.stored_bytes),
+                                 self._compared)
+        self.host.before_fetch(self._batch.flush)
 
     def on_tensor(self, site: Site, tensor: torch.Tensor) -> None:
         measured = self._sites.get(site.key)
@@ -51,8 +58,21 @@ class PrintCheck(Sink):
                 tuple(usable.shape), usable.dtype) != (measured.shape, measured.dtype):
             return  # not the same site any more: not tested
         assert measured.prints is not None
-        was = self._held(measured.prints)
-        self.moved[site.key] = self.host.add((self._prints(usable, measured) != was).double())
+        self.moved[site.key] = self.host.reserve()
+        self._batch.add([b.clone(memory_format=torch.contiguous_format)
+                         for b in self._blocks(usable, measured)], measured)
+
+    def end_chunk(self) -> bool:
+        self._batch.flush()
+        return True
+
+    def _compared(self, prints: torch.Tensor, spans: list[tuple[Any, int, int]]) -> None:
+        """Each waiting site's held rows against the measured pass's, by their
+        fingerprints (``prints``: this pass's, end to end), in one comparison."""
+        was = [self._held(measured.prints) for measured, _, _ in spans]
+        moved = (prints != (was[0] if len(was) == 1 else torch.cat(was))).double()
+        for measured, start, stop in spans:
+            self.host.put(self.moved[measured.site.key], moved, (start, stop))
 
     def _held(self, prints: torch.Tensor) -> torch.Tensor:
         """The held samples' entries of the measured pass's fingerprints."""
@@ -64,15 +84,15 @@ class PrintCheck(Sink):
             index = self._index[prints.device] = upload(torch.tensor(self._at), prints.device)
         return prints.index_select(0, index)
 
-    def _prints(self, tensor: torch.Tensor, measured: Measured) -> torch.Tensor:
-        """The held samples' fingerprints in this pass's ``tensor``."""
+    def _blocks(self, tensor: torch.Tensor, measured: Measured) -> list[torch.Tensor]:
+        """The held samples' rows in this pass's ``tensor`` (views), one block after the
+        other."""
         if self.layout is None:
-            return self.meter.fingerprints(self.meter.rows(tensor, self._runs))
+            return self.meter.rows(tensor, self._runs)
         assert measured.part_shapes is not None
         shapes = [measured.part_shapes[i] for i in self._at]
         cut = getattr(self.meter, "part_of", None)
         key = measured.site.key
-        return self.meter.fingerprints([
-            (self.layout.tokens(tensor, sample, shape) if cut is None else
-             cut(key, tensor, sample, shape)).unsqueeze(0)
-            for sample, shape in zip(self.held, shapes, strict=True)])
+        return [(self.layout.tokens(tensor, sample, shape) if cut is None else
+                 cut(key, tensor, sample, shape)).unsqueeze(0)
+                for sample, shape in zip(self.held, shapes, strict=True)]

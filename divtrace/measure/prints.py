@@ -81,6 +81,8 @@ class Fingerprints:
         if words.is_cuda and fused.AVAILABLE:  # one kernel, no temporaries
             return printkernels.fused_prints(words, _PERIOD)
         n = words.shape[1]
+        if k * n <= width:  # one block: the held weights, one product and one sum
+            return (words * self._weights(rows.device, n)[:n]).sum(1)
         step = max(_PERIOD, width // k // _PERIOD * _PERIOD)
         table = self._table(rows.device)
         for lo in range(0, n, step):
@@ -101,23 +103,30 @@ class Fingerprints:
     def of_many(self, blocks: list[torch.Tensor]) -> torch.Tensor:
         """The fingerprints of the rows of several ``[k, ...]`` blocks, one after the
         other, as :meth:`of` gives them block by block (sums modulo 2**64 do not depend on
-        the grouping): on CUDA one kernel for every row; elsewhere each block's words times
-        the weights of their positions, summed along its rows (two operations a block)."""
+        the grouping): on CUDA one kernel for every row; elsewhere the words of the blocks
+        whose rows are alike in length, times the weights of their positions, summed along
+        the rows (a few operations per length of row)."""
         device = blocks[0].device
         if device.type == "cuda" and fused.AVAILABLE:
             return printkernels.fused_many_prints(
                 [_words(b.reshape(b.shape[0], -1)) if b.numel() else torch.empty(
                     b.shape[0], 0, dtype=torch.int64, device=device) for b in blocks],
                 _PERIOD)
-        found = []
-        for b in blocks:
+        found: list[torch.Tensor | None] = [None] * len(blocks)
+        alike: dict[int, list[int]] = {}  # blocks by the words of their rows
+        for i, b in enumerate(blocks):
             width = -(-b.numel() // max(b.shape[0], 1) * b.element_size() // 8)  # words
             if not b.numel() or width > _LONG_ROWS:  # (of: without a weight per word)
-                found.append(self.of(b))
-                continue
-            words = _words(b.reshape(b.shape[0], -1))
-            found.append((words * self._weights(b.device, width)[:words.shape[1]]).sum(1))
-        return torch.cat(found)
+                found[i] = self.of(b)
+            else:
+                alike.setdefault(width, []).append(i)
+        for width, members in alike.items():  # one product and one sum per row width
+            words = [_words(blocks[i].reshape(blocks[i].shape[0], -1)) for i in members]
+            sums = ((words[0] if len(words) == 1 else torch.cat(words))
+                    * self._weights(device, width)[:width]).sum(1)
+            for i, part in zip(members, sums.split([w.shape[0] for w in words]), strict=True):
+                found[i] = part
+        return torch.cat([f for f in found if f is not None])
 
     def _weights(self, device: torch.device, n: int) -> torch.Tensor:
         """The weight of each of the first ``n`` word positions of a row (at least):

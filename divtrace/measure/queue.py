@@ -14,12 +14,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 
 from divtrace.measure import fused
 from divtrace.measure.host import Deferred, Host
+from divtrace.measure.scale import SCALE, WIDE, common, rescaled
 from divtrace.measure.stats import block_stats
 
 __all__ = ["FUSED_ELEMENTS", "QUEUE_WIDTH", "FusedQueue", "StatsQueue", "budget_for"]
@@ -84,7 +86,8 @@ class _Queue:
 
 class StatsQueue(_Queue):
     """Small CPU sites, measured by one ``block_stats`` per dtype, tolerance and row width
-    (in parts of whole sites)."""
+    (in parts of whole sites; float64 rows taken again at their scale where their squares
+    leave float64's range, :mod:`~divtrace.measure.scale`)."""
 
     def takes(self, device: torch.device, width: int, single: int,
               widest: int = QUEUE_WIDTH) -> bool:
@@ -101,14 +104,23 @@ class StatsQueue(_Queue):
         return self._add((b.dtype, rtol, atol, b.shape[1], same), b, r)
 
     def _measure(self, key: tuple[Any, ...], pairs: _Pairs) -> None:
-        _dtype, rtol, atol, width, _same = key
+        dtype, rtol, atol, width, _same = key
         for part in _parts(pairs, width):
             measured = torch.cat([b for _, b, _ in part])
             reference = torch.cat([r for _, _, r in part])
             fields = block_stats(measured, reference, rtol, atol)
+            # float64: rows beyond the squares' range measured again at their scale (row
+            # by row, as alone), then each such site's rows brought to one scale
+            scaled = dtype in WIDE and bool((fields := rescaled(
+                fields, measured, reference,
+                partial(block_stats, rtol=rtol, atol=atol)))[:, SCALE].any())
             at = 0
             for place, b, _ in part:
-                self.host.put(place, fields, (at, at + b.shape[0]))
+                rows = (at, at + b.shape[0])
+                if scaled:
+                    self.host.put(place, common(fields[rows[0]:rows[1]]))
+                else:
+                    self.host.put(place, fields, rows)
                 at += b.shape[0]
 
 

@@ -19,7 +19,7 @@ import torch
 
 from divtrace.measure.fields import INDEX
 
-__all__ = ["WIDE", "common", "common_arrays", "ratio", "rescaled"]
+__all__ = ["SCALE", "WIDE", "common", "common_arrays", "ratio", "rescaled"]
 
 #: The dtypes whose squares can leave float64's range.
 WIDE = (torch.float64, torch.complex128)
@@ -30,7 +30,8 @@ assert list(range(_SUMS[0], _SUMS[0] + 4)) == _SUMS, "the four sums lie side by 
 #: The four sums as a slice: indexing a device tensor with a list of ints would copy that
 #: list to the device from pageable memory, a wait for the device per site.
 _SUMS_AT = slice(_SUMS[0], _SUMS[0] + 4)
-_SCALE = INDEX["scale"]
+#: Where a row's fields hold the exponent of its scale.
+SCALE = INDEX["scale"]
 
 
 def _largest(rows: torch.Tensor) -> torch.Tensor:
@@ -56,34 +57,34 @@ def rescaled(found: torch.Tensor, b: torch.Tensor, r: torch.Tensor,
     again = measure(b * factor, r * factor)
     out = found.clone()
     out[:, _SUMS_AT] = again[:, _SUMS_AT]
-    out[:, _SCALE] = e.to(out.dtype)
+    out[:, SCALE] = e.to(out.dtype)
     return out
 
 
 def common(stats: torch.Tensor) -> torch.Tensor:
     """A site's ``[rows, fields]`` with every row's sums at the largest scale among them
     (exact: each is multiplied by a power of two)."""
-    e = stats[:, _SCALE]
+    e = stats[:, SCALE]
     top = e.amax()
     out = stats.clone()
     out[:, _SUMS_AT] = stats[:, _SUMS_AT] * torch.ldexp(torch.ones_like(e), 2 * (e - top).to(
         torch.int32))[:, None]
-    out[:, _SCALE] = top
+    out[:, SCALE] = top
     return out
 
 
 def common_arrays(arrays: list[np.ndarray]) -> tuple[list[np.ndarray], int]:
     """Several sites' host fields brought to one scale (e.g. the inputs of one call), and
     that scale's exponent; the arrays themselves when all are unscaled."""
-    tops = [int(a[:, _SCALE].max()) for a in arrays if len(a)]
+    tops = [int(a[:, SCALE].max()) for a in arrays if len(a)]
     if not any(tops):
         return arrays, 0
     top = max(tops)
     out = []
     for a in arrays:
         a = a.copy()
-        a[:, _SUMS] *= np.ldexp(1.0, (2 * (a[:, _SCALE] - top)).astype(np.int64))[:, None]
-        a[:, _SCALE] = top
+        a[:, _SUMS] *= np.ldexp(1.0, (2 * (a[:, SCALE] - top)).astype(np.int64))[:, None]
+        a[:, SCALE] = top
         out.append(a)
     return out, top
 

@@ -1,0 +1,94 @@
+"""Fingerprints of a pass's sites computed together after the pass, not one site at a time
+in its hook.
+
+A site's hook hands over copies of the rows to fingerprint (a later in-place op cannot
+change them) and a tag of its own; at the end of the pass — or sooner, when the copies
+waiting hold ``budget`` bytes — every waiting site's rows get their fingerprints in one
+:meth:`~divtrace.measure.prints.Fingerprints.of_many` (one Triton launch over a table of
+rows on CUDA; on the CPU a product and a sum per row width), and ``done`` is handed them
+all with each tag's span, so that what follows is a few operations for all the sites.
+Sums modulo 2**64 do not depend on the grouping, so a site's fingerprints are those it
+would get alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from divtrace.measure.measured import Measured
+from divtrace.measure.prints import Fingerprints
+
+__all__ = ["PrintBatch", "SitePrints"]
+
+#: Told of a flush: every waiting site's fingerprints (``[rows]`` int64, end to end) and
+#: per site its tag and the span ``(start, stop)`` of its rows among them.
+Done = Callable[[torch.Tensor, list[tuple[Any, int, int]]], None]
+
+
+@dataclass
+class PrintBatch:
+    """Waiting sites' rows, fingerprinted together (see the module)."""
+
+    printer: Fingerprints
+    budget: int
+    done: Done
+    _waiting: list[tuple[list[torch.Tensor], Any]] = field(default_factory=list)
+    _bytes: int = 0
+
+    def add(self, blocks: list[torch.Tensor], tag: Any) -> None:
+        """Waits with ``blocks`` (``[k, ...]`` each, one after the other: copies, or
+        tensors nothing writes before the flush) until :meth:`flush`."""
+        self._waiting.append((blocks, tag))
+        self._bytes += sum(b.numel() * b.element_size() for b in blocks)
+        if self._bytes > self.budget:
+            self.flush()
+
+    def flush(self) -> None:
+        """Every waiting site's fingerprints, in one sum over all their rows."""
+        waiting, self._waiting, self._bytes = self._waiting, [], 0
+        blocks = [b for found, _ in waiting for b in found]
+        if not blocks:
+            return
+        prints = self.printer.of_many(blocks) if len(blocks) > 1 else self.printer.of(blocks[0])
+        spans, at = [], 0
+        for found, tag in waiting:
+            n = sum(b.shape[0] for b in found)
+            spans.append((tag, at, at + n))
+            at += n
+        self.done(prints, spans)
+
+
+class SitePrints:
+    """The measured pass's sites: each site's ``Measured.prints`` set after the pass (or
+    when the copies waiting fill ``budget``), a view of the pass's fingerprints."""
+
+    def __init__(self, printer: Fingerprints, budget: int) -> None:
+        self._batch = PrintBatch(printer, budget, self._printed)
+        #: per waiting site (by id), the sites that take its fingerprints
+        self._tags: dict[int, list[Measured]] = {}
+
+    def add(self, measured: Measured, blocks: list[torch.Tensor] | None,
+            earlier: Measured | None, copies: Callable[[], list[torch.Tensor]]) -> None:
+        """``measured``'s fingerprints: those of ``earlier`` (a site whose very rows it
+        hands on) when they are still to come, else of ``blocks`` (or of ``copies()``,
+        made only when needed)."""
+        waiting = self._tags.get(id(earlier)) if earlier is not None else None
+        if waiting is not None:
+            waiting.append(measured)
+            return
+        tag = self._tags[id(measured)] = [measured]
+        self._batch.add(copies() if blocks is None else blocks, tag)
+
+    def flush(self) -> None:
+        """Every waiting site's fingerprints now."""
+        self._batch.flush()
+
+    def _printed(self, prints: torch.Tensor, spans: list[tuple[Any, int, int]]) -> None:
+        for tag, start, stop in spans:
+            for measured in tag:
+                measured.prints = prints[start:stop]
+        self._tags.clear()
