@@ -3,6 +3,8 @@
 Every figure is a ratio against the bare forward passes a user would otherwise run,
 measured in one process, interleaved, as medians:
 
+- ``floor``: every case against the bare passes and the floor (the bare passes plus
+  the passes the default verdict's tests make), in one run;
 - ``overhead``: time and peak memory of ``compare()`` per case and per option
   (probes, resources), optionally beside an older checkout (``--old``);
 - ``sites``: models with hundreds of small sites, with the floor of module hooks;

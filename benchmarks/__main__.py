@@ -5,9 +5,9 @@ from __future__ import annotations
 import importlib
 import sys
 
-SUITES = ("overhead", "sites", "parts", "lm", "backward", "tables")
+SUITES = ("floor", "overhead", "sites", "parts", "lm", "backward", "tables")
 #: Suites that live in another suite's module: (module, function).
-_ENTRIES = {"parts": ("sites", "parts_main")}
+_ENTRIES = {"parts": ("sites", "parts_main"), "floor": ("overhead", "floor_main")}
 
 
 def main(argv: list[str]) -> int:

@@ -90,8 +90,9 @@ def floor(model: nn.Module, batch: dict[str, torch.Tensor], chunk: int) -> None:
 
 
 def measure(device: torch.device, dtype: torch.dtype, repeats: int,
-            case: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The bare passes, ``compare_backward`` and ``forward=False``, interleaved."""
+            case: dict[str, Any] | None = None, old: Any = None) -> dict[str, Any]:
+    """The bare passes, ``compare_backward`` and ``forward=False``, interleaved (and
+    ``old``'s ``compare_backward``, an older checkout's, when given)."""
     case = case or CASES[device.type]
     built = time.perf_counter()
     model = llama(case, device, dtype)
@@ -106,6 +107,9 @@ def measure(device: torch.device, dtype: torch.dtype, repeats: int,
         "forward=False": lambda: divtrace.compare_backward(
             model, batch, model_loss, chunk=chunk, weight=weight, progress=False,
             forward=False)}
+    if old is not None:
+        ways["old: compare_backward"] = lambda: old.compare_backward(
+            model, batch, model_loss, chunk=chunk, weight=weight, progress=False)
     seconds: dict[str, list[float]] = {way: [] for way in ways}
     for round_ in range(repeats + 1):  # the order rotates; round 0 is the first call
         order = list(ways)[round_ % len(ways):] + list(ways)[:round_ % len(ways)]

@@ -38,6 +38,12 @@ CASES: dict[str, dict[str, Any]] = {
                           "samples": None},
     "mobilenet_v3_small_b16_chunk2": {"model": "mobilenet_v3_small", "batch": 16,
                                       "size": 64, "chunk": 2, "samples": [0, 1]},
+    "efficientnet_b0_b16_chunk2": {"model": "efficientnet_b0", "batch": 16, "size": 64,
+                                   "chunk": 2, "samples": [0, 1]},
+    "resnet18_b16_chunk2": {"model": "resnet18", "batch": 16, "size": 64, "chunk": 2,
+                            "samples": [0, 1]},
+    "mobilenet_v3_small_b16_per_sample": {"model": "mobilenet_v3_small", "batch": 16,
+                                          "size": 64, "chunk": 1, "samples": None},
 }
 
 #: What each option adds to ``compare()``'s arguments (this API).

@@ -18,6 +18,26 @@ over ``compare()``.
     python -m benchmarks overhead [--device cuda] [--repeats 5] [--cases ...]
         [--options default independence=off ...] [--old CHECKOUT] [--json out.json]
         [--remedies] [--remedy-repeats 5]
+
+``floor`` (:func:`floor_main`): every case against its floor, in one run — the table that
+opens ``docs/performance.md``. For each case: the bare passes, **the floor** (the bare
+passes plus the passes the default verdict's tests make, run without divtrace:
+``benchmarks.common.floor_passes``, ``backward.floor``, for prompts the independence
+test's batched passes and the float64 passes), divtrace's default call, and with
+``--old`` an older checkout's call, timed in the same rotation; medians of ``--repeats``
+after a first call, whose time is given against the warm call ("first / warm"; on a fresh
+machine the first case's first call compiles the Triton kernels). "extra / stored": the
+peak memory beyond the floor's peak (image cases; prompts on CUDA: beyond the bare
+passes'), per byte of run a's rows the call keeps.
+
+The cases: on the CPU, the small-site nets at chunk 2 (mobilenet_v3_small,
+efficientnet_b0, resnet18; batch 16 of 3×64×64), mobilenet_v3_small per sample,
+vgg11().features b128 chunk 2, a small Llama's prompts and its ``compare_backward`` in
+float32; on CUDA the same nets, AlexNet b100 and ResNet50 b64 per sample (graphed), the
+8B-shaped Llama's prompts in bfloat16 and ``compare_backward`` in bfloat16 and float32.
+
+    python -m benchmarks floor [--device cuda] [--repeats 5] [--old CHECKOUT]
+        [--only NAME ...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -32,6 +52,7 @@ from typing import Any
 import torch
 
 import divtrace
+from benchmarks import backward, lm
 from benchmarks.common import (
     CASES,
     OPTIONS,
@@ -64,8 +85,8 @@ def measure(name: str, device: torch.device, repeats: int, option: str,
     ways = {"bare": lambda: bare_passes(model, x, case), "new": run(divtrace)}
     if old is not None:
         ways["old"] = run(old)
-    for fn in ways.values():  # warm-up: kernels, algorithm choice, allocator
-        fn()
+    first = {way: timed(fn, device) for way, fn in ways.items()}  # warm-up: kernels,
+    # algorithm choice, allocator (the first call of each, timed)
     notes = ways["new"]().meta.notes  # type: ignore[attr-defined]
     other = torch.rand_like(x)
     ways["floor"] = lambda: floor_passes(model, x, case, notes, other)
@@ -77,16 +98,19 @@ def measure(name: str, device: torch.device, repeats: int, option: str,
             times[way].append(timed(ways[way], device))
     median = {way: statistics.median(t) for way, t in times.items()}
     bare_peak, _ = peak(ways["bare"], device)
+    floor_peak, _ = peak(ways["floor"], device)
     new_peak, result = peak(ways["new"], device)
     stored = stored_bytes(result)
     row = {"case": name, "options": option, "device": str(device), "repeats": repeats,
            "bare_s": median["bare"], "compare_s": median["new"],
            "time_ratio": median["new"] / median["bare"],
+           "first_s": first["new"],
            "floor_s": median["floor"], "floor_ratio": median["floor"] / median["bare"],
            "over_floor": median["new"] / median["floor"],
            "bare_peak_bytes": bare_peak, "compare_peak_bytes": new_peak,
            "stored_bytes": stored,
-           "extra_over_stored": (new_peak - bare_peak) / stored if stored else float("nan")}
+           "extra_over_stored": (new_peak - bare_peak) / stored if stored else float("nan"),
+           "over_floor_peak": (new_peak - floor_peak) / stored if stored else float("nan")}
     graphed = result.meta.graphed.get("a")  # type: ignore[attr-defined]
     if graphed:
         row["replayed"], row["passes"] = graphed["replayed"], graphed["passes"]
@@ -155,4 +179,101 @@ def main(argv: list[str]) -> int:
     if args.json:
         args.json.write_text(json.dumps({"environment": env, "results": rows,
                                          "remedies": found}, indent=1))
+    return 0
+
+
+#: Image cases per device (``benchmarks.common.CASES``).
+IMAGES = {
+    "cpu": ("mobilenet_v3_small_b16_chunk2", "efficientnet_b0_b16_chunk2",
+            "resnet18_b16_chunk2", "mobilenet_v3_small_b16_per_sample",
+            "vgg11_features_b128_chunk2"),
+    "cuda": ("mobilenet_v3_small_b16_chunk2", "efficientnet_b0_b16_chunk2",
+             "resnet18_b16_chunk2", "vgg11_features_b128_chunk2", "alexnet_b100_per_sample",
+             "resnet50_b64_per_sample"),
+}
+#: ``compare_backward``'s dtypes per device.
+BACKWARD = {"cpu": ("float32",), "cuda": ("bfloat16", "float32")}
+
+
+def _image(name: str, device: torch.device, repeats: int, old: Any) -> dict[str, Any]:
+    r = measure(name, device, repeats, "default", old)
+    return {"case": name, "bare_s": r["bare_s"], "floor_s": r["floor_s"],
+            "divtrace_s": r["compare_s"], "old_s": r.get("old_s"), "first_s": r["first_s"],
+            "extra_over_stored": r["over_floor_peak"]}
+
+
+def _prompts(device: torch.device, repeats: int, old: Any) -> dict[str, Any]:
+    r = lm.prompts(device, repeats, old)
+    seconds = r["seconds"]
+    return {"case": f"llama_prompts_{r['case']['dtype']}",
+            "bare_s": seconds["bare passes"],
+            "floor_s": seconds["bare passes"] + r["test_passes"] * seconds["bare batched pass"],
+            "divtrace_s": seconds["compare, every prompt"],
+            "old_s": seconds.get("old: compare, every prompt"),
+            "first_s": r["cold"]["compare, every prompt"],
+            "extra_over_stored": r.get("extra_over_stored")}
+
+
+def _backward(device: torch.device, dtype: str, repeats: int, old: Any) -> dict[str, Any]:
+    r = backward.measure(device, getattr(torch, dtype), repeats, old=old)
+    seconds = r["seconds"]
+    return {"case": f"llama_backward_{dtype}", "bare_s": seconds["bare passes"],
+            "floor_s": seconds["bare and the tests' passes"],
+            "divtrace_s": seconds["compare_backward"],
+            "old_s": seconds.get("old: compare_backward"),
+            "first_s": r["cold"]["compare_backward"], "extra_over_stored": None}
+
+
+def rows(device: torch.device, repeats: int, old: Any, only: list[str] | None
+         ) -> list[dict[str, Any]]:
+    """Every case of ``device``, measured one after the other (``only``: those named)."""
+    work = [(name, lambda n=name: _image(n, device, repeats, old))
+            for name in IMAGES[device.type]]
+    dtype = lm.PROMPTS[device.type]["dtype"]
+    work.append((f"llama_prompts_{dtype}", lambda: _prompts(device, repeats, old)))
+    work += [(f"llama_backward_{d}", lambda d=d: _backward(device, d, repeats, old))
+             for d in BACKWARD[device.type]]
+    found = []
+    for name, measure in work:
+        if only and name not in only:
+            continue
+        row = measure()
+        print(_line(row), flush=True)
+        found.append(row)
+    return found
+
+
+def _ratio(seconds: float | None, base: float) -> str:
+    return "-" if seconds is None else f"{seconds / base:.2f}×"
+
+
+def _line(r: dict[str, Any]) -> str:
+    memory = r["extra_over_stored"]
+    return (f"| {r['case']} | {r['bare_s']:.4f} | {_ratio(r['floor_s'], r['bare_s'])} "
+            f"| {_ratio(r['divtrace_s'], r['bare_s'])} | {_ratio(r['divtrace_s'], r['floor_s'])} "
+            f"| {_ratio(r['old_s'], r['floor_s'])} | {r['first_s'] / r['divtrace_s']:.2f} "
+            f"| {'-' if memory is None else f'{memory:.2f}'} |")
+
+
+def floor_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks floor", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--old", type=Path, help="an older checkout, timed beside this one")
+    parser.add_argument("--only", nargs="*", help="only these cases")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    mapped_frees(device)
+    use_seed_settings(device)
+    old = load_old(args.old) if args.old else None
+    env = environment(device)
+    print(f"environment: {env}")
+    print("| case | bare (s) | floor / bare | divtrace / bare | divtrace / floor "
+          "| before / floor | first / warm | extra / stored |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
+    found = rows(device, args.repeats, old, args.only)
+    if args.json:
+        args.json.write_text(json.dumps({"environment": env, "results": found}, indent=1))
     return 0

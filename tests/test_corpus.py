@@ -205,6 +205,39 @@ def test_float64_beyond_its_squares_is_measured_at_its_scale(exponent: int) -> N
     assert "not known" not in result.summary()
 
 
+def test_float64_samples_at_different_scales_are_measured_each_at_its_own() -> None:
+    # sample 0 beyond the squares' range, the others not: one site's rows, queued together
+    model = nn.Sequential(models.OrderedLinear(16, 16, variant_from=2)).double().eval()
+    x = torch.randn(4, 16, dtype=torch.float64)
+    x[0] *= math.ldexp(1.0, 600)
+    result = run(model, x)
+    with torch.no_grad():
+        batched = model(x)
+        split = torch.cat([model(x[i:i + 1]) for i in range(4)])
+    down = torch.tensor([math.ldexp(1.0, -600), 1, 1, 1], dtype=torch.float64)[:, None]
+    diff, ref = (batched - split) * down, split * down  # each sample near 1, exactly
+    per_sample = (diff.norm(dim=1) / ref.norm(dim=1)).numpy()
+    samples = result.per_sample
+    assert samples[samples["site"] == "0"]["rel_l2"].to_numpy()[0] == pytest.approx(
+        per_sample[0], rel=1e-6)
+    site = result.table.set_index("site").loc["0"]  # the others are 2**-600 of sample 0
+    assert site["rel_l2"] == pytest.approx(per_sample[0], rel=1e-6)
+
+
+def test_a_sites_parts_at_different_scales_come_at_one_scale() -> None:
+    from divtrace.measure.host import Host, Joined
+    from divtrace.measure.pair import pair_fields
+    from divtrace.measure.scale import common
+
+    rows = [torch.randn(1, 30, dtype=torch.float64) * 2.0 ** e for e in (700, 0, -650)]
+    fields = [pair_fields(r, r * (1 + 1e-9), 1e-7, 1e-7, 1 << 18) for r in rows]
+    host = Host()
+    joined = Joined([host.add(f) for f in fields], scaled=True)
+    host.fetch()
+    assert np.array_equal(joined.get(), common(torch.cat(fields)).numpy())
+    assert not np.array_equal(joined.get(), torch.cat(fields).numpy())
+
+
 def test_float64_rows_within_range_keep_their_figures_bit_for_bit() -> None:
     from divtrace.measure.pair import pair_fields
     from divtrace.measure.scale import common

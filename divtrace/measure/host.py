@@ -8,6 +8,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from divtrace.measure.scale import common_arrays
+
 __all__ = ["Deferred", "Host", "Joined"]
 
 
@@ -35,17 +37,21 @@ class Deferred:
 
 class Joined(Deferred):
     """Several places' host copies, end to end along the first dimension (e.g. one site's
-    rows, measured in several groups)."""
+    rows, measured in several groups). ``scaled``: the places are a site's fields of a
+    wide dtype, each row at its own scale; they come brought to one
+    (:func:`~divtrace.measure.scale.common_arrays`)."""
 
-    __slots__ = ("_parts",)
+    __slots__ = ("_parts", "_scaled")
 
-    def __init__(self, parts: list[Deferred]) -> None:
+    def __init__(self, parts: list[Deferred], scaled: bool = False) -> None:
         first = parts[0]
         super().__init__(first._host, first.index)
-        self._parts = parts
+        self._parts, self._scaled = parts, scaled
 
     def get(self) -> np.ndarray:
         arrays = [part.get() for part in self._parts]
+        if self._scaled:
+            arrays = common_arrays(arrays)[0]
         return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
     def peek(self) -> torch.Tensor:

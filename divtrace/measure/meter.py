@@ -193,10 +193,8 @@ class Meter(Sink):
     def _fingerprint(self, measured: Measured, tensor: torch.Tensor,
                      picked: torch.Tensor | None, earlier: Measured | None) -> None:
         """``measured.prints`` after the pass: of ``picked`` (a copy of the compared rows)
-        or of a copy of ``tensor``'s; ``earlier``'s (the same rows) when still to come."""
-        self._prints.add(measured, None if picked is None else [picked], earlier,
-                         lambda: [b.clone(memory_format=torch.contiguous_format)
-                                  for b in self.rows(tensor, self._runs)])
+        or of ``tensor``'s; ``earlier``'s (the same rows) when still to come."""
+        self._prints.add(measured, picked, earlier, lambda: self.rows(tensor, self._runs))
 
     def flush(self) -> None:
         """Computes the queued sites' statistics now, so that the copies they hold are

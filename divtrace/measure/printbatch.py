@@ -1,14 +1,15 @@
 """Fingerprints of a pass's sites computed together after the pass, not one site at a time
 in its hook.
 
-A site's hook hands over copies of the rows to fingerprint (a later in-place op cannot
+A site's hook hands over the rows to fingerprint, copied (a later in-place op cannot
 change them) and a tag of its own; at the end of the pass — or sooner, when the copies
 waiting hold ``budget`` bytes — every waiting site's rows get their fingerprints in one
 :meth:`~divtrace.measure.prints.Fingerprints.of_many` (one Triton launch over a table of
 rows on CUDA; on the CPU a product and a sum per row width), and ``done`` is handed them
 all with each tag's span, so that what follows is a few operations for all the sites.
 Sums modulo 2**64 do not depend on the grouping, so a site's fingerprints are those it
-would get alone.
+would get alone. On the CPU a site of long rows gets them at once, in its hook: there a
+copy would cost more than the operations it saves.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from divtrace.measure.prints import Fingerprints
 
 __all__ = ["PrintBatch", "SitePrints"]
 
+#: On the CPU, a site's rows of more elements than this get their fingerprints at once,
+#: in its hook: copying them would cost more than the operations it saves.
+_AT_ONCE = 1 << 14
 #: Told of a flush: every waiting site's fingerprints (``[rows]`` int64, end to end) and
 #: per site its tag and the span ``(start, stop)`` of its rows among them.
 Done = Callable[[torch.Tensor, list[tuple[Any, int, int]]], None]
@@ -36,12 +40,23 @@ class PrintBatch:
     printer: Fingerprints
     budget: int
     done: Done
-    _waiting: list[tuple[list[torch.Tensor], Any]] = field(default_factory=list)
+    #: per waiting site: its rows (copies) or, made at once, their fingerprints; its tag
+    _waiting: list[tuple[list[torch.Tensor] | torch.Tensor, Any]] = field(
+        default_factory=list)
     _bytes: int = 0
 
-    def add(self, blocks: list[torch.Tensor], tag: Any) -> None:
-        """Waits with ``blocks`` (``[k, ...]`` each, one after the other: copies, or
-        tensors nothing writes before the flush) until :meth:`flush`."""
+    def add(self, blocks: list[torch.Tensor], tag: Any, copies: bool = False) -> None:
+        """Waits with ``blocks`` (``[k, ...]`` each, one after the other) until
+        :meth:`flush`: ``copies``: blocks nothing writes before then, else views of the
+        pass's tensors, copied here — or, on the CPU where a site's rows are long enough
+        that a copy costs more than the operations it saves, fingerprinted at once."""
+        size = sum(b.numel() for b in blocks)
+        if not copies and blocks[0].device.type == "cpu" and size > _AT_ONCE:
+            self._waiting.append((self.printer.of_many(blocks) if len(blocks) > 1
+                                  else self.printer.of(blocks[0]), tag))
+            return
+        if not copies:
+            blocks = [b.clone(memory_format=torch.contiguous_format) for b in blocks]
         self._waiting.append((blocks, tag))
         self._bytes += sum(b.numel() * b.element_size() for b in blocks)
         if self._bytes > self.budget:
@@ -50,15 +65,24 @@ class PrintBatch:
     def flush(self) -> None:
         """Every waiting site's fingerprints, in one sum over all their rows."""
         waiting, self._waiting, self._bytes = self._waiting, [], 0
-        blocks = [b for found, _ in waiting for b in found]
-        if not blocks:
+        if not waiting:
             return
-        prints = self.printer.of_many(blocks) if len(blocks) > 1 else self.printer.of(blocks[0])
-        spans, at = [], 0
+        blocks = [b for found, _ in waiting if isinstance(found, list) for b in found]
+        made = (None if not blocks else self.printer.of_many(blocks) if len(blocks) > 1
+                else self.printer.of(blocks[0]))
+        parts, spans, at, taken = [], [], 0, 0
         for found, tag in waiting:
-            n = sum(b.shape[0] for b in found)
+            if isinstance(found, list):
+                n = sum(b.shape[0] for b in found)
+                assert made is not None
+                parts.append(made[taken:taken + n])
+                taken += n
+            else:
+                n = len(found)
+                parts.append(found)
             spans.append((tag, at, at + n))
             at += n
+        prints = made if made is not None and taken == at else torch.cat(parts)
         self.done(prints, spans)
 
 
@@ -71,17 +95,20 @@ class SitePrints:
         #: per waiting site (by id), the sites that take its fingerprints
         self._tags: dict[int, list[Measured]] = {}
 
-    def add(self, measured: Measured, blocks: list[torch.Tensor] | None,
-            earlier: Measured | None, copies: Callable[[], list[torch.Tensor]]) -> None:
+    def add(self, measured: Measured, picked: torch.Tensor | None,
+            earlier: Measured | None, views: Callable[[], list[torch.Tensor]]) -> None:
         """``measured``'s fingerprints: those of ``earlier`` (a site whose very rows it
-        hands on) when they are still to come, else of ``blocks`` (or of ``copies()``,
-        made only when needed)."""
+        hands on) when they are still to come, else of ``picked`` (a copy of its rows) or
+        of ``views()`` (views of them, asked for only when needed)."""
         waiting = self._tags.get(id(earlier)) if earlier is not None else None
         if waiting is not None:
             waiting.append(measured)
             return
         tag = self._tags[id(measured)] = [measured]
-        self._batch.add(copies() if blocks is None else blocks, tag)
+        if picked is not None:
+            self._batch.add([picked], tag, copies=True)
+        else:
+            self._batch.add(views(), tag)
 
     def flush(self) -> None:
         """Every waiting site's fingerprints now."""

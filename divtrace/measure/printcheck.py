@@ -59,8 +59,7 @@ class PrintCheck(Sink):
             return  # not the same site any more: not tested
         assert measured.prints is not None
         self.moved[site.key] = self.host.reserve()
-        self._batch.add([b.clone(memory_format=torch.contiguous_format)
-                         for b in self._blocks(usable, measured)], measured)
+        self._batch.add(self._blocks(usable, measured), measured)
 
     def end_chunk(self) -> bool:
         self._batch.flush()

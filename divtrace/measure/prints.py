@@ -28,6 +28,9 @@ __all__ = ["Fingerprints"]
 _PERIOD = 1 << 15
 #: Rows of more words than this get their fingerprints without a weight per word.
 _LONG_ROWS = 1 << 22
+#: Off CUDA, blocks of at most this many words whose rows are alike in length are summed
+#: together (one copy of them saves operations; a longer block is summed by itself).
+_SHORT = 1 << 14
 
 
 def _signed(value: int) -> int:
@@ -118,10 +121,12 @@ class Fingerprints:
             width = -(-b.numel() // max(b.shape[0], 1) * b.element_size() // 8)  # words
             if not b.numel() or width > _LONG_ROWS:  # (of: without a weight per word)
                 found[i] = self.of(b)
-            else:
-                alike.setdefault(width, []).append(i)
-        for width, members in alike.items():  # one product and one sum per row width
+            else:  # short blocks of one length together (long ones: a copy costs more)
+                alike.setdefault(width if b.shape[0] * width <= _SHORT else -i - 1,
+                                 []).append(i)
+        for members in alike.values():  # one product and one sum per row width
             words = [_words(blocks[i].reshape(blocks[i].shape[0], -1)) for i in members]
+            width = words[0].shape[1]
             sums = ((words[0] if len(words) == 1 else torch.cat(words))
                     * self._weights(device, width)[:width]).sum(1)
             for i, part in zip(members, sums.split([w.shape[0] for w in words]), strict=True):

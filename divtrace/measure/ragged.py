@@ -113,7 +113,8 @@ class RaggedMeter(Meter):
         elements = tuple(b.numel() for b, _ in pairs)
         rows = [(b.reshape(1, -1), (r if r.device == b.device else r.to(b.device))
                  .reshape(1, -1)) for b, r in pairs]
-        if tensor.dtype in WIDE:  # every prompt's sums at one scale
+        wide = tensor.dtype in WIDE  # every prompt's sums brought to one scale
+        if wide and tensor.device.type != "cpu":
             return self.host.add(common(torch.cat([self._alone(*p) for p in rows]))), elements
         found: list[Deferred | None] = [self.queued_pair(b, r) if b.shape[1] else None
                                         for b, r in rows]
@@ -126,7 +127,7 @@ class RaggedMeter(Meter):
                 place = found[i] = self.host.reserve()
                 self.host.put(place, fields, span)
         return Joined([place if place is not None else self.host.add(self._alone(*rows[i]))
-                       for i, place in enumerate(found)]), elements
+                       for i, place in enumerate(found)], scaled=wide), elements
 
     def _alone(self, b: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         """One prompt's ``[1, fields]``; a prompt without a real token yet (an empty cache)
