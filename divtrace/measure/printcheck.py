@@ -44,6 +44,7 @@ class PrintCheck(Sink):
         self._at = [samples.index(s) for s in self.held]  # their places among the compared
         self._runs = runs_of(self.held)
         self._index: dict[torch.device, torch.Tensor] = {}
+        self._rows: dict[torch.device, torch.Tensor] = {}  # the held rows, per device
         # the held rows' fingerprints, made together after the pass
         self._batch = PrintBatch(self.meter.printer, budget_for(self.meter.store.stored_bytes),
                                  self._compared)
@@ -59,7 +60,8 @@ class PrintCheck(Sink):
             return  # not the same site any more: not tested
         assert measured.prints is not None
         self.moved[site.key] = self.host.reserve()
-        self._batch.add(self._blocks(usable, measured), measured)
+        blocks, copies = self._blocks(usable, measured)
+        self._batch.add(blocks, measured, copies)
 
     def end_chunk(self) -> bool:
         self._batch.flush()
@@ -83,15 +85,24 @@ class PrintCheck(Sink):
             index = self._index[prints.device] = upload(torch.tensor(self._at), prints.device)
         return prints.index_select(0, index)
 
-    def _blocks(self, tensor: torch.Tensor, measured: Measured) -> list[torch.Tensor]:
-        """The held samples' rows in this pass's ``tensor`` (views), one block after the
-        other."""
+    def _blocks(self, tensor: torch.Tensor, measured: Measured
+                ) -> tuple[list[torch.Tensor], bool]:
+        """The held samples' rows in this pass's ``tensor``, one block after the other,
+        and whether they are copies: views of one run of rows, or one gathered copy of
+        several (a group of the independence test is seldom one run)."""
+        if self.layout is None and len(self._runs) == 1:
+            return self.meter.rows(tensor, self._runs), False
         if self.layout is None:
-            return self.meter.rows(tensor, self._runs)
+            dim = self.meter.store.batch_dim % tensor.dim()
+            rows = self._rows.get(tensor.device)
+            if rows is None:
+                rows = self._rows[tensor.device] = upload(torch.tensor(self.held),
+                                                          tensor.device)
+            return [tensor.index_select(dim, rows).movedim(dim, 0)], True
         assert measured.part_shapes is not None
         shapes = [measured.part_shapes[i] for i in self._at]
         cut = getattr(self.meter, "part_of", None)
         key = measured.site.key
         return [(self.layout.tokens(tensor, sample, shape) if cut is None else
                  cut(key, tensor, sample, shape)).unsqueeze(0)
-                for sample, shape in zip(self.held, shapes, strict=True)]
+                for sample, shape in zip(self.held, shapes, strict=True)], False
