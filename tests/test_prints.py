@@ -99,3 +99,63 @@ def test_many_blocks_at_once_give_each_blocks_own_fingerprints(device: str) -> N
     assert torch.equal(printer.of_many(blocks[:1]).cpu(), printer.of(blocks[0]).cpu())
     assert torch.equal(printer.of_many([torch.zeros(3, 0, device=device)]).cpu(),
                        torch.zeros(3, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("budget", [1, 1 << 30])  # a flush at every site, or one at the end
+def test_a_pass_s_sites_fingerprinted_together_give_each_its_own(device: str,
+                                                                  budget: int) -> None:
+    from divtrace.measure.printbatch import PrintBatch
+
+    generator = torch.Generator().manual_seed(1)
+    sites = [[torch.randn(2, 7, generator=generator)],  # short: copied, then together
+             [torch.randn(2, 40_000, generator=generator)],  # long: at once on the CPU
+             [torch.randn(1, 33, generator=generator), torch.randn(1, 33, generator=generator)],
+             [torch.randn(3, 7, generator=generator).double()]]
+    sites = [[b.to(device) for b in blocks] for blocks in sites]
+    printer, seen = Fingerprints(), {}
+
+    def done(found: torch.Tensor, spans: list[tuple[object, int, int]]) -> None:
+        for tag, start, stop in spans:
+            seen[tag] = found[start:stop].clone()
+
+    batch = PrintBatch(printer, budget, done)
+    for tag, blocks in enumerate(sites):
+        batch.add(blocks, tag, copies=tag == 3)
+    for blocks in sites:
+        blocks[0].zero_()  # a later in-place op: the fingerprints are of the rows as given
+    batch.flush()
+    generator = torch.Generator().manual_seed(1)
+    again = [[torch.randn(2, 7, generator=generator)],
+             [torch.randn(2, 40_000, generator=generator)],
+             [torch.randn(1, 33, generator=generator), torch.randn(1, 33, generator=generator)]]
+    for tag, blocks in enumerate(again):
+        expected = torch.cat([printer.of(b) for b in blocks])
+        assert torch.equal(seen[tag].cpu(), expected), tag
+    # site 3 gave copies of its own: nothing copied again, so the write shows unless the
+    # budget flushed it at once
+    third = torch.randn(3, 7, generator=generator).double() if budget == 1 else torch.zeros(
+        3, 7, dtype=torch.float64)
+    assert torch.equal(seen[3].cpu(), printer.of(third))
+
+
+def test_a_site_that_hands_on_its_rows_takes_the_earlier_site_s_fingerprints() -> None:
+    from divtrace.align.sites import Site
+    from divtrace.align.status import Status
+    from divtrace.measure.measured import Measured
+    from divtrace.measure.printbatch import SitePrints
+
+    rows = torch.randn(2, 9)
+    first, second = (Measured(Site(name, name, "Linear", 0, "", True), Status.OK, (2, 9),
+                              torch.float32)
+                     for name in ("a", "b"))
+    prints = SitePrints(Fingerprints(), 1 << 30)
+    prints.add(first, None, None, lambda: [rows])
+    prints.add(second, None, first, lambda: pytest.fail("the rows were read again"))
+    assert first.prints is None  # not before the flush
+    assert second.prints is None
+    prints.flush()
+    assert first.prints is not None
+    assert second.prints is not None
+    assert torch.equal(first.prints, Fingerprints().of(rows))
+    assert torch.equal(second.prints, first.prints)
