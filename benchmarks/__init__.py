@@ -7,7 +7,7 @@ measured in one process, interleaved, as medians:
   the passes the default verdict's tests make), in one run;
 - ``overhead``: time and peak memory of ``compare()`` per case and per option
   (probes, resources), optionally beside an older checkout (``--old``);
-- ``sites``: models with hundreds of small sites, with the floor of module hooks;
+- ``sites``: models with hundreds of small sites, with the least that module hooks cost;
 - ``parts``: where the time of one ``compare()`` goes, stage by stage;
 - ``lm``: language models — op sites, prompts of different lengths, generation;
 - ``backward``: one backward over the batch against gradient accumulation;

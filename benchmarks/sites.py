@@ -4,16 +4,16 @@ mobilenet_v3_small, efficientnet_b0 and resnet18 (random weights), batch 16 of 3
 samples [0, 1], run a per sample (two split passes, then the batched pass; with
 ``--chunk 2`` one split pass of both), in one process, interleaved, medians. "µs per
 site" is ``compare()``'s time beyond the bare passes over its sites. ``--old`` times an
-older checkout beside this one. ``--floor`` also times the same passes with a forward
+older checkout beside this one. ``--hooks`` also times the same passes with a forward
 hook on every module that does nothing ("hooks"), or copies the compared rows ("hooks +
 copies"): no recorder made of module hooks can cost less. ``--selections`` also times
 ``compare()`` observing only Conv2d and Linear modules, and only the output
-(``modules=[]``: the call without sites); with ``--floor``, "least with every module
+(``modules=[]``: the call without sites); with ``--hooks``, "least with every module
 hooked" is the output-only ratio plus the hooks' share. On CUDA it also prints the
 extra peak memory over the bare passes' peak, per byte of the stored rows.
 
     python -m benchmarks sites [--device cuda] [--chunk 2] [--repeats 7] [--old CHECKOUT]
-        [--floor] [--selections] [--size 64] [--json out.json]
+        [--hooks] [--selections] [--size 64] [--json out.json]
 
 ``parts`` (:func:`parts_main`): where the time of one ``compare()`` goes, timed inside
 its calls: the plan, the guard's snapshot of the buffers, run a's recording, run b's
@@ -99,7 +99,7 @@ def ways_for(model: torch.nn.Module, x: torch.Tensor, args: argparse.Namespace, 
     ways: dict[str, Callable[[], object]] = {"bare": bare, "new": run(divtrace)}
     if old is not None:
         ways["old"] = run(old)
-    if args.floor:
+    if args.hooks:
         ways["hooks"] = hooked(model, bare, copy=False)
         ways["hooks + copies"] = hooked(model, bare, copy=True)
     if args.selections:
@@ -125,7 +125,7 @@ def measure(name: str, device: torch.device, args: argparse.Namespace, old: Any
     median = {way: statistics.median(t) for way, t in times.items()}
     sites = len(divtrace.compare(model, x, samples=[0, 1], progress=False).table)
     ratios = {way: value / median["bare"] for way, value in median.items() if way != "bare"}
-    if args.floor and args.selections:  # a call that observes every module costs both
+    if args.hooks and args.selections:  # a call that observes every module costs both
         ratios["least with every module hooked"] = ratios["output only"] + ratios["hooks"] - 1
     row: dict[str, Any] = {"model": name, "sites": sites, "bare_s": median["bare"],
                            "ratio": ratios.pop("new"), "ratios": ratios,
@@ -146,7 +146,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--chunk", type=int, default=1, choices=[1, 2])
     parser.add_argument("--old", type=Path, help="an older checkout to time beside")
-    parser.add_argument("--floor", action="store_true",
+    parser.add_argument("--hooks", action="store_true",
                         help="also time bare passes with hooks that do nothing or copy rows")
     parser.add_argument("--selections", action="store_true",
                         help="also time compare() observing fewer modules")
