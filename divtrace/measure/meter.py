@@ -317,10 +317,12 @@ class Meter(Sink):
         """The queue that takes a pair of ``dtype`` against the stored ``rows`` (the CPU's
         for rows of at most ``widest`` elements), or None."""
         n = rows.shape[0]
-        if dtype != rows.dtype or not n or (dtype in WIDE and rows.device.type != "cpu"):
-            return None  # (WIDE: scaled; on the CPU in the queue)
+        if dtype != rows.dtype or not n:
+            return None
         if self._queue.takes(rows.device, rows.numel() // n, _CPU_BLOCK // n, widest):
             return self._queue
+        if dtype in WIDE:  # scaled: only the CPU's queue takes them again at their scale
+            return None
         return self._fused if self._fused.takes(rows) else None
 
     def stats(self, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
