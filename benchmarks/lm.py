@@ -251,15 +251,15 @@ def prompts(device: torch.device, repeats: int, old: Any = None) -> dict[str, An
     median = {way: statistics.median(t) for way, t in times.items()}
     result = divtrace.compare(model, given, progress=False)
     tested = int(result.meta.notes.get("independence", {}).get("passes", 0))
-    with_test = (median["bare passes"] + tested * median["bare batched pass"]
-                 + median.get("float64 bare passes", 0.0))
+    floor = (median["bare passes"] + tested * median["bare batched pass"]
+             + median.get("float64 bare passes", 0.0))
     row: dict[str, Any] = {
         "case": case, "built_s": made, "sites": len(result.table), "test_passes": tested,
-        "cold": cold, "seconds": median, "stored_bytes": result.meta.stored_bytes,
+        "cold": cold, "seconds": median, "floor_s": floor,
+        "stored_bytes": result.meta.stored_bytes,
         "ratio": {"every prompt / bare passes": median["compare, every prompt"]
                   / median["bare passes"],
-                  "every prompt / the floor": median["compare, every prompt"]
-                  / with_test,
+                  "every prompt / the floor": median["compare, every prompt"] / floor,
                   "cold / warm (every prompt)": cold["compare, every prompt"]
                   / median["compare, every prompt"]}}
     if old is not None:

@@ -207,7 +207,7 @@ def _prompts(device: torch.device, repeats: int, old: Any) -> dict[str, Any]:
     seconds = r["seconds"]
     return {"case": f"llama_prompts_{r['case']['dtype']}",
             "bare_s": seconds["bare passes"],
-            "floor_s": seconds["bare passes"] + r["test_passes"] * seconds["bare batched pass"],
+            "floor_s": r["floor_s"],
             "divtrace_s": seconds["compare, every prompt"],
             "old_s": seconds.get("old: compare, every prompt"),
             "first_s": r["cold"]["compare, every prompt"],
@@ -234,10 +234,10 @@ def rows(device: torch.device, repeats: int, old: Any, only: list[str] | None
     work += [(f"llama_backward_{d}", lambda d=d: _backward(device, d, repeats, old))
              for d in BACKWARD[device.type]]
     found = []
-    for name, measure in work:
+    for name, run in work:
         if only and name not in only:
             continue
-        row = measure()
+        row = run()
         print(_line(row), flush=True)
         found.append(row)
     return found

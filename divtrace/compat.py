@@ -7,7 +7,6 @@ import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import CodeType, FunctionType
-from typing import TypeVar
 
 import torch
 from torch import nn
@@ -15,8 +14,6 @@ from torch.testing._comparison import default_tolerances
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.module_tracker import ModuleTracker
-
-_T = TypeVar("_T")
 
 __all__ = ["BATCH_NORM", "DROPOUT", "TorchDispatchMode", "compiling",
            "cuda_driver", "default_tolerances", "dropped", "foreach_copy", "forward_hooks",
@@ -230,19 +227,6 @@ def function_mode_off(mode: object) -> AbstractContextManager[object]:
     if depth and torch._C._get_function_stack_at(depth - 1) is mode:
         return torch.overrides._pop_mode_temporarily()
     return nullcontext()
-
-
-def run_without_function_mode(mode: object, work: Callable[[], _T]) -> _T:
-    """``work()`` with ``mode`` out of force, as under :func:`function_mode_off`, without
-    a context manager's cost (divtrace's own work at every site of a replay)."""
-    depth = torch._C._len_torch_function_stack()
-    if not depth or torch._C._get_function_stack_at(depth - 1) is not mode:
-        return work()
-    popped = torch._C._pop_torch_function_stack()
-    try:
-        return work()
-    finally:
-        torch._C._push_on_torch_function_stack(popped)
 
 
 @contextmanager

@@ -22,7 +22,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from divtrace.align.sites import Site
-from divtrace.compat import run_without_function_mode
+from divtrace.compat import function_mode_off
 from divtrace.record.lineage import InputPart
 from divtrace.record.recorder import Sink, Tracker
 
@@ -63,7 +63,8 @@ class Unmoded(Sink):
     mode: KeptFloat64
 
     def _off(self, work: Callable[[], Any]) -> Any:
-        return run_without_function_mode(self.mode, work)
+        with function_mode_off(self.mode):
+            return work()
 
     def begin_chunk(self, start: int, stop: int, tracker: Tracker) -> None:
         self._off(lambda: self.sink.begin_chunk(start, stop, tracker))

@@ -185,16 +185,10 @@ class Meter(Sink):
         if self.keep and measured.kept is None:
             picked = self.store.pick(tensor) if picked is None else picked
             measured.kept = picked.to(stored.rows.device).contiguous()
-        if self.prints and measured.prints is None:
-            self._fingerprint(measured, tensor, picked, earlier)
+        if self.prints and measured.prints is None:  # after the pass (or earlier's)
+            self._prints.add(measured, picked, earlier, lambda: self.rows(tensor, self._runs))
         self.store.measured(site.key)  # stream: released unless still needed
         return measured
-
-    def _fingerprint(self, measured: Measured, tensor: torch.Tensor,
-                     picked: torch.Tensor | None, earlier: Measured | None) -> None:
-        """``measured.prints`` after the pass: of ``picked`` (a copy of the compared rows)
-        or of ``tensor``'s; ``earlier``'s (the same rows) when still to come."""
-        self._prints.add(measured, picked, earlier, lambda: self.rows(tensor, self._runs))
 
     def flush(self) -> None:
         """Computes the queued sites' statistics now, so that the copies they hold are

@@ -9,7 +9,8 @@ rows on CUDA; on the CPU a product and a sum per row width), and ``done`` is han
 all with each tag's span, so that what follows is a few operations for all the sites.
 Sums modulo 2**64 do not depend on the grouping, so a site's fingerprints are those it
 would get alone. On the CPU a site of long rows gets them at once, in its hook: there a
-copy would cost more than the operations it saves.
+copy would cost more than the operations it saves. Sites on different devices (a model
+split over them) are summed device by device.
 """
 
 from __future__ import annotations
@@ -50,10 +51,9 @@ class PrintBatch:
         :meth:`flush`: ``copies``: blocks nothing writes before then, else views of the
         pass's tensors, copied here — or, on the CPU where a site's rows are long enough
         that a copy costs more than the operations it saves, fingerprinted at once."""
-        size = sum(b.numel() for b in blocks)
-        if not copies and blocks[0].device.type == "cpu" and size > _AT_ONCE:
-            self._waiting.append((self.printer.of_many(blocks) if len(blocks) > 1
-                                  else self.printer.of(blocks[0]), tag))
+        if not copies and blocks[0].device.type == "cpu" and sum(
+                b.numel() for b in blocks) > _AT_ONCE:
+            self._waiting.append((self._of(blocks), tag))
             return
         if not copies:
             blocks = [b.clone(memory_format=torch.contiguous_format) for b in blocks]
@@ -63,27 +63,37 @@ class PrintBatch:
             self.flush()
 
     def flush(self) -> None:
-        """Every waiting site's fingerprints, in one sum over all their rows."""
+        """Every waiting site's fingerprints, in one sum over all their rows per device
+        (``done`` is told once per device)."""
         waiting, self._waiting, self._bytes = self._waiting, [], 0
-        if not waiting:
-            return
+        by_device: dict[torch.device, list[tuple[list[torch.Tensor] | torch.Tensor, Any]]] = {}
+        for entry in waiting:
+            found = entry[0]
+            by_device.setdefault((found[0] if isinstance(found, list) else found).device,
+                                 []).append(entry)
+        for entries in by_device.values():
+            self._flush(entries)
+
+    def _flush(self, waiting: list[tuple[list[torch.Tensor] | torch.Tensor, Any]]) -> None:
+        """The fingerprints of waiting sites on one device, handed to ``done``."""
         blocks = [b for found, _ in waiting if isinstance(found, list) for b in found]
-        made = (None if not blocks else self.printer.of_many(blocks) if len(blocks) > 1
-                else self.printer.of(blocks[0]))
+        made = self._of(blocks) if blocks else None
         parts, spans, at, taken = [], [], 0, 0
         for found, tag in waiting:
-            if isinstance(found, list):
-                n = sum(b.shape[0] for b in found)
+            if isinstance(found, list):  # its rows' span of the ones made together
                 assert made is not None
+                n = sum(b.shape[0] for b in found)
                 parts.append(made[taken:taken + n])
                 taken += n
-            else:
+            else:  # made at once
                 n = len(found)
                 parts.append(found)
             spans.append((tag, at, at + n))
             at += n
-        prints = made if made is not None and taken == at else torch.cat(parts)
-        self.done(prints, spans)
+        self.done(made if made is not None and taken == at else torch.cat(parts), spans)
+
+    def _of(self, blocks: list[torch.Tensor]) -> torch.Tensor:
+        return self.printer.of_many(blocks) if len(blocks) > 1 else self.printer.of(blocks[0])
 
 
 class SitePrints:

@@ -70,20 +70,22 @@ class PrintCheck(Sink):
     def _compared(self, prints: torch.Tensor, spans: list[tuple[Any, int, int]]) -> None:
         """Each waiting site's held rows against the measured pass's, by their
         fingerprints (``prints``: this pass's, end to end), in one comparison."""
-        was = [self._held(measured.prints) for measured, _, _ in spans]
-        moved = (prints != (was[0] if len(was) == 1 else torch.cat(was))).double()
-        for measured, start, stop in spans:
-            self.host.put(self.moved[measured.site.key], moved, (start, stop))
+        # [sites, compared] (every waiting site has its prints: see on_tensor)
+        was = torch.stack([m.prints for m, _, _ in spans if m.prints is not None])
+        moved = (prints != self._held(was).reshape(-1)).double()
+        for m, start, stop in spans:
+            self.host.put(self.moved[m.site.key], moved, (start, stop))
 
     def _held(self, prints: torch.Tensor) -> torch.Tensor:
-        """The held samples' entries of the measured pass's fingerprints."""
+        """The held samples' entries of the measured pass's fingerprints (``[sites,
+        compared]``: per site, along the last dimension)."""
         first, count = self._at[0], len(self._at)
         if self._at == list(range(first, first + count)):
-            return prints.narrow(0, first, count)
+            return prints.narrow(-1, first, count)
         index = self._index.get(prints.device)
         if index is None:
             index = self._index[prints.device] = upload(torch.tensor(self._at), prints.device)
-        return prints.index_select(0, index)
+        return prints.index_select(-1, index)
 
     def _blocks(self, tensor: torch.Tensor, measured: Measured
                 ) -> tuple[list[torch.Tensor], bool]:
