@@ -159,3 +159,24 @@ def test_a_site_that_hands_on_its_rows_takes_the_earlier_site_s_fingerprints() -
     assert second.prints is not None
     assert torch.equal(first.prints, Fingerprints().of(rows))
     assert torch.equal(second.prints, first.prints)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_sites_on_two_devices_are_fingerprinted_device_by_device() -> None:
+    from divtrace.measure.printbatch import PrintBatch
+
+    rows = [torch.randn(2, 9, device=f"cuda:{i % 2}") for i in range(4)]
+    printer, seen = Fingerprints(), {}
+
+    def done(found: torch.Tensor, spans: list[tuple[object, int, int]]) -> None:
+        for tag, start, stop in spans:
+            seen[tag] = found[start:stop]
+
+    batch = PrintBatch(printer, 1 << 30, done)
+    for tag, block in enumerate(rows):
+        batch.add([block], tag)
+    batch.flush()
+    for tag, block in enumerate(rows):
+        assert seen[tag].device == block.device
+        assert torch.equal(seen[tag].cpu(), printer.of(block.cpu()))
