@@ -251,6 +251,20 @@ def test_float64_rows_within_range_keep_their_figures_bit_for_bit() -> None:
     assert np.isfinite(found.numpy()).all()
 
 
+@pytest.mark.parametrize("odd", [math.inf, -math.inf, math.nan])
+def test_a_row_beyond_the_range_with_a_non_finite_value_is_still_scaled(odd: float) -> None:
+    from divtrace.measure.fields import INDEX
+    from divtrace.measure.pair import pair_fields
+
+    # the largest finite magnitude decides the scale, not the infinity or NaN beside it
+    b = torch.randn(3, 40, dtype=torch.float64) * math.ldexp(1.0, 600)
+    b[1, 7] = odd
+    r = b * (1 + 1e-12)
+    found = pair_fields(b, r, 1e-7, 1e-7, 1 << 18)
+    assert (found[:, INDEX["scale"]] > 500).all()
+    assert found[:, INDEX["sq_ref"]].isfinite().all()
+
+
 def test_a_row_with_no_finite_value_is_left_unscaled() -> None:
     from divtrace.measure.fields import INDEX
     from divtrace.measure.pair import pair_fields
