@@ -38,11 +38,12 @@ def _largest(rows: torch.Tensor) -> torch.Tensor:
     """Per row, the largest finite magnitude (0 for a row without one). On the CPU, rows
     without NaN or infinity take their maxima as they are: the same numbers, in a
     thirtieth of the masked maxima's time (float64, 11 × 23040: 52 µs against 1.7 ms)."""
+    magnitude = rows.abs()
     if rows.device.type == "cpu":
-        top = rows.abs().amax(1)  # NaN or inf where a row holds one
+        top = magnitude.amax(1)  # NaN or inf where a row holds one
         if bool(top.isfinite().all()):
             return top
-    return torch.where(rows.isfinite(), rows.abs(), 0.0).amax(1)
+    return torch.where(rows.isfinite(), magnitude, 0.0).amax(1)
 
 
 def rescaled(found: torch.Tensor, b: torch.Tensor, r: torch.Tensor,
