@@ -95,7 +95,7 @@ print("many == alone")
 
 
 QUEUED = r"""
-import torch
+import sys, torch
 import divtrace
 from divtrace.measure import fused, meter, queue
 from tests import models
@@ -106,6 +106,9 @@ launches = []
 many = fused.fused_many_placed
 fused.fused_many_placed = lambda pairs, *args: launches.append(len(pairs)) or many(pairs, *args)
 model, x = models.variant_mlp(), torch.randn(12, 16)
+wide = sys.argv[1] == "float64"  # rows beyond 2**±400 too: taken again at their scale
+if wide:
+    model, x = model.double(), x.double() * 2.0 ** torch.tensor([450.0, 0, -450, 0] * 3)[:, None]
 found, counted = [], []
 for elements, budget in ((queue.FUSED_ELEMENTS, None), (queue.FUSED_ELEMENTS, 1), (0, None)):
     queue.FUSED_ELEMENTS = elements  # 0: every site measured alone
@@ -118,9 +121,53 @@ for elements, budget in ((queue.FUSED_ELEMENTS, None), (queue.FUSED_ELEMENTS, 1)
 for other in found[1:]:
     assert found[0].table.equals(other.table) and found[0].per_sample.equals(other.per_sample)
 assert (found[0].table["mismatch"] > 0).any()
-sites = sum(counted[0])
-assert counted[0] == [sites] and counted[1] == [1] * sites and counted[2] == [], counted
+# one launch for the measured run's sites (float32), two for the float64 ones (as they
+# are, and at their scale): the precision test's pass, or the float64 model's run
+sites = counted[0][0]
+assert counted[0] == [sites] * (2 if wide else 3) and sites > 4, counted
+assert counted[1] == [1] * sum(counted[0]) and counted[2] == [], counted
 print("queued == alone")
+"""
+
+
+WIDE = r"""
+import math, sys, numpy as np, torch
+from divtrace.measure import fused, queue
+from divtrace.measure.host import Host
+from divtrace.measure.pair import pair_fields
+from divtrace.measure.scale import SCALE, common
+device = sys.argv[1]
+if device == "cpu":  # the interpreter runs the kernels on the CPU
+    fused.supports = lambda b: b.dtype == torch.float64
+g = torch.Generator().manual_seed(0)
+pairs = []
+for width, scales in [(40, (450, 0, -450)), (700, (0, 0)), (5000, (600, 1, 0, -1020)),
+                      (3, (0,)), (129, (-500, -500))]:
+    b = torch.randn(len(scales), width, dtype=torch.float64, generator=g)
+    r = b + torch.randn(b.shape, dtype=torch.float64, generator=g) * 1e-6
+    power = 2.0 ** torch.tensor(scales, dtype=torch.float64)[:, None]
+    pairs.append((b * power, r * power))
+pairs[0][0][0, 3], pairs[0][1][0, 5], pairs[2][0][3, 7] = math.inf, math.nan, -math.inf
+pairs[1][0][1], pairs[1][1][1] = 0.0, -0.0  # a row of zeros
+wide = torch.randn(3, 6000, dtype=torch.float64, generator=g) * 2.0 ** 700
+pairs.append((wide[:, 1000:3100], wide[:, 2000:4100]))  # strided rows
+pairs = [(b.to(device), r.to(device)) for b, r in pairs]
+alone = [common(pair_fields(b, r, 1e-3, 1e-5, 1 << 20)).cpu().numpy() for b, r in pairs]
+for elements in (queue._WIDE_ELEMENTS, 10_000):  # in one part, and in several
+    queue._WIDE_ELEMENTS = elements
+    host = Host()
+    wait = queue.WideQueue(host)
+    places = [wait.add(b, r, 1e-3, 1e-5) for b, r in pairs]
+    host.fetch()
+    scales = []
+    for (b, r), place, one in zip(pairs, places, alone, strict=True):
+        got = place.get()
+        assert got.shape == one.shape and np.array_equal(got.view(np.int64), one.view(
+            np.int64)), (elements, b.shape, got, one)
+        scales.append(int(got[0, SCALE]))
+# (frexp's exponent: a row's largest value is 2**e times a number in [0.5, 1))
+assert [s - t for s, t in zip(scales, [450, 0, 600, 0, -500, 700])] == [2, 0, 2, 0, 2, 3], scales
+print("wide queued == alone")
 """
 
 
@@ -150,7 +197,22 @@ def test_many_sites_in_one_launch_give_each_sites_figures_bit_for_bit() -> None:
 
 @pytest.mark.slow
 def test_sites_queued_for_one_launch_give_the_tables_of_sites_measured_alone() -> None:
-    assert "queued == alone" in _run(QUEUED)
+    assert "queued == alone" in _run(QUEUED, "float32")
+
+
+@pytest.mark.slow
+def test_float64_sites_queued_give_the_tables_of_sites_measured_alone() -> None:
+    assert "queued == alone" in _run(QUEUED, "float64")
+
+
+@pytest.mark.slow
+def test_float64_pairs_queued_are_taken_at_their_scale_as_alone() -> None:
+    assert "wide queued == alone" in _run(WIDE, "cpu")
+
+
+@pytest.mark.cuda
+def test_float64_pairs_queued_on_cuda_are_taken_at_their_scale_as_alone() -> None:
+    assert "wide queued == alone" in _run(WIDE, "cuda", interpret=False)
 
 
 @pytest.mark.cuda

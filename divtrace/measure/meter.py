@@ -17,7 +17,13 @@ from divtrace.measure.measured import CallRecord, LeafCall, Measured
 from divtrace.measure.pair import pair_fields
 from divtrace.measure.printbatch import SitePrints
 from divtrace.measure.prints import Fingerprints
-from divtrace.measure.queue import QUEUE_WIDTH, FusedQueue, StatsQueue, budget_for
+from divtrace.measure.queue import (
+    QUEUE_WIDTH,
+    FusedQueue,
+    StatsQueue,
+    WideQueue,
+    budget_for,
+)
 from divtrace.measure.scale import WIDE, common
 from divtrace.measure.stats import (
     lower_precision,
@@ -89,6 +95,7 @@ class Meter(Sink):
         budget = budget_for(self.store.stored_bytes)
         self._queue = StatsQueue(self.host, budget)
         self._fused = FusedQueue(self.host, budget)
+        self._wide = WideQueue(self.host, budget)
         self._runs = runs_of(self.store.samples)
         self._budget = max(_MIN_BLOCK, int(_TEMP_SHARE * self.store.stored_bytes / _TEMP_BYTES))
         self._last: LastTensor[Measured] = LastTensor()
@@ -195,6 +202,7 @@ class Meter(Sink):
         released (e.g. before the probes' passes)."""
         self._queue.flush()
         self._fused.flush()
+        self._wide.flush()
         self._prints.flush()
 
     def fingerprints(self, rows: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
@@ -307,7 +315,7 @@ class Meter(Sink):
         return self._queue.add(b.clone(), r, *self._tolerances(b.dtype))
 
     def _queue_of(self, dtype: torch.dtype, rows: torch.Tensor, widest: int
-                  ) -> StatsQueue | FusedQueue | None:
+                  ) -> StatsQueue | FusedQueue | WideQueue | None:
         """The queue that takes a pair of ``dtype`` against the stored ``rows`` (the CPU's
         for rows of at most ``widest`` elements), or None."""
         n = rows.shape[0]
@@ -315,9 +323,8 @@ class Meter(Sink):
             return None
         if self._queue.takes(rows.device, rows.numel() // n, _CPU_BLOCK // n, widest):
             return self._queue
-        if dtype in WIDE:  # scaled: only the CPU's queue takes them again at their scale
-            return None
-        return self._fused if self._fused.takes(rows) else None
+        queue = self._wide if dtype in WIDE else self._fused  # (wide: taken at their scale)
+        return queue if queue.takes(rows) else None
 
     def stats(self, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Per-sample statistics of the compared rows of ``tensor`` against ``rows``."""

@@ -1,6 +1,7 @@
 """Statistics of many small sites computed together: on the CPU, where each site's own
 statistics would cost a few dozen tiny torch calls (:class:`StatsQueue`), and on CUDA,
-where each would cost a kernel launched from Python (:class:`FusedQueue`).
+where each would cost a kernel launched from Python (:class:`FusedQueue`; float64 sites,
+taken again at their scale, :class:`WideQueue`).
 
 Each queued pair of blocks (the measured run's compared rows, the reference run's) waits;
 :meth:`StatsQueue.flush` stacks the pairs of one dtype, tolerance and row width into one
@@ -19,12 +20,23 @@ from typing import Any
 
 import torch
 
+from divtrace.devices import upload
 from divtrace.measure import fused
 from divtrace.measure.host import Deferred, Host
-from divtrace.measure.scale import SCALE, WIDE, common, rescaled
+from divtrace.measure.scale import (
+    SCALE,
+    SUMS_AT,
+    WIDE,
+    common,
+    common_many,
+    exponents,
+    finite_magnitudes,
+    rescaled,
+)
 from divtrace.measure.stats import block_stats
 
-__all__ = ["FUSED_ELEMENTS", "QUEUE_WIDTH", "FusedQueue", "StatsQueue", "budget_for"]
+__all__ = ["FUSED_ELEMENTS", "QUEUE_WIDTH", "FusedQueue", "StatsQueue", "WideQueue",
+           "budget_for"]
 
 #: Rows wider than this are measured at once, as before (their work is not overhead).
 QUEUE_WIDTH = 1 << 14
@@ -34,6 +46,11 @@ _MIN_BUDGET = 8 << 20
 #: Elements of one block computed at a flush (whole sites; see :func:`_parts`), as many
 #: as the per-site path's blocks.
 _FLUSH_ELEMENTS = 1 << 18
+
+#: Elements of one part of a float64 flush on CUDA (:class:`WideQueue`): its temporaries
+#: are a few copies of a part (at most half the extra peak of parts of 2**20, measured in
+#: docs/performance.md).
+_WIDE_ELEMENTS = 1 << 18
 
 #: On CUDA, sites of at most this many compared elements are queued (a copy of their
 #: compared rows waits); wider ones are measured at once, in place (their launch is not
@@ -104,8 +121,8 @@ class StatsQueue(_Queue):
         return self._add((b.dtype, rtol, atol, b.shape[1], same), b, r)
 
     def _measure(self, key: tuple[Any, ...], pairs: _Pairs) -> None:
-        dtype, rtol, atol, width, _same = key
-        for part in _parts(pairs, width):
+        dtype, rtol, atol, _width, _same = key
+        for part in _parts(pairs):
             measured = torch.cat([b for _, b, _ in part])
             reference = torch.cat([r for _, _, r in part])
             fields = block_stats(measured, reference, rtol, atol)
@@ -124,22 +141,22 @@ class StatsQueue(_Queue):
                 at += b.shape[0]
 
 
-def _parts(pairs: _Pairs, width: int) -> list[_Pairs]:
-    """The pairs of a group in runs of whole sites of at most :data:`_FLUSH_ELEMENTS`
-    elements (one site alone when wider): blocks that stay in the CPU's caches (ResNet18's
+def _parts(pairs: _Pairs, elements: int = _FLUSH_ELEMENTS) -> list[_Pairs]:
+    """The pairs of a group in runs of whole sites of at most ``elements`` elements (one
+    site alone when wider): blocks that stay in the CPU's caches (ResNet18's
     flush, 16 × 3×64×64, samples [0, 1]: 10.1 ms in one block per group, 7.7 ms in these).
     Rows are measured along themselves alone, so the parts give the figures of the whole
     group; a part holds whole sites, so a part of differing sites is not bit-identical as
     a whole."""
     parts: list[_Pairs] = []
-    rows = 0
+    held = 0
     for pair in pairs:
-        if parts and (rows + pair[1].shape[0]) * width <= _FLUSH_ELEMENTS:
+        if parts and held + pair[1].numel() <= elements:
             parts[-1].append(pair)
-            rows += pair[1].shape[0]
+            held += pair[1].numel()
         else:
             parts.append([pair])
-            rows = pair[1].shape[0]
+            held = pair[1].numel()
     return parts
 
 
@@ -163,3 +180,63 @@ class FusedQueue(_Queue):
         found = fused.fused_many_placed([(b, r) for _, b, r in pairs], rtol, atol)
         for (place, _, _), (fields, rows) in zip(pairs, found, strict=True):
             self.host.put(place, fields, rows)
+
+
+class WideQueue(FusedQueue):
+    """Small CUDA float64 sites, measured as :class:`FusedQueue`'s and then taken again at
+    their scale (:mod:`~divtrace.measure.scale`) in a few launches for all of them: every
+    row's largest finite magnitude in one segmented maximum over the queued rows end to
+    end, their copies times ``2**-e`` in one product, the fused kernel once more, and each
+    site's rows brought to one scale (:func:`~divtrace.measure.scale.common_many`). Each
+    step is exact and row by row, so each site's fields are those the per-site path on a
+    device gives it (which takes every row again, at ``2**0`` within the range). Flushed
+    in parts of whole sites of at most :data:`_WIDE_ELEMENTS` elements (the temporaries
+    are a few copies of a part)."""
+
+    def _measure(self, key: tuple[Any, ...], pairs: _Pairs) -> None:
+        device, _dtype, rtol, atol = key
+        for part in _parts(pairs, _WIDE_ELEMENTS):
+            self._measure_part(part, device, rtol, atol)
+
+    def _measure_part(self, pairs: _Pairs, device: torch.device, rtol: float, atol: float
+                      ) -> None:
+        shapes = [tuple(b.shape) for _, b, _ in pairs]
+        # copies of every pair end to end, each starting 16 bytes aligned (a zero after a
+        # block of an odd count, counted in its last row): one kind of layout per width
+        odd = [n * w % 2 for n, w in shapes]
+        pad = torch.zeros(1, dtype=pairs[0][1].dtype, device=device)
+        blocks = [(b, r) for _, b, r in pairs]
+        flat_b, flat_r = (torch.cat([t for block, extra in zip(blocks, odd, strict=True)
+                                     for t in (block[side].reshape(-1), pad)[:1 + extra]])
+                          for side in (0, 1))
+        lengths = upload(torch.tensor([w + (extra and row == n - 1) for (n, w), extra in zip(
+            shapes, odd, strict=True) for row in range(n)]), device)
+        found = fused.fused_many_placed(_views(flat_b, flat_r, shapes, odd), rtol, atol)
+        top = torch.segment_reduce(torch.maximum(
+            finite_magnitudes(flat_b), finite_magnitudes(flat_r)), "max", lengths=lengths,
+            unsafe=True)  # (checking the lengths would wait for the device)
+        e = exponents(top)
+        factor = torch.ldexp(torch.ones_like(top), -e).repeat_interleave(
+            lengths, output_size=flat_b.numel())
+        flat_b.mul_(factor)  # (after the first launch has read them: stream order)
+        flat_r.mul_(factor)
+        del factor
+        again = fused.fused_many_placed(_views(flat_b, flat_r, shapes, odd), rtol, atol)
+        fields = torch.cat([f[lo:hi] for f, (lo, hi) in found])
+        fields[:, SUMS_AT] = torch.cat([f[lo:hi, SUMS_AT] for f, (lo, hi) in again])
+        fields[:, SCALE] = e.to(fields.dtype)
+        fields = common_many(fields, upload(torch.tensor([n for n, _ in shapes]), device))
+        at = 0
+        for (place, _, _), (n, _) in zip(pairs, shapes, strict=True):
+            self.host.put(place, fields, (at, at + n))
+            at += n
+
+
+def _views(flat_b: torch.Tensor, flat_r: torch.Tensor, shapes: list[tuple[int, ...]],
+           odd: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The pairs of ``shapes`` in two copies end to end (``odd``: a zero after the pair)."""
+    views, at = [], 0
+    for (n, w), extra in zip(shapes, odd, strict=True):
+        views.append((flat_b[at:at + n * w].view(n, w), flat_r[at:at + n * w].view(n, w)))
+        at += n * w + extra
+    return views

@@ -19,7 +19,8 @@ import torch
 
 from divtrace.measure.fields import INDEX
 
-__all__ = ["SCALE", "WIDE", "common", "common_arrays", "ratio", "rescaled"]
+__all__ = ["SCALE", "SUMS_AT", "WIDE", "common", "common_arrays", "common_many", "exponents",
+           "finite_magnitudes", "ratio", "rescaled"]
 
 #: The dtypes whose squares can leave float64's range.
 WIDE = (torch.float64, torch.complex128)
@@ -29,7 +30,7 @@ _SUMS = sorted(INDEX[name] for name in ("sq_diff", "sq_ref", "sq_out", "dot"))
 assert list(range(_SUMS[0], _SUMS[0] + 4)) == _SUMS, "the four sums lie side by side"
 #: The four sums as a slice: indexing a device tensor with a list of ints would copy that
 #: list to the device from pageable memory, a wait for the device per site.
-_SUMS_AT = slice(_SUMS[0], _SUMS[0] + 4)
+SUMS_AT = slice(_SUMS[0], _SUMS[0] + 4)
 #: Where a row's fields hold the exponent of its scale.
 SCALE = INDEX["scale"]
 
@@ -43,7 +44,15 @@ def _largest(rows: torch.Tensor) -> torch.Tensor:
         top = magnitude.amax(1)  # NaN or inf where a row holds one
         if bool(top.isfinite().all()):
             return top
-    return torch.where(rows.isfinite(), magnitude, 0.0).amax(1)
+    return finite_magnitudes(rows, magnitude).amax(1)
+
+
+def finite_magnitudes(values: torch.Tensor, magnitude: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+    """``|values|`` where they are finite, 0 elsewhere (``magnitude``: ``|values|``, when
+    already taken)."""
+    return torch.where(values.isfinite(), values.abs() if magnitude is None else magnitude,
+                       0.0)
 
 
 def rescaled(found: torch.Tensor, b: torch.Tensor, r: torch.Tensor,
@@ -55,26 +64,44 @@ def rescaled(found: torch.Tensor, b: torch.Tensor, r: torch.Tensor,
     if not len(b) or not b.shape[1]:
         return found
     top = torch.maximum(_largest(b), _largest(r))
-    exponent = torch.frexp(top).exponent
-    beyond = (exponent > _RANGE) | ((exponent < -_RANGE) & (top > 0))
-    if b.device.type == "cpu" and not bool(beyond.any()):
+    e = exponents(top)
+    if b.device.type == "cpu" and not bool(e.any()):
         return found
-    e = torch.where(beyond, exponent, 0)
     factor = torch.ldexp(torch.ones_like(top), -e)[:, None]
     again = measure(b * factor, r * factor)
     out = found.clone()
-    out[:, _SUMS_AT] = again[:, _SUMS_AT]
+    out[:, SUMS_AT] = again[:, SUMS_AT]
     out[:, SCALE] = e.to(out.dtype)
     return out
+
+
+def exponents(top: torch.Tensor) -> torch.Tensor:
+    """Per row, from its largest finite magnitude ``top``, the exponent ``e`` of its scale
+    (int32): that of ``top`` beyond ``2**±400``, else 0."""
+    exponent = torch.frexp(top).exponent
+    beyond = (exponent > _RANGE) | ((exponent < -_RANGE) & (top > 0))
+    return torch.where(beyond, exponent, 0)
 
 
 def common(stats: torch.Tensor) -> torch.Tensor:
     """A site's ``[rows, fields]`` with every row's sums at the largest scale among them
     (exact: each is multiplied by a power of two)."""
+    return _at_scale(stats, stats[:, SCALE].amax())
+
+
+def common_many(stats: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """:func:`common` of many sites' ``[rows, fields]`` end to end (``rows``: each site's
+    count of rows, on the fields' device), in a few launches for all of them: the same
+    numbers as :func:`common` of each site alone."""
+    top = torch.segment_reduce(stats[:, SCALE], "max", lengths=rows)
+    return _at_scale(stats, top.repeat_interleave(rows, output_size=len(stats)))
+
+
+def _at_scale(stats: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """``stats`` with every row's sums at the scale ``top`` (a number, or one per row)."""
     e = stats[:, SCALE]
-    top = e.amax()
     out = stats.clone()
-    out[:, _SUMS_AT] = stats[:, _SUMS_AT] * torch.ldexp(torch.ones_like(e), 2 * (e - top).to(
+    out[:, SUMS_AT] = stats[:, SUMS_AT] * torch.ldexp(torch.ones_like(e), 2 * (e - top).to(
         torch.int32))[:, None]
     out[:, SCALE] = top
     return out
