@@ -209,8 +209,10 @@ class WideQueue(FusedQueue):
         flat_b, flat_r = (torch.cat([t for block, extra in zip(blocks, odd, strict=True)
                                      for t in (block[side].reshape(-1), pad)[:1 + extra]])
                           for side in (0, 1))
-        lengths = upload(torch.tensor([w + (extra and row == n - 1) for (n, w), extra in zip(
-            shapes, odd, strict=True) for row in range(n)]), device)
+        # every row's length in the copies, then every site's count of rows: one upload
+        counts = upload(torch.tensor([w + (extra and row == n - 1) for (n, w), extra in zip(
+            shapes, odd, strict=True) for row in range(n)] + [n for n, _ in shapes]), device)
+        lengths, rows = counts[:-len(shapes)], counts[-len(shapes):]
         found = fused.fused_many_placed(_views(flat_b, flat_r, shapes, odd), rtol, atol)
         top = torch.segment_reduce(torch.maximum(
             finite_magnitudes(flat_b), finite_magnitudes(flat_r)), "max", lengths=lengths,
@@ -225,7 +227,7 @@ class WideQueue(FusedQueue):
         fields = torch.cat([f[lo:hi] for f, (lo, hi) in found])
         fields[:, SUMS_AT] = torch.cat([f[lo:hi, SUMS_AT] for f, (lo, hi) in again])
         fields[:, SCALE] = e.to(fields.dtype)
-        fields = common_many(fields, upload(torch.tensor([n for n, _ in shapes]), device))
+        fields = common_many(fields, rows)
         at = 0
         for (place, _, _), (n, _) in zip(pairs, shapes, strict=True):
             self.host.put(place, fields, (at, at + n))
