@@ -10,7 +10,7 @@ import torch
 
 from divtrace.align.status import Status
 from divtrace.devices import upload
-from divtrace.measure.figures import site_figures
+from divtrace.measure.figures import FIGURES, many_site_figures
 from divtrace.measure.host import Deferred, Host
 from divtrace.measure.meter import Meter
 from divtrace.record.rows import RowStore
@@ -56,15 +56,25 @@ def held_store(store: RowStore, group: list[int]) -> RowStore:
 
 
 def figures_of(meter: Meter, batch: int) -> dict[str, tuple[float, float]]:
-    """Per site of a measured pass: ``(mismatch, rel_l2)`` (after its host fetched)."""
-    found: dict[str, tuple[float, float]] = {}
-    for measured in meter.sites:
-        if measured.stats is None:
-            continue
-        figures = site_figures(measured.stats.get(), measured.per_sample(batch))
-        found[measured.site.key] = (figures["mismatch"], figures["rel_l2"])
-    return found
+    """Per site of a measured pass: ``(mismatch, rel_l2)`` (after its host fetched), the
+    sites' figures computed together (each the number the site alone gives)."""
+    measured = [m for m in meter.sites if m.stats is not None]
+    stats = [m.stats.get() for m in measured]  # type: ignore[union-attr]
+    figures: list[dict[str, float]] = [{}] * len(stats)
+    groups: dict[tuple[int, ...], list[int]] = {}  # sites of as many samples, together
+    for i, array in enumerate(stats):
+        groups.setdefault(array.shape, []).append(i)
+    for group in groups.values():
+        made = many_site_figures([stats[i] for i in group],
+                                 [measured[i].per_sample(batch) for i in group], _TWO)[0]
+        for i, site in zip(group, made, strict=True):
+            figures[i] = site
+    return {m.site.key: (site["mismatch"], site["rel_l2"])  # in the pass's order
+            for m, site in zip(measured, figures, strict=True)}
 
+
+#: The two figures the tests read of a measured pass.
+_TWO = tuple(f for f in FIGURES if f.name in ("mismatch", "rel_l2"))
 
 
 def differing(one: RowStore, two: RowStore, meter: Meter) -> list[str]:

@@ -145,8 +145,8 @@ class Precision(Probe):
                 stats = site.stats.peek()
             except RuntimeError:  # fetched already (both runs chunked): the test runs
                 return None
-            counts.setdefault(stats.device, []).append(stats[:, mismatch].double().sum())
-        if not any(bool((torch.stack(found) > 0).any()) for found in counts.values()):
+            counts.setdefault(stats.device, []).append(stats[:, mismatch])  # a view
+        if not any(bool((torch.cat(found) > 0).any()) for found in counts.values()):
             return "the runs are bit-identical at every compared site"
         return None
 
