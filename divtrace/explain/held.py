@@ -55,26 +55,21 @@ def held_store(store: RowStore, group: list[int]) -> RowStore:
     return kept
 
 
-def figures_of(meter: Meter, batch: int) -> dict[str, tuple[float, float]]:
-    """Per site of a measured pass: ``(mismatch, rel_l2)`` (after its host fetched), the
-    sites' figures computed together (each the number the site alone gives)."""
-    measured = [m for m in meter.sites if m.stats is not None]
-    stats = [m.stats.get() for m in measured]  # type: ignore[union-attr]
-    figures: list[dict[str, float]] = [{}] * len(stats)
-    groups: dict[tuple[int, ...], list[int]] = {}  # sites of as many samples, together
-    for i, array in enumerate(stats):
-        groups.setdefault(array.shape, []).append(i)
-    for group in groups.values():
-        made = many_site_figures([stats[i] for i in group],
-                                 [measured[i].per_sample(batch) for i in group], _TWO)[0]
-        for i, site in zip(group, made, strict=True):
-            figures[i] = site
-    return {m.site.key: (site["mismatch"], site["rel_l2"])  # in the pass's order
-            for m, site in zip(measured, figures, strict=True)}
-
-
 #: The two figures the tests read of a measured pass.
 _TWO = tuple(f for f in FIGURES if f.name in ("mismatch", "rel_l2"))
+
+
+def figures_of(meter: Meter, batch: int) -> dict[str, tuple[float, float]]:
+    """Per site of a measured pass: ``(mismatch, rel_l2)`` (after its host fetched), the
+    sites' figures computed together as the table's are (each the number the site alone
+    gives; every site holds the same compared samples)."""
+    measured = [m for m in meter.sites if m.stats is not None]
+    if not measured:
+        return {}
+    found = many_site_figures([m.stats.get() for m in measured],  # type: ignore[union-attr]
+                              [m.per_sample(batch) for m in measured], _TWO)[0]
+    return {m.site.key: (site["mismatch"], site["rel_l2"])
+            for m, site in zip(measured, found, strict=True)}
 
 
 def differing(one: RowStore, two: RowStore, meter: Meter) -> list[str]:
