@@ -17,9 +17,13 @@ extra peak memory over the bare passes' peak, per byte of the stored rows.
 
 ``parts`` (:func:`parts_main`): where the time of one ``compare()`` goes, timed inside
 its calls: the plan, the guard's snapshot of the buffers, run a's recording, run b's
-measuring, the statistics computed together at the fetch, the table's figures and its
-DataFrame; beside the bare passes (run a's split passes, the batched pass) and the whole
-call. Medians of interleaved repeats, in one process. ``--output-only``: the call
+measuring, the verdict's two tests (the independence test; the precision test, its
+float64 copy of the model apart), the statistics computed together at the fetch, the
+table's figures and its DataFrame; beside the bare passes (run a's split passes, the
+batched pass), the floor's further passes without divtrace (the independence test's
+batched passes with other values; a float64 copy of the model and its split and batched
+passes) and the whole call. Medians of interleaved repeats, in one process (a part
+called more than once in a call: its calls summed). ``--output-only``: the call
 observes only the model's output (``modules=[]``), so what it costs beyond the bare
 passes is its own.
 
@@ -30,6 +34,7 @@ passes is its own.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import json
 import statistics
@@ -53,9 +58,12 @@ from benchmarks.common import (
     use_seed_settings,
 )
 from divtrace import pipeline
+from divtrace.explain.independence import Independence
+from divtrace.explain.precision import Precision
 from divtrace.measure.host import Host
 from divtrace.plan.samples import chunks_for
 from divtrace.record import guard
+from divtrace.record.runner import Runner
 from divtrace.report import table
 
 MODELS = ("mobilenet_v3_small", "efficientnet_b0", "resnet18")
@@ -197,6 +205,9 @@ def parts_main(argv: list[str]) -> int:
     parts = ((entry, "make_plan", "plan"),
              (pipeline, "record", "run a, recording"),
              (pipeline, "_measure", "run b, measuring"),
+             (Independence, "_after", "the independence test"),
+             (Precision, "_after", "the precision test"),
+             (Runner, "of", "runs made (the float64 copy)"),
              (Host, "fetch", "statistics together, at the fetch"),
              (table, "_measured_rows", "the table's figures"),
              (guard, "_snapshot", "the guard's snapshot of the buffers"),
@@ -211,21 +222,44 @@ def parts_main(argv: list[str]) -> int:
         with torch.no_grad():
             model(x)
 
+    other = torch.rand_like(x)
+
+    def independence() -> None:
+        with torch.no_grad():
+            for _ in range(2):  # a group of the held samples, and one of the others
+                model(other)
+
+    def float64() -> None:
+        double, x64 = copy.deepcopy(model).double(), x.double()
+        with torch.no_grad():
+            for start, stop in chunks:
+                double(x64[start:stop])
+            double(x64)
+
     ways: dict[str, Callable[[], object]] = {
         "bare split passes": split, "bare batched pass": batched,
+        "floor: two batched passes, other values": independence,
+        "floor: float64 copy and its passes": float64,
         "compare()": lambda: divtrace.compare(model, x, samples=samples,
                                               a=divtrace.Run(chunk=args.chunk),
                                               progress=False, **selection)}
     times: defaultdict[str, list[float]] = defaultdict(list)
-    with calls_timed(parts, lambda label, seconds: times[label].append(seconds), device):
+    inside: defaultdict[str, float] = defaultdict(float)  # this call's parts, summed
+
+    def note(label: str, seconds: float) -> None:
+        inside[label] += seconds
+
+    with calls_timed(parts, note, device):
         for fn in ways.values():
             fn()
-        times.clear()
         for _ in range(args.repeats):
             for label, fn in ways.items():
+                inside.clear()
                 times[label].append(timed(fn, device))
+                for part, seconds in inside.items():
+                    times[part].append(seconds)
     print(f"{args.model}, batch 16 of 3x64x64, samples {samples}, chunk {args.chunk}, "
           f"{args.device}{', output only' if args.output_only else ''}:")
     for label, values in times.items():
-        print(f"  {label:36} {statistics.median(values) * 1e3:8.2f} ms")
+        print(f"  {label:40} {statistics.median(values) * 1e3:8.2f} ms")
     return 0

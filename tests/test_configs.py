@@ -230,3 +230,50 @@ def test_run_a_in_chunks_is_still_batched_against_split() -> None:
                 a=Run(chunk=2, name="mine"))
     assert other.meta.runs == ("mine", "as is")
     assert other.meta.names == ("run a (mine)", "batched run")
+
+
+class _Tied(nn.Module):
+    """Tied weights, a buffer already float64, an integer buffer, a frozen parameter and a
+    plain tensor attribute that is no buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+        self.a.bias.requires_grad_(False)
+        self.register_buffer("scale", torch.full((4,), 0.5, dtype=torch.float64))
+        self.register_buffer("count", torch.tensor(3))
+        self.register_buffer("mean", torch.randn(4))
+        self.constant = torch.ones(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) * self.scale.float() + self.mean) + self.constant
+
+
+def test_a_cast_copy_is_made_cast_and_is_what_deepcopy_then_to_makes() -> None:
+    import copy
+
+    torch.manual_seed(0)
+    model = _Tied()
+    before = {k: (v.clone(), v.data_ptr()) for k, v in model.state_dict().items()}
+    mine = Run(dtype=torch.float64).model(model)
+    theirs = copy.deepcopy(model).to(torch.float64)
+    for (name, p), (_, q) in zip(mine.named_parameters(), theirs.named_parameters(),
+                                 strict=True):
+        assert type(p) is type(q), name
+        assert p.dtype == q.dtype == torch.float64, name
+        assert torch.equal(p, q), name
+        assert p.requires_grad == q.requires_grad, name
+    assert mine.b.weight is mine.a.weight  # tied still
+    for (name, p), (_, q) in zip(mine.named_buffers(), theirs.named_buffers(), strict=True):
+        assert p.dtype == q.dtype, name
+        assert torch.equal(p, q), name
+    assert mine.count.dtype == torch.int64
+    assert mine.constant.dtype == torch.float32
+    shared = {t.untyped_storage().data_ptr() for t in model.state_dict().values()}
+    assert not shared & {t.untyped_storage().data_ptr()
+                         for t in (*mine.parameters(), *mine.buffers())}  # no aliasing
+    for key, value in model.state_dict().items():  # the user's model untouched
+        assert torch.equal(value, before[key][0])
+        assert value.data_ptr() == before[key][1]
+        assert value.dtype == before[key][0].dtype

@@ -40,7 +40,7 @@ from divtrace.explain.view import TableView
 from divtrace.measure.chunked import compare_stores
 from divtrace.measure.fields import INDEX
 from divtrace.measure.host import Host
-from divtrace.plan.runs import Run
+from divtrace.plan.runs import Run, made_as
 from divtrace.record.runner import Runner
 from divtrace.words import sci
 
@@ -202,7 +202,8 @@ class Precision(Probe):
         if other is None:  # run b's own kind of run (compiled code stays compiled)
             return Runner.of(replace(plan.b, dtype=double), ctx.model, plan.modules,
                              plan.output_only, name, ctx.recorder)
-        mine = replace(plan.b, other=copy.deepcopy(other).to(double))  # type: ignore[call-arg]
+        mine = replace(plan.b, other=copy.deepcopy(  # type: ignore[call-arg]
+            other, made_as(other, None, double)).to(double))
         own = Runner.of(mine, ctx.model,
                         plan.modules, plan.output_only, name, ctx.recorder)
         return replace(own, run=cast)  # its inputs cast to float64 too

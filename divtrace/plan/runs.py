@@ -9,6 +9,7 @@ dtype or memory format works on a copy).
 from __future__ import annotations
 
 import copy
+import itertools
 import operator
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,7 +30,7 @@ from divtrace.plan.precision import (
     set_tf32,
 )
 
-__all__ = ["Resources", "Run", "backend_flags", "eager_experts", "split_run"]
+__all__ = ["Resources", "Run", "backend_flags", "eager_experts", "made_as", "split_run"]
 
 _PRECISIONS = ("highest", "high", "medium")
 
@@ -162,7 +163,7 @@ class Run:
         """The model this run uses: the user's own, or a changed copy."""
         if not self.changes_model:
             return model
-        mine = copy.deepcopy(model)
+        mine = copy.deepcopy(model, made_as(model, self.device, self.dtype))
         if self.device is not None:
             mine = mine.to(torch.device(self.device))
         if self.dtype is not None:
@@ -272,3 +273,27 @@ def split_run(a: Run | None, chunk: Any) -> Run | None:
             f"chunk={chunk!r} and a=Run(chunk={a.chunk!r}) give run a two batch sizes; give "
             f"one (chunk= alone, or a=Run(chunk=...) alone)")
     return replace(a, chunk=chunk)
+
+
+def made_as(model: nn.Module, device: torch.device | str | None, dtype: torch.dtype | None
+            ) -> dict[int, Any]:
+    """A memo for ``copy.deepcopy(model, memo)``: each floating parameter and buffer of
+    ``model`` (plain tensors and ``nn.Parameter`` only) made straight away on ``device`` in
+    ``dtype``, as ``Module.to`` would make it, so that the copy never holds the weights as
+    they first were (one copy of them instead of two, and none of the first's memory).
+    Whatever it leaves out is copied as ``deepcopy`` copies it, and cast by ``to``."""
+    if device is None and dtype is None:
+        return {}
+    target = None if device is None else torch.device(device)
+    memo: dict[int, Any] = {}
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        parameter = type(tensor) is nn.Parameter
+        if id(tensor) in memo or not tensor.is_floating_point() or not (
+                parameter or (type(tensor) is torch.Tensor and not tensor.requires_grad
+                              and not tensor.__dict__)):
+            continue
+        made = tensor.detach().to(device=target, dtype=dtype)
+        if made.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+            continue  # already so: deepcopy copies it
+        memo[id(tensor)] = nn.Parameter(made, tensor.requires_grad) if parameter else made
+    return memo
