@@ -30,7 +30,7 @@ from divtrace.plan.make import Plan
 from divtrace.plan.walk import Walk
 from divtrace.progress import Progress
 from divtrace.record.graphs import GraphedRun
-from divtrace.record.guard import RandomDraws, SeededOps, cuda_devices, untouched
+from divtrace.record.guard import RandomDraws, SeededOps, collector_held, cuda_devices, untouched
 from divtrace.record.loop import InputCopies
 from divtrace.record.rows import RowStore
 from divtrace.record.runner import Runner
@@ -172,6 +172,7 @@ def _kind(plan: Plan) -> tuple[Kind, Plan]:
     return kind, plan
 
 
+@collector_held()
 def execute(plan: Plan, model: nn.Module, parts: Parts | None = None,
             origin: Origin | None = None) -> Comparison:
     """Carries out ``plan`` on ``model`` with ``parts`` (default: those the plan asks for,

@@ -79,6 +79,42 @@ def test_grad_mode_is_restored(grad: bool) -> None:
         assert torch.is_grad_enabled() is grad
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_garbage_collector_is_held_during_the_call_and_put_back(enabled: bool) -> None:
+    seen: list[bool] = []
+
+    class Watched(nn.Module):  # notes the collector's state in every pass
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(gc.isenabled())
+            return self.fc(x)
+
+    before = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        divtrace.compare(Watched(), torch.randn(4, 16), progress=False)
+        assert gc.isenabled() is enabled
+        with pytest.raises(KeyError):  # a pass that raises puts it back too
+            divtrace.compare(models.Exploding().eval(), torch.randn(4, 16), progress=False)
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if before else gc.disable)()
+    assert seen
+    assert not any(seen)
+
+
+def test_the_calls_reference_cycles_never_reach_the_old_generations() -> None:
+    model, x = models.variant_mlp(), torch.randn(8, 16)
+    divtrace.compare(model, x, progress=False)  # warm-up: lazily created state
+    gc.collect()
+    result = divtrace.compare(model, x, progress=False)
+    assert gc.collect() == 0  # nothing left for a full collection to find
+    assert result.verdict is not None
+
+
 def test_user_exception_keeps_its_type_and_gains_a_note() -> None:
     model = models.Exploding().eval()
     state, hooks = snapshot(model), hook_counts(model)

@@ -1,7 +1,9 @@
-"""Nothing of the user's changes: modes, grad and inference mode, buffers, random state."""
+"""Nothing of the user's changes: modes, grad and inference mode, buffers, random state,
+the cyclic garbage collector's state."""
 
 from __future__ import annotations
 
+import gc
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -13,12 +15,34 @@ from divtrace.compat import TorchDispatchMode, foreach_copy, version
 from divtrace.errors import DivtraceWarning
 from divtrace.plan.walk import Walk
 
-__all__ = ["RandomDraws", "SeededOps", "cuda_devices", "untouched"]
+__all__ = ["RandomDraws", "SeededOps", "collector_held", "cuda_devices", "untouched"]
 
 
 def _version(tensor: torch.Tensor) -> int | None:
     """The version counter (None for an inference tensor, which has none)."""
     return None if tensor.is_inference() else version(tensor)
+
+
+@contextmanager
+def collector_held() -> Iterator[None]:
+    """Python's cyclic garbage collector off during a comparison, then back as it was.
+
+    A comparison keeps thousands of small objects alive across its passes (a site's
+    figures, places for them, rows); with the collector on, they are promoted to its
+    oldest generation, and every few calls one of them sets off a full collection, which
+    walks every object of the process (torch's and the user's too). Held off, they never
+    are; the comparison's own reference cycles are collected when it ends, in one young
+    collection, and the collector is on again. Where it was off already, nothing changes.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.collect(0)
+        gc.enable()
 
 
 def cuda_devices(models: Iterable[nn.Module | Walk], tensors: Iterable[object]) -> list[int]:
