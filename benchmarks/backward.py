@@ -76,13 +76,13 @@ def bare(model: nn.Module, batch: dict[str, torch.Tensor], chunk: int) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def floor(model: nn.Module, batch: dict[str, torch.Tensor], chunk: int) -> None:
+def floor(model: nn.Module, batch: dict[str, torch.Tensor], chunk: int, tested: int) -> None:
     """The bare passes and the passes the verdict's tests make, without divtrace: the
-    independence test's two forward passes over the batch (autograd on, as in the
-    training passes) and the weights test's (autograd off; its loss's own backward is
-    left out, so this is a lower bound)."""
+    independence test's ``tested`` forward passes over the batch (one per group of the
+    held samples, autograd on, as in the training passes) and the weights test's
+    (autograd off; its loss's own backward is left out, so this is a lower bound)."""
     bare(model, batch, chunk)
-    for _ in range(2):
+    for _ in range(tested):
         with torch.enable_grad():
             model_loss(model, batch).detach()
     with torch.no_grad():
@@ -99,9 +99,16 @@ def measure(device: torch.device, dtype: torch.dtype, repeats: int,
     built = time.perf_counter() - built
     batch, chunk = batch_of(case, device), case["chunk"]
     weight = by_tokens(batch)
+    bare(model, batch, chunk)  # the model's own first passes (as the image cases' first)
+    first: list[Any] = []  # the first call, timed: its notes say the tests' passes
+    first_s = timed(lambda: first.append(divtrace.compare_backward(
+        model, batch, model_loss, chunk=chunk, weight=weight, progress=False)), device)
+    found = first[0].forward
+    notes = {} if found is None else found.meta.notes.get("independence", {})
+    tested = int(notes.get("passes", 0)) if notes.get("ran") else 0
     ways = {
         "bare passes": lambda: bare(model, batch, chunk),
-        "bare and the tests' passes": lambda: floor(model, batch, chunk),
+        "bare and the tests' passes": lambda: floor(model, batch, chunk, tested),
         "compare_backward": lambda: divtrace.compare_backward(
             model, batch, model_loss, chunk=chunk, weight=weight, progress=False),
         "forward=False": lambda: divtrace.compare_backward(
@@ -111,14 +118,15 @@ def measure(device: torch.device, dtype: torch.dtype, repeats: int,
         ways["old: compare_backward"] = lambda: old.compare_backward(
             model, batch, model_loss, chunk=chunk, weight=weight, progress=False)
     seconds: dict[str, list[float]] = {way: [] for way in ways}
-    for round_ in range(repeats + 1):  # the order rotates; round 0 is the first call
+    for round_ in range(repeats + 1):  # the order rotates; round 0: the others' first calls
         order = list(ways)[round_ % len(ways):] + list(ways)[:round_ % len(ways)]
         for way in order:
             seconds[way].append(timed(ways[way], device))
     warm = {way: statistics.median(found[1:]) for way, found in seconds.items()}
     base = warm["bare passes"]
+    cold = {way: found[0] for way, found in seconds.items()} | {"compare_backward": first_s}
     return {"case": case, "dtype": str(dtype).removeprefix("torch."), "built_s": built,
-            "seconds": warm, "cold": {way: found[0] for way, found in seconds.items()},
+            "test_passes": tested, "seconds": warm, "cold": cold,
             "ratio": {way: s / base for way, s in warm.items()}}
 
 
