@@ -103,8 +103,8 @@ def measure(device: torch.device, dtype: torch.dtype, repeats: int,
     first: list[Any] = []  # the first call, timed: its notes say the tests' passes
     first_s = timed(lambda: first.append(divtrace.compare_backward(
         model, batch, model_loss, chunk=chunk, weight=weight, progress=False)), device)
-    found = first[0].forward
-    notes = {} if found is None else found.meta.notes.get("independence", {})
+    forward = first[0].forward  # its forward comparison holds the tests' notes
+    notes = {} if forward is None else forward.meta.notes.get("independence", {})
     tested = int(notes.get("passes", 0)) if notes.get("ran") else 0
     ways = {
         "bare passes": lambda: bare(model, batch, chunk),
