@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -188,8 +190,9 @@ def calls_timed(targets: Iterable[tuple[Any, str, str]], record: Callable[[str, 
 
 def peak(fn: Callable[[], object], device: torch.device) -> tuple[int, object]:
     """Peak memory of ``fn()`` above the memory in use before it, and its result: on
-    CUDA the allocator's peak; on the CPU the resident set's high-water mark (Linux; run
-    through :func:`mapped_frees` so that freed large blocks leave the resident set)."""
+    CUDA the allocator's peak; on the CPU the resident set's high-water mark (Linux; only
+    in a process where glibc maps large blocks, so that frees leave the resident set:
+    :func:`cpu_peaks`)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
@@ -211,12 +214,31 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def mapped_frees(device: torch.device) -> None:
-    """On the CPU, starts the process again with glibc mapping large blocks (so that the
-    resident set shows frees), unless it already does."""
-    if device.type == "cpu" and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-        os.execv(sys.executable, [sys.executable, "-m", "benchmarks", *sys.argv[1:]])
+#: The setting that makes glibc map every block of 64 KiB or more, and unmap it when
+#: freed: the resident set then shows frees, but every such block faults its pages in
+#: afresh, which a process with glibc's own setting seldom does (docs/performance.md).
+_MAPPED = ("MALLOC_MMAP_THRESHOLD_", "65536")
+
+
+def measures_peaks(device: torch.device) -> bool:
+    """Whether this process measures peak memory: always on CUDA; on the CPU only the
+    child process of :func:`cpu_peaks` (the others time with glibc's own setting)."""
+    return device.type == "cuda" or os.environ.get(_MAPPED[0]) == _MAPPED[1]
+
+
+def cpu_peaks(suite: str, argv: list[str]) -> dict[str, Any]:
+    """On the CPU, the peak-memory figures of ``python -m benchmarks SUITE ARGV``, run
+    again in a child process with glibc mapping large blocks (``--peaks FILE``: the JSON
+    it writes, read back here); an empty dict in that child itself."""
+    if measures_peaks(torch.device("cpu")):
+        return {}
+    with tempfile.TemporaryDirectory() as folder:
+        found = Path(folder) / "peaks.json"
+        subprocess.run([sys.executable, "-m", "benchmarks", suite, *argv, "--peaks",
+                        str(found)], check=True, env=os.environ | dict([_MAPPED]),
+                       stdout=subprocess.DEVNULL)
+        peaks: dict[str, Any] = json.loads(found.read_text())
+    return peaks
 
 
 def load_old(checkout: Path) -> Any:

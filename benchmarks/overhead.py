@@ -7,10 +7,12 @@ independence test, and the precision test's float64 copy of the model with the b
 passes in float64. Each repeat times the bare passes, the floor, ``compare()`` (and with
 ``--old`` an older checkout's), in rotating order; the figures are medians. Peak memory: on CUDA the
 allocator's peak above the memory in use before the call, on the CPU the resident set's
-(Linux). "extra / stored" is the extra peak over the bare passes' peak, divided by the
-bytes of run a's rows that ``compare()`` keeps. Options are measured each on its own:
-``independence=off``, ``precision=off``, ``local``, ``fp64``, ``repeat=1``, ``kernels``,
-``graphs=False``.
+(Linux), taken in a child process where glibc maps every large block so that frees leave
+the resident set (``benchmarks.common.cpu_peaks``; the timings run with glibc's own
+setting, as a user's process does). "extra / stored" is the extra peak over the bare
+passes' peak, divided by the bytes of run a's rows that ``compare()`` keeps. Options
+are measured each on its own: ``independence=off``, ``precision=off``, ``local``,
+``fp64``, ``repeat=1``, ``kernels``, ``graphs=False``.
 ``--remedies``: also what ``Comparison.remedies()`` costs (each candidate verified by a
 comparison of its own, then timed ``--remedy-repeats`` times), over the bare passes and
 over ``compare()``.
@@ -59,15 +61,19 @@ from benchmarks.common import (
     arguments,
     bare_passes,
     build,
+    cpu_peaks,
     environment,
     floor_passes,
     load_old,
-    mapped_frees,
+    measures_peaks,
     peak,
     stored_bytes,
     timed,
     use_seed_settings,
 )
+
+#: A row's peak-memory figures (on the CPU measured in a process of their own).
+_PEAKS = ("bare_peak_bytes", "compare_peak_bytes", "extra_over_stored", "over_floor_peak")
 
 #: The cases measured unless ``--cases`` names others.
 DEFAULT_CASES = ("vgg11_features_b128_chunk2", "alexnet_b100_per_sample")
@@ -97,9 +103,13 @@ def measure(name: str, device: torch.device, repeats: int, option: str,
         for way in order[i % len(order):] + order[:i % len(order)]:
             times[way].append(timed(ways[way], device))
     median = {way: statistics.median(t) for way, t in times.items()}
-    bare_peak, _ = peak(ways["bare"], device)
-    floor_peak, _ = peak(ways["floor"], device)
-    new_peak, result = peak(ways["new"], device)
+    if measures_peaks(device):
+        bare_peak, _ = peak(ways["bare"], device)
+        floor_peak, _ = peak(ways["floor"], device)
+        new_peak, result = peak(ways["new"], device)
+    else:  # measured in a process of their own (benchmarks.common.cpu_peaks)
+        bare_peak = floor_peak = new_peak = 0
+        result = ways["new"]()
     stored = stored_bytes(result)
     row = {"case": name, "options": option, "device": str(device), "repeats": repeats,
            "bare_s": median["bare"], "compare_s": median["new"],
@@ -148,13 +158,22 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--remedies", action="store_true",
                         help="also time Comparison.remedies() on each case")
     parser.add_argument("--remedy-repeats", type=int, default=5)
+    parser.add_argument("--peaks", type=Path, help=argparse.SUPPRESS)  # cpu_peaks' child
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    mapped_frees(device)
     use_seed_settings(device)
+    if args.peaks:  # the child of cpu_peaks: the peaks only
+        args.peaks.write_text(json.dumps({
+            f"{r['case']} {r['options']}": {key: r[key] for key in _PEAKS}
+            for r in (measure(name, device, 1, option)
+                      for name in args.cases for option in args.options)}))
+        return 0
+    peaks = cpu_peaks("overhead", argv) if device.type == "cpu" else {}
     old = load_old(args.old) if args.old else None
     rows = [measure(name, device, args.repeats, option, old)
             for name in args.cases for option in args.options]
+    for r in rows:
+        r.update(peaks.get(f"{r['case']} {r['options']}", {}))
     env = environment(device)
     print(f"environment: {env}")
     print("| case | options | bare (s) | floor | compare (s) | time ratio | over the floor "
@@ -224,9 +243,10 @@ def _backward(device: torch.device, dtype: str, repeats: int, old: Any) -> dict[
             "first_s": r["cold"]["compare_backward"], "extra_over_stored": None}
 
 
-def rows(device: torch.device, repeats: int, old: Any, only: list[str] | None
-         ) -> list[dict[str, Any]]:
-    """Every case of ``device``, measured one after the other (``only``: those named)."""
+def rows(device: torch.device, repeats: int, old: Any, only: list[str] | None,
+         peaks: dict[str, float] | None = None) -> list[dict[str, Any]]:
+    """Every case of ``device``, measured one after the other (``only``: those named;
+    ``peaks``: the image cases' "extra / stored", measured in a process of their own)."""
     work = [(name, lambda n=name: _image(n, device, repeats, old))
             for name in IMAGES[device.type]]
     dtype = lm.PROMPTS[device.type]["dtype"]
@@ -238,6 +258,8 @@ def rows(device: torch.device, repeats: int, old: Any, only: list[str] | None
         if only and name not in only:
             continue
         row = run()
+        if peaks is not None and row["case"] in peaks:
+            row["extra_over_stored"] = peaks[row["case"]]
         print(_line(row), flush=True)
         found.append(row)
     return found
@@ -263,17 +285,23 @@ def floor_main(argv: list[str]) -> int:
     parser.add_argument("--old", type=Path, help="an older checkout, timed beside this one")
     parser.add_argument("--only", nargs="*", help="only these cases")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--peaks", type=Path, help=argparse.SUPPRESS)  # cpu_peaks' child
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    mapped_frees(device)
     use_seed_settings(device)
+    if args.peaks:  # the child of cpu_peaks: the image cases' peaks only
+        names = [n for n in IMAGES[device.type] if not args.only or n in args.only]
+        args.peaks.write_text(json.dumps({n: _image(n, device, 1, None)["extra_over_stored"]
+                                          for n in names}))
+        return 0
+    peaks = cpu_peaks("floor", argv) if device.type == "cpu" else None
     old = load_old(args.old) if args.old else None
     env = environment(device)
     print(f"environment: {env}")
     print("| case | bare (s) | floor / bare | divtrace / bare | divtrace / floor "
           "| before / floor | first / warm | extra / stored |")
     print("|---|---|---|---|---|---|---|---|", flush=True)
-    found = rows(device, args.repeats, old, args.only)
+    found = rows(device, args.repeats, old, args.only, peaks)
     if args.json:
         args.json.write_text(json.dumps({"environment": env, "results": found}, indent=1))
     return 0
