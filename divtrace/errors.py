@@ -6,6 +6,8 @@ exception, so ``except ValueError`` and ``except divtrace.DivtraceError`` both w
 
 from __future__ import annotations
 
+from types import FrameType
+
 
 class DivtraceError(Exception):
     """Base class of every error divtrace raises itself."""
@@ -38,3 +40,19 @@ class BatchMixingError(DivtraceValueError):
 
 class DivtraceWarning(UserWarning):
     """Something divtrace can work around but the user should know about."""
+
+
+def user_level() -> int:
+    """The ``stacklevel`` that points a warning raised by the caller at the first frame
+    outside divtrace and ``contextlib`` (the user's call, whatever the face and however
+    many frames lie between)."""
+    import os
+    import sys
+
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None and (frame.f_code.co_filename.startswith(package)
+                                 or frame.f_code.co_filename.endswith("contextlib.py")):
+        frame, level = frame.f_back, level + 1
+    return level

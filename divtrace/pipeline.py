@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from divtrace.assembly import Parts, parts_for
-from divtrace.errors import BatchMixingError, DivtraceValueError, DivtraceWarning
+from divtrace.errors import BatchMixingError, DivtraceValueError, DivtraceWarning, user_level
 from divtrace.explain.context import Context
 from divtrace.explain.probe import Hooks, Probe
 from divtrace.explain.registry import chosen
@@ -106,7 +106,7 @@ def _random_check(plan: Plan, draws: RandomDraws, runners: tuple[Runner, Runner]
                     f"comparison drew from it (another thread drawing random numbers?): "
                     f"the comparison is not affected, but the generators are put back as "
                     f"they were before it, which rewinds that thread's draws too",
-                    DivtraceWarning, stacklevel=5)
+                    DivtraceWarning, stacklevel=user_level())
             return
         raise BatchMixingError(
             f"the model drew random numbers in the {run} ({', '.join(sorted(set(seeded.seen)))}"
@@ -215,6 +215,6 @@ def execute(plan: Plan, model: nn.Module, parts: Parts | None = None,
         warnings.warn(
             "the model changed its input in place in a pass that ran on x itself (the "
             "first pass, on a copy, did not): rows of x were changed", DivtraceWarning,
-            stacklevel=3)
+            stacklevel=user_level())
     return build(plan, probes, meter, _meta(plan, ctx, stored_bytes, draws, probes), host,
                  parts.figures, origin)

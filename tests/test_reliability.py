@@ -194,8 +194,14 @@ class ChangesItsWeight(nn.Module):
 
 
 def test_a_parameter_changed_in_place_is_a_warning() -> None:
-    with pytest.warns(divtrace.DivtraceWarning, match=r"changed these parameters.*fc\.weight"):
+    with pytest.warns(divtrace.DivtraceWarning,
+                      match=r"changed these parameters.*fc\.weight") as caught:
         run(ChangesItsWeight().eval(), torch.randn(4, 16))
+    assert caught[0].filename == __file__  # the user's call, not divtrace's frames
+    with pytest.warns(divtrace.DivtraceWarning, match=r"changed these parameters") as caught:
+        divtrace.compare_models(ChangesItsWeight().eval(), ChangesItsWeight().eval(),
+                                torch.randn(4, 16), progress=False)
+    assert caught[0].filename == __file__
 
 
 class DrawsRandom(nn.Module):

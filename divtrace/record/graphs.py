@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from divtrace.errors import DivtraceValueError, DivtraceWarning
+from divtrace.errors import DivtraceValueError, DivtraceWarning, user_level
 from divtrace.plan.checks import GraphMode
 from divtrace.plan.inputs import BatchedInput, each_once
 from divtrace.record.cudagraph import Graph, graph_for
@@ -205,7 +205,7 @@ class GraphedRun:
         if tried:
             warnings.warn(f"{reason}; the split run ran eagerly, with the same figures "
                           f"(Resources(graphs=False) skips the attempt)", DivtraceWarning,
-                          stacklevel=7)
+                          stacklevel=user_level())
         self.outcome = GraphOutcome(self.mode, passes, reason=reason)
 
     def _narrowing(self, model: nn.Module, recorder: Recorder, store: RowStore,

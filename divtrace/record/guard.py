@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from divtrace.compat import TorchDispatchMode, foreach_copy, version
-from divtrace.errors import DivtraceWarning
+from divtrace.errors import DivtraceWarning, user_level
 from divtrace.plan.walk import Walk
 
 __all__ = ["RandomDraws", "SeededOps", "collector_held", "cuda_devices", "untouched"]
@@ -108,7 +108,8 @@ def untouched(walk: Walk, devices: list[int]) -> Iterator[None]:
             warnings.warn(
                 f"the model's forward pass changed these parameters in place, and divtrace "
                 f"cannot put them back: {', '.join(changed[:6])}"
-                f"{' and more' if len(changed) > 6 else ''}", DivtraceWarning, stacklevel=4)
+                f"{' and more' if len(changed) > 6 else ''}", DivtraceWarning,
+                stacklevel=user_level())
 
 
 class RandomDraws:
