@@ -229,7 +229,8 @@ def measures_peaks(device: torch.device) -> bool:
 def cpu_peaks(suite: str, argv: list[str]) -> dict[str, Any]:
     """On the CPU, the peak-memory figures of ``python -m benchmarks SUITE ARGV``, run
     again in a child process with glibc mapping large blocks (``--peaks FILE``: the JSON
-    it writes, read back here); an empty dict in that child itself."""
+    it writes, read back here); an empty dict in a process that measures its own peaks
+    (:func:`measures_peaks`)."""
     if measures_peaks(torch.device("cpu")):
         return {}
     with tempfile.TemporaryDirectory() as folder:

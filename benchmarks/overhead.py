@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -107,8 +108,9 @@ def measure(name: str, device: torch.device, repeats: int, option: str,
         bare_peak, _ = peak(ways["bare"], device)
         floor_peak, _ = peak(ways["floor"], device)
         new_peak, result = peak(ways["new"], device)
-    else:  # measured in a process of their own (benchmarks.common.cpu_peaks)
-        bare_peak = floor_peak = new_peak = 0
+    else:  # measured in a process of their own (benchmarks.common.cpu_peaks): NaN
+        # until merged, never a figure
+        bare_peak = floor_peak = new_peak = math.nan
         result = ways["new"]()
     stored = stored_bytes(result)
     row = {"case": name, "options": option, "device": str(device), "repeats": repeats,

@@ -6,7 +6,12 @@ exception, so ``except ValueError`` and ``except divtrace.DivtraceError`` both w
 
 from __future__ import annotations
 
+import os
+import sys
 from types import FrameType
+
+#: Where divtrace's own files lie (frames there are not the user's).
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class DivtraceError(Exception):
@@ -46,13 +51,9 @@ def user_level() -> int:
     """The ``stacklevel`` that points a warning raised by the caller at the first frame
     outside divtrace and ``contextlib`` (the user's call, whatever the face and however
     many frames lie between)."""
-    import os
-    import sys
-
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
     frame: FrameType | None = sys._getframe(1)
     level = 1
-    while frame is not None and (frame.f_code.co_filename.startswith(package)
+    while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE)
                                  or frame.f_code.co_filename.endswith("contextlib.py")):
         frame, level = frame.f_back, level + 1
     return level
