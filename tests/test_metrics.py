@@ -7,11 +7,21 @@ import math
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
+from divtrace.explain.held import READS, figures_of
 from divtrace.measure.block import nonzero_count
-from divtrace.measure.fields import FIELDS
+from divtrace.measure.fields import FIELDS, INDEX
 from divtrace.measure.figures import site_figures
+from divtrace.measure.host import Host
+from divtrace.measure.meter import Meter
 from divtrace.measure.stats import block_stats, blocks, combine, ulp_ordered
+from divtrace.plan.inputs import prepare_input
+from divtrace.plan.selection import select_modules
+from divtrace.record.hooks import ModuleHooks
+from divtrace.record.loop import drive
+from tests import models
+from tests.test_repeats import _record
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
@@ -214,3 +224,50 @@ def test_a_passes_figures_together_are_each_sites_alone() -> None:
         for key, (share, rel) in expected.items():
             assert np.array_equal(np.array(found[key]), np.array([share, rel]),
                                   equal_nan=True), key
+
+
+class _Extremes(nn.Module):
+    """Rows with huge values, overflow to infinity and NaN; and rows whose differences are
+    too small for their sums of squares beside a huge value (rel_l2 NaN in float64, never
+    a false 0), at a small or a wide site."""
+
+    def __init__(self, scale: float, wide: int) -> None:
+        super().__init__()
+        self.scale, self.wide = scale, wide
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        huge = torch.cat([x, x * self.scale, x * self.scale * 1e10], 1)
+        tiny = torch.cat([x / self.scale, torch.full_like(x, self.scale ** 0.5)], 1)
+        return (torch.where(huge > 1.5 * self.scale, math.nan, huge).repeat(1, self.wide),
+                tiny.repeat(1, self.wide))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("wide", [1, 2500])
+def test_a_pass_measured_for_the_tests_gives_their_figures_exactly(
+        dtype: torch.dtype, wide: int) -> None:
+    scale = 1e300 if dtype == torch.float64 else 1e36
+    model = nn.Sequential(models.OrderedLinear(16, 32, variant_from=2),
+                          _Extremes(scale, wide)).to(dtype).eval()
+    x = torch.randn(6, 16, dtype=dtype, generator=torch.Generator().manual_seed(wide))
+    samples = [0, 1, 4]
+    found = []
+    for reads in (None, READS):
+        meter = Meter(_record(model, x, samples), len(x), Host(), reads=reads)
+        with torch.no_grad():
+            drive(model, ModuleHooks(select_modules(model, None)), meter, prepare_input(x),
+                  [(0, len(x))], lambda s, e: "pass")
+        meter.host.fetch()
+        found.append(figures_of(meter, len(x)))
+        if reads is not None:  # the unread fields were not computed
+            stats = next(m.stats for m in meter.sites if m.site.key == "0").get()
+            assert np.isnan(stats[:, INDEX["max_ulp"]]).all()
+    assert found[0].keys() == {"0", "1/0", "1/1", "(model)/0", "(model)/1"}
+    torch.testing.assert_close(found[1], found[0], rtol=0, atol=0, equal_nan=True)
+    # the batch-variant layer differs, and so do the huge rows after it: rel_l2 finite
+    # where the squares of 1e300 would overflow, NaN matched with NaN; NaN (not 0) where
+    # the differences' squares underflow beside a huge value
+    assert all(0 < found[0][key][1] < 1e-6 for key in ("0", "1/0", "(model)/0"))
+    tiny = found[0]["1/1"]
+    assert tiny[0] > 0
+    assert math.isnan(tiny[1]) if dtype == torch.float64 else 0 < tiny[1] < 1e-6

@@ -74,10 +74,12 @@ class Context:
         self.progress.advance()
 
     def measure(self, store: RowStore, batch: BatchedInput | None = None,
-                host: Host | None = None, label: str = "") -> Meter:
+                host: Host | None = None, label: str = "",
+                reads: frozenset[str] | None = None) -> Meter:
         """One more pass of run b (:meth:`rerun`), each site measured against ``store``'s
-        rows; the figures go to ``host`` (default: the comparison's one transfer)."""
-        meter = self.meter.over(store, host)
+        rows; the figures go to ``host`` (default: the comparison's one transfer).
+        ``reads``: the only fields computed (the others NaN; None: every field)."""
+        meter = self.meter.over(store, host, reads)
         self.rerun(meter, batch, label)
         return meter
 

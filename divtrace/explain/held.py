@@ -16,7 +16,7 @@ from divtrace.measure.meter import Meter
 from divtrace.record.rows import RowStore
 from divtrace.record.stored import StoredRows
 
-__all__ = ["differing", "figures_of", "groups", "held_store", "moved_in_calls"]
+__all__ = ["READS", "differing", "figures_of", "groups", "held_store", "moved_in_calls"]
 
 
 def groups(samples: list[int]) -> list[list[int]]:
@@ -57,6 +57,9 @@ def held_store(store: RowStore, group: list[int]) -> RowStore:
 
 #: The two figures the tests read of a measured pass.
 _TWO = tuple(f for f in FIGURES if f.name in ("mismatch", "rel_l2"))
+#: The fields those two figures read (rel_l2's sums and what says it was lost): a pass
+#: measured only for :func:`figures_of` computes no others (``Meter.reads``).
+READS = frozenset({"mismatch", "nonfinite", "max_abs", "sq_diff", "sq_ref", "scale"})
 
 
 def figures_of(meter: Meter, batch: int) -> dict[str, tuple[float, float]]:

@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 from divtrace.errors import DivtraceValueError
 from divtrace.explain.context import Context
+from divtrace.explain.held import READS
 from divtrace.explain.probe import Explained, Hooks, Judged, Probe, Spec
 from divtrace.explain.view import TableView
 from divtrace.measure.figures import site_figures
@@ -49,7 +50,7 @@ class Repeat(Probe):
                     filled=len(first.samples), parts=list(measured.kept_parts))
         for _ in range(self.times):
             ctx.progress.stage(_LABEL)
-            again = ctx.measure(first, label=_LABEL)
+            again = ctx.measure(first, label=_LABEL, reads=READS)  # what fill reads
             self.noise.append({m.site.key: m.stats for m in again.sites if m.stats is not None})
 
     def hooks(self) -> Hooks:

@@ -20,7 +20,7 @@ from torch import nn
 
 from divtrace.align.sites import ROOT, flatten_output, replaced
 from divtrace.explain.context import Context
-from divtrace.explain.held import figures_of
+from divtrace.explain.held import READS, figures_of
 from divtrace.explain.probe import Explained, Hooks, Judged, Probe, Spec
 from divtrace.explain.routing import routers_in
 from divtrace.measure.host import Host
@@ -96,7 +96,8 @@ class Replay(Probe):
                    if name in named]
         host = Host()
         try:
-            meter = ctx.measure(ctx.store, host=host, label=f"{ctx.b.name}, routing replayed")
+            meter = ctx.measure(ctx.store, host=host, label=f"{ctx.b.name}, routing replayed",
+                                reads=READS)
         finally:
             for handle in handles:
                 handle.remove()

@@ -72,7 +72,7 @@ class Meter(Sink):
     Statistics stay on the device (handed to ``host`` for the one transfer at the end).
     ``keep``: also keep the compared rows of this run; ``prints``: their fingerprints.
     ``lineage``: work out where each leaf call's inputs came from (and compare those made
-    unseen).
+    unseen). ``reads``: the only fields computed eagerly (the others NaN; None: all).
     """
 
     store: RowStore
@@ -85,6 +85,7 @@ class Meter(Sink):
     lineage: bool = True
     #: judge the model's output element by element too (for the summary)
     views: bool = True
+    reads: frozenset[str] | None = None
     site_watchers: Sequence[SiteWatcher] = ()
     call_watchers: Sequence[CallWatcher] = ()
     sites: list[Measured] = field(default_factory=list)
@@ -93,7 +94,7 @@ class Meter(Sink):
 
     def __post_init__(self) -> None:
         budget = budget_for(self.store.stored_bytes)
-        self._queue = StatsQueue(self.host, budget)
+        self._queue = StatsQueue(self.host, budget, self.reads)
         self._fused = FusedQueue(self.host, budget)
         self._wide = WideQueue(self.host, budget)
         self._runs = runs_of(self.store.samples)
@@ -238,11 +239,13 @@ class Meter(Sink):
         only; None here)."""
         return None
 
-    def over(self, store: RowStore, host: Host | None = None) -> Meter:
+    def over(self, store: RowStore, host: Host | None = None,
+             reads: frozenset[str] | None = None) -> Meter:
         """A meter of the same kind over another store (no lineage, no watchers, no
-        element-wise view), handing its figures to ``host`` (default: this meter's)."""
+        element-wise view), handing its figures to ``host`` (default: this meter's),
+        computing only the fields in ``reads`` (None: all)."""
         return Meter(store, self.batch, host or self.host, self.rtol, self.atol,
-                     lineage=False, views=False)
+                     lineage=False, views=False, reads=reads)
 
     def of_stored(self, second: RowStore, batch: int
                   ) -> Callable[[StoredRows], Measured | None]:
@@ -250,7 +253,7 @@ class Meter(Sink):
         its row store), are measured against this meter's store (None where it holds
         none)."""
         rows_meter = Meter(self.store.as_batch(), len(second.samples), self.host,
-                           self.rtol, self.atol)
+                           self.rtol, self.atol, reads=self.reads)
 
         def measure(stored: StoredRows) -> Measured | None:
             if stored.rows is None:
@@ -342,4 +345,4 @@ class Meter(Sink):
         rtol, atol = self._tolerances(lower_precision(b.dtype, r.dtype) if mixed
                                       else b.dtype)
         width = _CPU_BLOCK if b.device.type == "cpu" else self._budget
-        return pair_fields(b, r, rtol, atol, width)
+        return pair_fields(b, r, rtol, atol, width, self.reads)

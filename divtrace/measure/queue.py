@@ -75,6 +75,8 @@ class _Queue:
 
     host: Host
     budget: int = _MIN_BUDGET  # bytes held before a flush
+    #: the only fields computed on the CPU (the others NaN; None: all of them)
+    reads: frozenset[str] | None = None
     _groups: defaultdict[tuple[Any, ...], _Pairs] = field(
         default_factory=lambda: defaultdict(list))
     _bytes: int = 0
@@ -125,12 +127,12 @@ class StatsQueue(_Queue):
         for part in _parts(pairs):
             measured = torch.cat([b for _, b, _ in part])
             reference = torch.cat([r for _, _, r in part])
-            fields = block_stats(measured, reference, rtol, atol)
+            fields = block_stats(measured, reference, rtol, atol, self.reads)
             # float64: rows beyond the squares' range measured again at their scale (row
             # by row, as alone), then each such site's rows brought to one scale
             scaled = dtype in WIDE and bool((fields := rescaled(
                 fields, measured, reference,
-                partial(block_stats, rtol=rtol, atol=atol)))[:, SCALE].any())
+                partial(block_stats, rtol=rtol, atol=atol, reads=self.reads)))[:, SCALE].any())
             at = 0
             for place, b, _ in part:
                 rows = (at, at + b.shape[0])

@@ -75,9 +75,10 @@ class RaggedMeter(Meter):
                  for sample, shape in zip(self.store.samples, shapes, strict=True)]
         return parts if [p.shape for p in parts] == list(shapes) else None
 
-    def over(self, store: RowStore, host: Host | None = None) -> Meter:
+    def over(self, store: RowStore, host: Host | None = None,
+             reads: frozenset[str] | None = None) -> Meter:
         return RaggedMeter(store, self.batch, host or self.host, self.rtol, self.atol,
-                           lineage=False, views=False, layout=self.layout)
+                           lineage=False, views=False, reads=reads, layout=self.layout)
 
     def _pairs(self, tensor: torch.Tensor, parts: list[torch.Tensor | None]
                ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:

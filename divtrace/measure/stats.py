@@ -38,11 +38,18 @@ def ulp_ordered(t: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, lowest - bits, bits)
 
 
-def block_stats(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> torch.Tensor:
+def lower_precision(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """The less precise of two floating dtypes (the one with the larger epsilon)."""
+    return a if torch.finfo(a).eps >= torch.finfo(b).eps else b
+
+
+def block_stats(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float,
+                reads: frozenset[str] | None = None) -> torch.Tensor:
     """Per-row statistics of two ``[rows, elements]`` blocks, as ``[rows, len(FIELDS)]``.
 
     Integer and bool tensors get the fields that have an ``exact`` rule (mismatch);
-    the others are NaN.
+    the others are NaN. ``reads``: the only fields computed (the others NaN; None: all),
+    each exactly as with all of them.
     """
     block = Block(b, r, rtol, atol)
     if not b.is_floating_point() and not b.is_complex():
@@ -52,20 +59,22 @@ def block_stats(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> t
         # one pass, most fields zero (torch.equal takes no complex32)
         zero = torch.zeros(b.shape[0], dtype=F64)
         return torch.stack([zero if f.same is None else f.same(block) for f in FIELDS], 1)
-    return torch.stack([f.compute(block) for f in FIELDS], dim=1)
+    if reads is None:
+        return torch.stack([f.compute(block) for f in FIELDS], dim=1)
+    unread = torch.full((b.shape[0],), math.nan, dtype=F64, device=b.device)
+    return torch.stack([f.compute(block) if f.name in reads else unread for f in FIELDS],
+                       dim=1)
 
 
-def lower_precision(a: torch.dtype, b: torch.dtype) -> torch.dtype:
-    """The less precise of two floating dtypes (the one with the larger epsilon)."""
-    return a if torch.finfo(a).eps >= torch.finfo(b).eps else b
-
-
-def mixed_stats(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> torch.Tensor:
+def mixed_stats(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float,
+                reads: frozenset[str] | None = None) -> torch.Tensor:
     """Like :func:`block_stats` for two floating blocks of different dtypes: the errors in
     the more precise dtype, the ULP distance in the less precise one."""
     low = lower_precision(b.dtype, r.dtype)
     high = b.dtype if low == r.dtype else r.dtype
-    out = block_stats(b.to(high), r.to(high), rtol, atol)
+    out = block_stats(b.to(high), r.to(high), rtol, atol, reads)
+    if reads is not None and "max_ulp" not in reads:
+        return out
     b_low, r_low = b.to(low), r.to(low)
     if low in INT_VIEW:
         finite = (b_low.to(high) - r_low.to(high)).isfinite()

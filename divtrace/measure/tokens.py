@@ -116,9 +116,10 @@ class TokenMeter(RaggedMeter):
                 self.layout = before
         return measure
 
-    def over(self, store: RowStore, host: Host | None = None) -> Meter:
+    def over(self, store: RowStore, host: Host | None = None,
+             reads: frozenset[str] | None = None) -> Meter:
         return TokenMeter(store, self.batch, host or self.host, self.rtol, self.atol,
-                          lineage=False, views=False, layout=self.layout)
+                          lineage=False, views=False, reads=reads, layout=self.layout)
 
     def _status(self, tensor: torch.Tensor, dtype: torch.dtype) -> Status:
         if self._laid(tensor) is None:
