@@ -16,7 +16,7 @@ from divtrace.measure.meter import Meter
 from divtrace.record.rows import RowStore
 from divtrace.record.stored import StoredRows
 
-__all__ = ["READS", "differing", "figures_of", "groups", "held_store", "moved_in_calls"]
+__all__ = ["READS", "TWO", "differing", "figures_of", "groups", "held_store", "moved_in_calls"]
 
 
 def groups(samples: list[int]) -> list[list[int]]:
@@ -56,7 +56,7 @@ def held_store(store: RowStore, group: list[int]) -> RowStore:
 
 
 #: The two figures the tests read of a measured pass.
-_TWO = tuple(f for f in FIGURES if f.name in ("mismatch", "rel_l2"))
+TWO = tuple(f for f in FIGURES if f.name in ("mismatch", "rel_l2"))
 #: The fields those two figures read (rel_l2's sums and what says it was lost): a pass
 #: measured only for :func:`figures_of` computes no others (``Meter.reads``).
 READS = frozenset({"mismatch", "nonfinite", "max_abs", "sq_diff", "sq_ref", "scale"})
@@ -70,7 +70,7 @@ def figures_of(meter: Meter, batch: int) -> dict[str, tuple[float, float]]:
     if not measured:
         return {}
     found = many_site_figures([m.stats.get() for m in measured],  # type: ignore[union-attr]
-                              [m.per_sample(batch) for m in measured], _TWO)[0]
+                              [m.per_sample(batch) for m in measured], TWO)[0]
     return {m.site.key: (site["mismatch"], site["rel_l2"])
             for m, site in zip(measured, found, strict=True)}
 

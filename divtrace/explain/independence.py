@@ -30,10 +30,9 @@ import pandas as pd
 import torch
 
 from divtrace.devices import upload
-from divtrace.explain import held
 from divtrace.explain.causes import cause_of, deterministic, op_cause
 from divtrace.explain.context import Context
-from divtrace.explain.held import differing, figures_of, groups, held_store, moved_in_calls
+from divtrace.explain.held import READS, differing, figures_of, groups, held_store, moved_in_calls
 from divtrace.explain.mixed import first_dependent, through_shared, unmoved
 from divtrace.explain.probe import Explained, Findings, Hooks, Judged, Probe, Settings, Spec
 from divtrace.explain.routed import routed_move, routed_sentence
@@ -163,8 +162,8 @@ class Independence(Probe):
         kept = ctx.kept(sorted({s for group in moving for s in group}), f"{_LABEL}, repeated")
         host = Host()
         noise = _noisy(ctx, kept, host)
-        meters = [ctx.measure(held_store(kept, group), ctx.held(group)[0], host, _LABEL,
-                              held.READS) for group in moving]
+        meters = [ctx.measure(held_store(kept, group), ctx.held(group)[0], host, _LABEL, READS)
+                  for group in moving]
         host.fetch()
         self.noisy = [key for key, deferred in noise.items() if deferred.get().any()]
         values: dict[str, float] = {}  # the fingerprints saw bits; here values count

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 from divtrace.errors import DivtraceValueError
 from divtrace.explain.context import Context
-from divtrace.explain.held import READS
+from divtrace.explain.held import READS, TWO
 from divtrace.explain.probe import Explained, Hooks, Judged, Probe, Spec
 from divtrace.explain.view import TableView
 from divtrace.measure.figures import site_figures
@@ -66,7 +66,7 @@ class Repeat(Probe):
                 stats = repeat.get(row["site"])
                 if stats is None:
                     continue
-                figures = site_figures(stats.get(), int(row["numel"]) // view.n_samples)
+                figures = site_figures(stats.get(), int(row["numel"]) // view.n_samples, TWO)
                 row["noise_mismatch"] = max(row.get("noise_mismatch", 0.0), figures["mismatch"])
                 row["noise_rel_l2"] = max(row.get("noise_rel_l2", 0.0), figures["rel_l2"])
                 if i == 0 and math.isnan(figures["rel_l2"]):
