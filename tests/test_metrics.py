@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from divtrace.explain.held import READS, figures_of
+from divtrace.explain.held import READS, REL_READS, figures_of
+from divtrace.measure import scale
 from divtrace.measure.block import nonzero_count
 from divtrace.measure.fields import FIELDS, INDEX
 from divtrace.measure.figures import site_figures
@@ -252,7 +254,7 @@ def test_a_pass_measured_for_the_tests_gives_their_figures_exactly(
     x = torch.randn(6, 16, dtype=dtype, generator=torch.Generator().manual_seed(wide))
     samples = [0, 1, 4]
     found = []
-    for reads in (None, READS):
+    for reads in (None, READS, REL_READS):
         meter = Meter(_record(model, x, samples), len(x), Host(), reads=reads)
         with torch.no_grad():
             drive(model, ModuleHooks(select_modules(model, None)), meter, prepare_input(x),
@@ -264,6 +266,8 @@ def test_a_pass_measured_for_the_tests_gives_their_figures_exactly(
             assert np.isnan(stats[:, INDEX["max_ulp"]]).all()
     assert found[0].keys() == {"0", "1/0", "1/1", "(model)/0", "(model)/1"}
     torch.testing.assert_close(found[1], found[0], rtol=0, atol=0, equal_nan=True)
+    rel = [{key: pair[1] for key, pair in figures.items()} for figures in found]
+    torch.testing.assert_close(rel[2], rel[0], rtol=0, atol=0, equal_nan=True)  # rel_l2 alone
     # the batch-variant layer differs, and so do the huge rows after it: rel_l2 finite
     # where the squares of 1e300 would overflow, NaN matched with NaN; NaN (not 0) where
     # the differences' squares underflow beside a huge value
@@ -271,3 +275,45 @@ def test_a_pass_measured_for_the_tests_gives_their_figures_exactly(
     tiny = found[0]["1/1"]
     assert tiny[0] > 0
     assert math.isnan(tiny[1]) if dtype == torch.float64 else 0 < tiny[1] < 1e-6
+
+
+def test_rows_whose_fields_show_them_within_range_keep_their_sums_bit_for_bit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # float64 rows from 2**-460 to 2**460 (the range edge at 2**±400), zeros, rows that
+    # differ or not, NaN and infinity: the fields' shortcut gives what looking at every
+    # value gives, and takes rows at the edge again at their scale
+    rng = torch.Generator().manual_seed(0)
+    exponents = [-460, -402, -401, -400, -399, -351, -350, 0, 349, 350, 351, 399, 400, 401]
+    seen = {True: 0, False: 0}
+    for e in exponents:
+        for case in range(5):
+            r = torch.randn(3, 64, dtype=torch.float64, generator=rng) * 2.0 ** e
+            b = r.clone()
+            if case >= 1:
+                b[1:] += torch.randn(2, 64, dtype=torch.float64, generator=rng) * 2.0 ** (e - 20)
+            if case == 2:
+                r[2] = 0.0
+            if case == 3:
+                b[0, 5] = math.nan
+            if case == 4:
+                r[1, 0] = math.inf
+            for reads in (None, READS, REL_READS):
+                found = block_stats(b, r, 1e-7, 1e-7, reads)
+                within = scale._within(found)
+                seen[within] += 1
+                measure = partial(block_stats, rtol=1e-7, atol=1e-7, reads=reads)
+                quick = scale.rescaled(found, b, r, measure)
+                with monkeypatch.context() as patched:
+                    patched.setattr(scale, "_within", lambda _found: False)
+                    slow = scale.rescaled(found, b, r, measure)
+                assert torch.equal(quick.isnan(), slow.isnan()), (e, case)
+                assert torch.equal(quick.nan_to_num(), slow.nan_to_num()), (e, case)
+                if within:
+                    assert not quick[:, scale.SCALE].any(), (e, case)
+    assert seen[True]
+    assert seen[False]
+    edge = torch.full((1, 8), 2.0 ** 400, dtype=torch.float64)
+    assert not scale._within(block_stats(edge, edge.clone(), 1e-7, 1e-7))
+    assert scale.rescaled(block_stats(edge, edge * (1 + 2.0 ** -40), 1e-7, 1e-7), edge,
+                          edge * (1 + 2.0 ** -40), lambda x, y: block_stats(
+                              x, y, 1e-7, 1e-7))[0, scale.SCALE] == 401

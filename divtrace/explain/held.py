@@ -16,7 +16,8 @@ from divtrace.measure.meter import Meter
 from divtrace.record.rows import RowStore
 from divtrace.record.stored import StoredRows
 
-__all__ = ["READS", "TWO", "differing", "figures_of", "groups", "held_store", "moved_in_calls"]
+__all__ = ["READS", "REL_READS", "TWO", "differing", "figures_of", "groups", "held_store",
+           "moved_in_calls"]
 
 
 def groups(samples: list[int]) -> list[list[int]]:
@@ -60,6 +61,9 @@ TWO = tuple(f for f in FIGURES if f.name in ("mismatch", "rel_l2"))
 #: The fields those two figures read (rel_l2's sums and what says it was lost): a pass
 #: measured only for :func:`figures_of` computes no others (``Meter.reads``).
 READS = frozenset({"mismatch", "nonfinite", "max_abs", "sq_diff", "sq_ref", "scale"})
+#: The fields rel_l2 alone reads: a pass measured only for its rel_l2 (the precision
+#: test's) computes no others; its mismatch is then NaN.
+REL_READS = READS - {"mismatch"}
 
 
 def figures_of(meter: Meter, batch: int) -> dict[str, tuple[float, float]]:

@@ -32,7 +32,7 @@ import torch
 
 from divtrace.explain.context import Context
 from divtrace.explain.float64 import KeptFloat64, Unmoded
-from divtrace.explain.held import READS, figures_of
+from divtrace.explain.held import REL_READS, figures_of
 from divtrace.explain.mixed import first_flagged
 from divtrace.explain.probe import Explained, Findings, Hooks, Judged, Probe, Settings, Spec
 from divtrace.explain.rounding import MODELS, two_models
@@ -163,7 +163,7 @@ class Precision(Probe):
         store = ctx.kind.store(plan, list(plan.samples), offload=plan.offload,
                                learn_lineage=False)
         host = Host()
-        meter = ctx.meter.over(store, host, READS)  # only what figures_of reads
+        meter = ctx.meter.over(store, host, REL_READS)  # only what rel_l2 reads
         size = plan.batch.batch_size
         with KeptFloat64() as mode:  # float64 throughout, the model's own casts too
             a.execute(Unmoded(store, mode), plan.batch, list(plan.a_chunks),

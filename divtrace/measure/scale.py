@@ -55,13 +55,32 @@ def finite_magnitudes(values: torch.Tensor, magnitude: torch.Tensor | None = Non
                        0.0)
 
 
+#: Rows whose ``sq_ref`` lies within 2**±this and whose ``max_abs`` is at most
+#: 2**(this / 2), all finite, have their largest value within 2**±:data:`_RANGE`.
+_SURE = 700
+_CHECKED = (INDEX["nonfinite"], INDEX["sq_ref"], INDEX["max_abs"])
+
+
+def _within(found: torch.Tensor) -> bool:
+    """Whether a CPU block's fields alone show every row's largest finite magnitude
+    within 2**±400 (its scale 2**0), without a pass over its values: no pair non-finite,
+    ``sq_ref`` (Σr², computed no larger than it is) within 2**±700, ``max_abs`` at most
+    2**350. Then ``max |r| <= 2**350`` and ``max |b| <= max |r| + max_abs < 2**352``,
+    and ``max |r| >= 2**-350 / sqrt(n) > 2**-400`` for any row shorter than 2**98.
+    False where a field was not computed (NaN)."""
+    nonfinite, square, largest = (found[:, i] for i in _CHECKED)
+    return bool(((nonfinite == 0) & (square >= 2.0 ** -_SURE) & (square <= 2.0 ** _SURE)
+                 & (largest <= 2.0 ** (_SURE // 2))).all())
+
+
 def rescaled(found: torch.Tensor, b: torch.Tensor, r: torch.Tensor,
              measure: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``found`` (the fields of ``[rows, elements]`` blocks ``b``, ``r`` of a wide dtype)
     with the sums of the rows beyond the range taken again at their scale by
-    ``measure``. On the CPU, rows within the range are not measured again; on a device
-    (where asking would wait for it) every wide block is."""
-    if not len(b) or not b.shape[1]:
+    ``measure``. On the CPU, rows within the range are not measured again (nor looked at
+    again where their fields show it: :func:`_within`); on a device (where asking would
+    wait for it) every wide block is."""
+    if not len(b) or not b.shape[1] or (b.device.type == "cpu" and _within(found)):
         return found
     top = torch.maximum(_largest(b), _largest(r))
     e = exponents(top)
