@@ -277,26 +277,30 @@ def test_a_pass_measured_for_the_tests_gives_their_figures_exactly(
     assert math.isnan(tiny[1]) if dtype == torch.float64 else 0 < tiny[1] < 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
 def test_rows_whose_fields_show_them_within_range_keep_their_sums_bit_for_bit(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # float64 rows from 2**-460 to 2**460 (the range edge at 2**±400), zeros, rows that
-    # differ or not, NaN and infinity: the fields' shortcut gives what looking at every
-    # value gives, and takes rows at the edge again at their scale
+        dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    # float64 (and complex128) rows from 2**-460 to 2**460 (the range edge at 2**±400),
+    # zeros, rows that differ or not, one run beyond the range where the other is within
+    # it, NaN and infinity: the fields' shortcut gives what looking at every value gives,
+    # and takes rows at the edge again at their scale
     rng = torch.Generator().manual_seed(0)
     exponents = [-460, -402, -401, -400, -399, -351, -350, 0, 349, 350, 351, 399, 400, 401]
     seen = {True: 0, False: 0}
     for e in exponents:
-        for case in range(5):
-            r = torch.randn(3, 64, dtype=torch.float64, generator=rng) * 2.0 ** e
+        for case in range(6):
+            r = torch.randn(3, 64, dtype=dtype, generator=rng) * 2.0 ** e
             b = r.clone()
             if case >= 1:
-                b[1:] += torch.randn(2, 64, dtype=torch.float64, generator=rng) * 2.0 ** (e - 20)
+                b[1:] += torch.randn(2, 64, dtype=dtype, generator=rng) * 2.0 ** (e - 20)
             if case == 2:
                 r[2] = 0.0
             if case == 3:
                 b[0, 5] = math.nan
             if case == 4:
                 r[1, 0] = math.inf
+            if case == 5:  # r within the range, b beyond it
+                b[0, 3] = 2.0 ** 401
             for reads in (None, READS, REL_READS):
                 found = block_stats(b, r, 1e-7, 1e-7, reads)
                 within = scale._within(found)
