@@ -62,7 +62,7 @@ TWO = tuple(f for f in FIGURES if f.name in ("mismatch", "rel_l2"))
 #: measured only for :func:`figures_of` computes no others (``Meter.reads``).
 READS = frozenset({"mismatch", "nonfinite", "max_abs", "sq_diff", "sq_ref", "scale"})
 #: The fields rel_l2 alone reads: a pass measured only for its rel_l2 (the precision
-#: test's) computes no others; its mismatch is then NaN.
+#: test's) computes no others on the eager paths, where its mismatch is then NaN.
 REL_READS = READS - {"mismatch"}
 
 

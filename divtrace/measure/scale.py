@@ -64,7 +64,7 @@ _CHECKED = (INDEX["nonfinite"], INDEX["sq_ref"], INDEX["max_abs"])
 def _within(found: torch.Tensor) -> bool:
     """Whether a CPU block's fields alone show every row's largest finite magnitude
     within 2**±400 (its scale 2**0), without a pass over its values: no pair non-finite,
-    ``sq_ref`` (Σr², computed no larger than it is) within 2**±700, ``max_abs`` at most
+    ``sq_ref`` (Σr² as computed: within a rounding of it) within 2**±700, ``max_abs`` at most
     2**350. Then ``max |r| <= 2**350`` and ``max |b| <= max |r| + max_abs < 2**352``,
     and ``max |r| >= 2**-350 / sqrt(n) > 2**-400`` for any row shorter than 2**98.
     False where a field was not computed (NaN)."""
