@@ -480,6 +480,28 @@ def test_a_function_asked_for_float32_computes_in_float64() -> None:
     assert result.verdict == "rounding"
 
 
+def test_divtrace_own_work_runs_without_the_replay_mode_and_puts_it_back() -> None:
+    from torch.overrides import BaseTorchFunctionMode
+
+    from divtrace.compat import function_mode_off
+    from divtrace.explain.float64 import KeptFloat64
+
+    x = torch.randn(3, dtype=torch.float64)
+    kept = KeptFloat64()
+    with kept:
+        with function_mode_off(kept):
+            assert x.float().dtype == torch.float32  # out of force: a cast is a cast
+        assert x.float().dtype == torch.float64  # back on exit
+        with pytest.raises(ZeroDivisionError), function_mode_off(kept):
+            _ = 1 / 0
+        assert x.float().dtype == torch.float64  # back after a raise too
+        with BaseTorchFunctionMode(), function_mode_off(kept):  # not innermost: untouched
+            assert x.float().dtype == torch.float64
+    assert torch._C._len_torch_function_stack() == 0
+    with function_mode_off(kept):  # not in force at all: nothing to take off
+        assert x.float().dtype == torch.float32
+
+
 def test_experts_on_grouped_mm_run_in_float64() -> None:
     model = models.grouped_mm_mixtral()
     x = torch.randint(1, 50, (4, 7))

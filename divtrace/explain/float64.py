@@ -62,29 +62,32 @@ class Unmoded(Sink):
     sink: Sink
     mode: KeptFloat64
 
-    def _off(self, work: Callable[[], Any]) -> Any:
-        with function_mode_off(self.mode):
-            return work()
-
     def begin_chunk(self, start: int, stop: int, tracker: Tracker) -> None:
-        self._off(lambda: self.sink.begin_chunk(start, stop, tracker))
+        with function_mode_off(self.mode):
+            self.sink.begin_chunk(start, stop, tracker)
 
     def pass_rows(self, start: int, stop: int) -> int:
-        return int(self._off(lambda: self.sink.pass_rows(start, stop)))
+        with function_mode_off(self.mode):
+            return int(self.sink.pass_rows(start, stop))
 
     def piece(self, tokens: Any, rows: int) -> None:
-        self._off(lambda: self.sink.piece(tokens, rows))
+        with function_mode_off(self.mode):
+            self.sink.piece(tokens, rows)
 
     def on_call(self, call: Site, module: nn.Module, args: tuple[Any, ...],
                 kwargs: dict[str, Any], output: Any, tracker: Tracker) -> None:
-        self._off(lambda: self.sink.on_call(call, module, args, kwargs, output, tracker))
+        with function_mode_off(self.mode):
+            self.sink.on_call(call, module, args, kwargs, output, tracker)
 
     def on_op(self, call: Site, op: Callable[..., Any], args: tuple[Any, ...],
               kwargs: dict[str, Any], parts: list[InputPart], tracker: Tracker) -> None:
-        self._off(lambda: self.sink.on_op(call, op, args, kwargs, parts, tracker))
+        with function_mode_off(self.mode):
+            self.sink.on_op(call, op, args, kwargs, parts, tracker)
 
     def on_tensor(self, site: Site, tensor: torch.Tensor) -> None:
-        self._off(lambda: self.sink.on_tensor(site, tensor))
+        with function_mode_off(self.mode):
+            self.sink.on_tensor(site, tensor)
 
     def end_chunk(self) -> bool:
-        return bool(self._off(self.sink.end_chunk))
+        with function_mode_off(self.mode):
+            return bool(self.sink.end_chunk())
