@@ -12,7 +12,7 @@ from torch import nn
 
 from divtrace.explain.held import READS, REL_READS, figures_of
 from divtrace.measure import scale
-from divtrace.measure.block import nonzero_count
+from divtrace.measure.block import count_above, max_ulp, nonzero_count, true_count
 from divtrace.measure.fields import FIELDS, INDEX
 from divtrace.measure.figures import site_figures
 from divtrace.measure.host import Host
@@ -189,6 +189,52 @@ def test_nonzero_count_is_count_nonzero(dtype: torch.dtype) -> None:
     assert torch.equal(nonzero_count(magnitudes), expected)
     assert expected[2] == 0
     assert expected[0] > 0
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_the_hosts_ulp_distance_across_zero_is_the_devices(dtype: torch.dtype) -> None:
+    """The CPU takes the pairs of opposite signs alone; the device path (no branch on
+    values, a float64 distance for every pair) is the oracle: equal bit for bit."""
+    generator = torch.Generator().manual_seed(1)
+    finfo = torch.finfo(dtype)
+    r = torch.randn(5, 4001, generator=generator).to(dtype)
+    b = (r.double() + 1e-3 * torch.randn(5, 4001, generator=generator, dtype=torch.float64)
+         ).to(dtype)
+    b[0] = -r[0]  # every pair across zero
+    b[1, ::3] = finfo.max  # the largest distances: beyond the bits' own integer type
+    r[1, ::3] = -finfo.max
+    b[2, :7] = -0.0  # signed zeros: no distance
+    r[2, :7] = 0.0
+    tiny = torch.nextafter(torch.zeros((), dtype=dtype), torch.ones((), dtype=dtype))
+    b[3, 10], r[3, 10] = tiny, -tiny  # across zero by two steps
+    r[4] = b[4]  # a row without a difference
+    finite = (b.float() - r.float()).isfinite()
+    finite[1, ::6] = False  # pairs left out: their distance is not counted
+    for left_out in (None, finite):
+        host = max_ulp(b, r, left_out, True)
+        device = max_ulp(b, r, left_out, False)
+        assert torch.equal(host, device), (dtype, left_out is None)
+    assert max_ulp(b, r, None, True)[4] == 0
+    assert max_ulp(b, r, None, True)[1] > float(torch.iinfo(torch.int16).max)
+    same_sign = r.abs() + 1  # no pair across zero: the short path
+    assert torch.equal(max_ulp(same_sign, same_sign.nextafter(same_sign + 1), None, True),
+                       max_ulp(same_sign, same_sign.nextafter(same_sign + 1), None, False))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_count_above_counts_as_a_mask_does(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(2)
+    values = torch.rand(4, 30_001, generator=generator, dtype=dtype)
+    limits = torch.rand(4, 30_001, generator=generator, dtype=dtype)
+    limits[0] = values[0]  # equal is not above
+    values[1, ::4] = math.nan  # NaN is above nothing
+    limits[2, ::5] = math.inf
+    values[3] = math.inf
+    limits[3, ::2] = math.inf
+    expected = true_count(values > limits)
+    assert torch.equal(count_above(values, limits.clone()), expected)
+    assert expected[0] == 0
+    assert expected[3] == 15_000
 
 
 def test_a_passes_figures_together_are_each_sites_alone() -> None:

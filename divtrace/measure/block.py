@@ -7,8 +7,8 @@ from functools import cached_property
 
 import torch
 
-__all__ = ["INT_VIEW", "Block", "bit_equal", "max_ulp", "nonzero_count", "norm_square",
-           "true_count"]
+__all__ = ["INT_VIEW", "Block", "bit_equal", "count_above", "max_ulp", "nonzero_count",
+           "norm_square", "true_count"]
 
 F64 = torch.float64
 
@@ -31,14 +31,30 @@ def max_ulp(b: torch.Tensor, r: torch.Tensor, finite: torch.Tensor | None,
     # same sign: the distance is the difference of the bit patterns (no overflow)
     dist = (bits_b - bits_r).abs_()
     signs = bits_b ^ bits_r  # negative where the signs differ
-    if not host or bool(signs.numel() and signs.amin() < 0):
-        crossing = signs < 0  # opposite signs: |b| and |r| steps to zero, added
-        magnitude = torch.iinfo(view).max
-        across = (bits_b & magnitude).double() + (bits_r & magnitude).double()
-        dist = torch.where(crossing, across, dist.double())
+    if host:  # opposite signs are few: those pairs alone, not a float64 copy of all
+        if finite is not None:
+            dist.masked_fill_(~finite, 0)
+        if not (signs.numel() and bool(signs.amin() < 0)):
+            return dist.amax(1).double()
+        crossing = signs < 0
+        if finite is not None:
+            crossing &= finite
+        rows, cols = crossing.nonzero(as_tuple=True)
+        top = dist.masked_fill_(crossing, 0).amax(1).double()
+        return top.scatter_reduce_(0, rows, _across(bits_b[rows, cols], bits_r[rows, cols],
+                                                    view), "amax")
+    crossing = signs < 0  # opposite signs: |b| and |r| steps to zero, added
+    dist = torch.where(crossing, _across(bits_b, bits_r, view), dist.double())
     if finite is not None:
-        dist = dist.masked_fill(~finite, 0)
-    return dist.amax(1).double()
+        dist.masked_fill_(~finite, 0)
+    return dist.amax(1)
+
+
+def _across(bits_b: torch.Tensor, bits_r: torch.Tensor, view: torch.dtype) -> torch.Tensor:
+    """The distance between values of opposite signs: the steps of each to zero, added
+    (in float64: they may not fit the bits' own integer type)."""
+    magnitude = torch.iinfo(view).max
+    return (bits_b & magnitude).double() + (bits_r & magnitude).double()
 
 
 def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -61,6 +77,16 @@ def true_count(mask: torch.Tensor) -> torch.Tensor:
 
 #: Below this many elements in a row, a float32 sum of zeros and ones is an exact count.
 _EXACT_F32 = 1 << 24
+
+
+def count_above(values: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
+    """Per row: the elements of ``values`` above ``limits`` (a temporary of floating
+    values, overwritten), in float64. Counted as a sum of ones and zeros in ``limits``
+    itself where that sum is exact (a count as integers would first copy the mask to
+    64-bit integers: on the CPU that copy cost more than the rest of the count)."""
+    if values.shape[1] < _EXACT_F32 and limits.dtype in (torch.float32, F64):
+        return limits.lt_(values).sum(1).to(F64)
+    return true_count(values > limits)
 
 
 def nonzero_count(magnitudes: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from divtrace.measure.block import (
     F64,
     INT_VIEW,
     Block,
+    count_above,
     max_ulp,
     nonzero_count,
     norm_square,
@@ -65,7 +66,7 @@ def _exceed(block: Block) -> torch.Tensor:
         return torch.zeros_like(block.max_abs)
     # as torch.isclose: |b - r| <= atol + rtol * |r|
     limit = block.rf.abs().mul_(block.rtol).add_(block.atol)
-    count = true_count(block.absdiff > limit)
+    count = count_above(block.absdiff, limit)
     if block.odd:  # a non-finite pair that is not equal is never close
         count += true_count(block.differ)
     return count
