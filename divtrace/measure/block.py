@@ -159,6 +159,12 @@ class Block:
         """|b - r| where both are finite, else 0."""
         return self._diff[0]
 
+    @cached_property
+    def absdiff64(self) -> torch.Tensor:
+        """``absdiff`` in float64, made once for the sums that read it (each sum in
+        float64 would otherwise copy it so by itself first)."""
+        return self.absdiff.to(F64)
+
     @property
     def finite(self) -> torch.Tensor:
         """Where both runs are finite."""
