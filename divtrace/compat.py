@@ -223,8 +223,8 @@ def function_mode_off(mode: object) -> AbstractContextManager[object]:
     innermost one (divtrace's own work inside a pass that runs under one of its modes);
     it is back on exit. Elsewhere (inside a dispatch mode's handler, where no function mode
     is in force, or under another mode of the model's own) nothing changes. (torch's own
-    ``_pop_mode_temporarily`` does the same as a generator, about three times slower: this
-    runs around every site of a float64 replay.)"""
+    ``_pop_mode_temporarily`` does the same as a generator: 2.3 µs a use against 1.6 here,
+    around every site of a float64 replay.)"""
     depth = torch._C._len_torch_function_stack()
     if depth and torch._C._get_function_stack_at(depth - 1) is mode:
         return _InnermostOff()
