@@ -61,6 +61,7 @@ from divtrace import pipeline
 from divtrace.explain.independence import Independence
 from divtrace.explain.precision import Precision
 from divtrace.measure.host import Host
+from divtrace.measure.queue import WideQueue
 from divtrace.plan.samples import chunks_for
 from divtrace.record import guard
 from divtrace.record.runner import Runner
@@ -209,6 +210,7 @@ def parts_main(argv: list[str]) -> int:
              (Precision, "_after", "the precision test"),
              (Runner, "of", "runs made (the float64 copy)"),
              (Host, "fetch", "statistics together, at the fetch"),
+             (WideQueue, "_measure", "float64 sites' fields on CUDA, at scale"),
              (table, "_measured_rows", "the table's figures"),
              (guard, "_snapshot", "the guard's snapshot of the buffers"),
              (table.pd.DataFrame, "__init__", "the table's DataFrame"))

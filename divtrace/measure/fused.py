@@ -27,7 +27,8 @@ try:  # Triton ships with PyTorch's CUDA builds; without it the eager path is us
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 
-__all__ = ["AVAILABLE", "BLOCK", "fused_many", "fused_many_placed", "fused_stats", "supports"]
+__all__ = ["AVAILABLE", "BLOCK", "ManyLaunch", "fused_many", "fused_many_placed", "fused_stats",
+           "supports"]
 
 AVAILABLE = triton is not None
 #: Elements a program of the kernels reads.
@@ -211,9 +212,15 @@ def fused_many(pairs: list[tuple[torch.Tensor, torch.Tensor]], rtol: float, atol
 def fused_many_placed(pairs: list[tuple[torch.Tensor, torch.Tensor]], rtol: float,
                       atol: float) -> list[tuple[torch.Tensor, tuple[int, int]]]:
     """:func:`fused_stats` of many pairs of one dtype on one device, in one launch per
-    kind of layout; each pair's fields exactly as :func:`fused_stats` gives them alone
-    (the same kernel body on the same blocks, laid out alike). Rows of one element are
-    not taken (:func:`fused_stats` compiles them apart).
+    kind of layout (:class:`ManyLaunch`, launched once)."""
+    return ManyLaunch(pairs, rtol, atol).run()
+
+
+class ManyLaunch:
+    """:func:`fused_stats` of many pairs of one dtype on one device, planned once: one
+    launch per kind of layout, each pair's fields exactly as :func:`fused_stats` gives
+    them alone (the same kernel body on the same blocks, laid out alike). Rows of one
+    element are not taken (:func:`fused_stats` compiles them apart).
 
     Each pair's fields come as a tensor shared with other pairs and the range of its rows
     in it, not sliced here: the pairs of one block per row share one tensor; the pairs of
@@ -223,57 +230,101 @@ def fused_many_placed(pairs: list[tuple[torch.Tensor, torch.Tensor]], rtol: floa
     :func:`fused_stats`' reduction of one pair does; a CUDA test checks the two bit for bit
     over many shapes. A pair of more blocks is combined alone.
 
-    The caller keeps every tensor alive until the launch has run (it is stream-ordered).
+    :meth:`run` may launch again over the same memory, its values changed since (the
+    addresses, tables and buffers are planned once), where no pair was copied to make its
+    rows contiguous (``copied`` False). The caller keeps every tensor alive until the
+    launches have run (they are stream-ordered).
     """
-    device, dtype = pairs[0][0].device, pairs[0][0].dtype
-    pairs = [(b if b.stride(1) == 1 else b.contiguous(), r if r.stride(1) == 1
-              else r.contiguous()) for b, r in pairs]
-    shapes = [(b.shape[0], b.shape[1], max(1, triton.cdiv(b.shape[1], BLOCK))) for b, _ in pairs]
-    # each pair's buffer of partial blocks: one per count of blocks, or its own
-    keys = [blocks if blocks <= _SHARED_BLOCKS else -index - 1
-            for index, (_, _, blocks) in enumerate(shapes)]
-    held: dict[int, tuple[int, int]] = {}  # key -> rows of its pairs, blocks per row
-    for key, (rows, _, blocks) in zip(keys, shapes, strict=True):
-        held[key] = (held.get(key, (0, 0))[0] + rows, blocks)
-    outs = {key: torch.empty((rows, blocks, len(FIELDS)), dtype=torch.float64,
-                             device=device) for key, (rows, blocks) in held.items()
-            if key > 0}
-    alone = [key for key in keys if key < 0]  # combined one by one: from a graph where
-    graphed = reductions_for(device, tuple(held[key] for key in alone)) if len(
-        alone) > 1 else None  # several are (the same kernels, one launch)
-    for index, key in enumerate(alone):
-        outs[key] = (graphed.partials[index] if graphed is not None else torch.empty(
-            (*held[key], len(FIELDS)), dtype=torch.float64, device=device))
-    taken = dict.fromkeys(outs, 0)
-    spans: list[tuple[int, int, int]] = []  # the pair's buffer, its rows in it
-    kinds: dict[tuple[bool, ...], list[int]] = {}
-    records = []
-    for index, ((b, r), (rows, cols, blocks), key) in enumerate(
-            zip(pairs, shapes, keys, strict=True)):
-        out, at = outs[key], taken[key]
-        taken[key] += rows
-        spans.append((key, at, at + rows))
-        records.append((b.data_ptr(), r.data_ptr(),
-                        out.data_ptr() + at * blocks * len(FIELDS) * out.element_size(),
-                        cols, b.stride(0), r.stride(0), blocks))
-        kinds.setdefault((b.data_ptr() % 16 == 0, r.data_ptr() % 16 == 0,
-                          b.stride(0) % 16 == 0, r.stride(0) % 16 == 0, cols % 16 == 0),
-                         []).append(index)
-    for kind, members in kinds.items():
-        _launch([records[i] for i in members], [shapes[i][0] * shapes[i][2] for i in members],
-                kind, device, dtype, rtol, atol)
-    placed: dict[int, tuple[torch.Tensor, tuple[int, int]]] = {}
-    if graphed is not None:  # every pair combined alone, in one replay
-        reduced = graphed.replay()
-        placed = {key: (reduced, span) for key, span in zip(alone, graphed.spans, strict=True)}
-    fields = {key: out[:, 0] if key == 1 else reduce_blocks(out, 1)
-              for key, out in outs.items() if key not in placed}
-    return [placed[key] if key in placed else (fields[key], (lo, hi)) for key, lo, hi in spans]
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], rtol: float,
+                 atol: float) -> None:
+        self.device = device = pairs[0][0].device
+        self.dtype = pairs[0][0].dtype
+        self.rtol, self.atol = rtol, atol
+        self.copied = any(b.stride(1) != 1 or r.stride(1) != 1 for b, r in pairs)
+        pairs = [(b if b.stride(1) == 1 else b.contiguous(), r if r.stride(1) == 1
+                  else r.contiguous()) for b, r in pairs]
+        self._pairs = pairs  # (the copies alive until the launches ran)
+        shapes = [(b.shape[0], b.shape[1], max(1, triton.cdiv(b.shape[1], BLOCK)))
+                  for b, _ in pairs]
+        # each pair's buffer of partial blocks: one per count of blocks, or its own
+        keys = [blocks if blocks <= _SHARED_BLOCKS else -index - 1
+                for index, (_, _, blocks) in enumerate(shapes)]
+        held: dict[int, tuple[int, int]] = {}  # key -> rows of its pairs, blocks per row
+        for key, (rows, _, blocks) in zip(keys, shapes, strict=True):
+            held[key] = (held.get(key, (0, 0))[0] + rows, blocks)
+        outs = {key: torch.empty((rows, blocks, len(FIELDS)), dtype=torch.float64,
+                                 device=device) for key, (rows, blocks) in held.items()
+                if key > 0}
+        self._alone = alone = [key for key in keys if key < 0]  # combined one by one: from
+        self._graphed = reductions_for(device, tuple(held[key] for key in alone)) if len(
+            alone) > 1 else None  # a graph where several are (the same kernels, one launch)
+        for index, key in enumerate(alone):
+            outs[key] = (self._graphed.partials[index] if self._graphed is not None
+                         else torch.empty((*held[key], len(FIELDS)), dtype=torch.float64,
+                                          device=device))
+        self._outs = outs
+        taken = dict.fromkeys(outs, 0)
+        self._spans: list[tuple[int, int, int]] = []  # the pair's buffer, its rows in it
+        kinds: dict[tuple[bool, ...], list[int]] = {}
+        records = []
+        for index, ((b, r), (rows, cols, blocks), key) in enumerate(
+                zip(pairs, shapes, keys, strict=True)):
+            out, at = outs[key], taken[key]
+            taken[key] += rows
+            self._spans.append((key, at, at + rows))
+            records.append((b.data_ptr(), r.data_ptr(),
+                            out.data_ptr() + at * blocks * len(FIELDS) * out.element_size(),
+                            cols, b.stride(0), r.stride(0), blocks))
+            kinds.setdefault((b.data_ptr() % 16 == 0, r.data_ptr() % 16 == 0,
+                              b.stride(0) % 16 == 0, r.stride(0) % 16 == 0, cols % 16 == 0),
+                             []).append(index)
+        #: gathered()'s rows among the fields made together (None: in order), once made
+        self._order: list[torch.Tensor | None] = []
+        self._tables = [(_table([records[i] for i in members],
+                                [shapes[i][0] * shapes[i][2] for i in members], device), kind)
+                        for kind, members in kinds.items()]
+
+    def run(self) -> list[tuple[torch.Tensor, tuple[int, int]]]:
+        """Each pair's fields, as the tensor that holds them and its rows' range in it."""
+        for (table, programs), kind in self._tables:
+            _launch(table, programs, kind, self.device, self.dtype, self.rtol, self.atol)
+        placed: dict[int, tuple[torch.Tensor, tuple[int, int]]] = {}
+        if self._graphed is not None:  # every pair combined alone, in one replay
+            reduced = self._graphed.replay()
+            placed = {key: (reduced, span)
+                      for key, span in zip(self._alone, self._graphed.spans, strict=True)}
+        fields = {key: out[:, 0] if key == 1 else reduce_blocks(out, 1)
+                  for key, out in self._outs.items() if key not in placed}
+        return [placed[key] if key in placed else (fields[key], (lo, hi))
+                for key, lo, hi in self._spans]
+
+    def gathered(self) -> torch.Tensor:
+        """:meth:`run`, every pair's fields then in one ``[rows, fields]`` tensor of its
+        own, the pairs' rows one after the other in their order (one gather)."""
+        found = self.run()
+        distinct: dict[int, tuple[int, torch.Tensor]] = {}  # id -> (its first row, it)
+        rows = 0
+        for fields, _ in found:
+            if id(fields) not in distinct:
+                distinct[id(fields)] = (rows, fields)
+                rows += fields.shape[0]
+        together = [fields for _, fields in distinct.values()]
+        whole = torch.cat(together) if len(together) > 1 else together[0].clone()
+        if not self._order:  # the same layout at every run: made once
+            at = np.concatenate([np.arange(lo, hi) + distinct[id(fields)][0]
+                                 for fields, (lo, hi) in found])
+            self._order.append(None if len(at) == rows and (at == np.arange(rows)).all()
+                               else upload(torch.from_numpy(at), self.device))
+        order = self._order[0]
+        return whole if order is None else whole.index_select(0, order)
 
 
-def _launch(records: list[tuple[int, ...]], programs: list[int], kind: tuple[bool, ...],
-            device: torch.device, dtype: torch.dtype, rtol: float, atol: float) -> None:
-    """One launch of :func:`_many_kernel` over sites of one kind of layout."""
+def _table(records: list[tuple[int, ...]], programs: list[int], device: torch.device
+           ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], int]:
+    """The table of one launch of :func:`_many_kernel` on ``device``, in its three parts
+    (the sites' records, each program's site, its block among the site's), and the count
+    of its programs."""
     counts = np.array(programs, dtype=np.int64)
     site_of = np.repeat(np.arange(len(records), dtype=np.int64), counts)
     local_of = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(
@@ -281,11 +332,19 @@ def _launch(records: list[tuple[int, ...]], programs: list[int], kind: tuple[boo
     table = torch.from_numpy(np.concatenate(
         [np.array(records, dtype=np.int64).reshape(-1), site_of, local_of]))
     table = upload(table, device)
-    n = len(records) * _RECORD
+    n, launched = len(records) * _RECORD, len(site_of)
+    return (table, table[n:], table[n + launched:]), launched
+
+
+def _launch(table: tuple[torch.Tensor, torch.Tensor, torch.Tensor], programs: int,
+            kind: tuple[bool, ...], device: torch.device, dtype: torch.dtype, rtol: float,
+            atol: float) -> None:
+    """One launch of :func:`_many_kernel` over sites of one kind of layout (``table``:
+    :func:`_table`'s)."""
     aligned_b, aligned_r, stride_b16, stride_r16, cols16 = kind
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        _many_kernel[(len(site_of),)](
-            table, table[n:], table[n + len(site_of):], float(rtol), float(atol),
+        _many_kernel[(programs,)](
+            *table, float(rtol), float(atol),
             BLOCK=BLOCK, BITS=_ULP_BITS[dtype], DTYPE=_TL_DTYPES[dtype], RECORD=_RECORD,
             ALIGNED_B=aligned_b, ALIGNED_R=aligned_r, STRIDE_B16=stride_b16,
             STRIDE_R16=stride_r16, COLS16=cols16, N_FIELDS=len(FIELDS), **_LAYOUT)

@@ -215,7 +215,9 @@ class WideQueue(FusedQueue):
         counts = upload(torch.tensor([w + (extra and row == n - 1) for (n, w), extra in zip(
             shapes, odd, strict=True) for row in range(n)] + [n for n, _ in shapes]), device)
         lengths, rows = counts[:-len(shapes)], counts[-len(shapes):]
-        found = fused.fused_many_placed(_views(flat_b, flat_r, shapes, odd), rtol, atol)
+        views = _views(flat_b, flat_r, shapes, odd)
+        launch = fused.ManyLaunch(views, rtol, atol)  # planned once, launched twice
+        fields = launch.gathered()
         top = torch.segment_reduce(torch.maximum(
             finite_magnitudes(flat_b), finite_magnitudes(flat_r)), "max", lengths=lengths,
             unsafe=True)  # (checking the lengths would wait for the device)
@@ -225,9 +227,8 @@ class WideQueue(FusedQueue):
         flat_b.mul_(factor)  # (after the first launch has read them: stream order)
         flat_r.mul_(factor)
         del factor
-        again = fused.fused_many_placed(_views(flat_b, flat_r, shapes, odd), rtol, atol)
-        fields = torch.cat([f[lo:hi] for f, (lo, hi) in found])
-        fields[:, SUMS_AT] = torch.cat([f[lo:hi, SUMS_AT] for f, (lo, hi) in again])
+        again = (launch if not launch.copied else fused.ManyLaunch(views, rtol, atol))
+        fields[:, SUMS_AT] = again.gathered()[:, SUMS_AT]
         fields[:, SCALE] = e.to(fields.dtype)
         fields = common_many(fields, rows)
         at = 0
