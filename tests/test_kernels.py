@@ -121,10 +121,11 @@ for elements, budget in ((queue.FUSED_ELEMENTS, None), (queue.FUSED_ELEMENTS, 1)
 for other in found[1:]:
     assert found[0].table.equals(other.table) and found[0].per_sample.equals(other.per_sample)
 assert (found[0].table["mismatch"] > 0).any()
-# one launch for the measured run's sites (float32), two for the float64 ones (as they
-# are, and at their scale): the precision test's pass, or the float64 model's run
+# one launch for the measured run's sites (float32) and one for the precision test's
+# float64 pass (its fields show every row within the range); two for the float64 model's
+# run beyond the range (as they are, and at their scale)
 sites = counted[0][0]
-assert counted[0] == [sites] * (2 if wide else 3) and sites > 4, counted
+assert counted[0] == [sites] * 2 and sites > 4, counted
 assert counted[1] == [1] * sum(counted[0]) and counted[2] == [], counted
 print("queued == alone")
 """
@@ -135,6 +136,7 @@ import math, sys, numpy as np, torch
 from divtrace.measure import fused, queue
 from divtrace.measure.host import Host
 from divtrace.measure.pair import pair_fields
+from divtrace.measure import scale
 from divtrace.measure.scale import SCALE, common
 device = sys.argv[1]
 if device == "cpu":  # the interpreter runs the kernels on the CPU
@@ -167,6 +169,31 @@ for elements in (queue._WIDE_ELEMENTS, 10_000):  # in one part, and in several
         scales.append(int(got[0, SCALE]))
 # (frexp's exponent: a row's largest value is 2**e times a number in [0.5, 1))
 assert [s - t for s, t in zip(scales, [450, 0, 600, 0, -500, 700])] == [2, 0, 2, 0, 2, 3], scales
+# every value finite and within the range, as the fields show: one launch a part, and the
+# fields bit for bit those of every row taken again at 2**0 (the checks' shortcut off)
+inside = []
+for width, scales in [(40, (300, 0, -300)), (700, (0, 5)), (5000, (-200, 1)), (3, (0,))]:
+    b = torch.randn(len(scales), width, dtype=torch.float64, generator=g)
+    power = 2.0 ** torch.tensor(scales, dtype=torch.float64)[:, None]
+    inside.append(((b * power).to(device), ((b + 1e-6 * torch.randn(
+        b.shape, dtype=torch.float64, generator=g)) * power).to(device)))
+within, scale.within = scale.within, lambda _found: False
+slow = [common(pair_fields(b, r, 1e-3, 1e-5, 1 << 20)).cpu().numpy() for b, r in inside]
+scale.within = within
+launched = []
+run = fused.ManyLaunch.run
+fused.ManyLaunch.run = lambda self: launched.append(len(self._spans)) or run(self)
+for elements in (queue._WIDE_ELEMENTS, 10_000):
+    queue._WIDE_ELEMENTS = elements
+    launched.clear()
+    host = Host()
+    wait = queue.WideQueue(host)
+    places = [wait.add(b, r, 1e-3, 1e-5) for b, r in inside]
+    host.fetch()
+    for place, one in zip(places, slow, strict=True):
+        got = place.get()
+        assert np.array_equal(got.view(np.int64), one.view(np.int64)), (elements, got, one)
+    assert sum(launched) == len(inside) and (len(launched) > 1) == (elements < 20_000), launched
 print("wide queued == alone")
 """
 

@@ -349,12 +349,12 @@ def test_rows_whose_fields_show_them_within_range_keep_their_sums_bit_for_bit(
                 b[0, 3] = 2.0 ** 401
             for reads in (None, READS, REL_READS):
                 found = block_stats(b, r, 1e-7, 1e-7, reads)
-                within = scale._within(found)
+                within = scale.within(found)
                 seen[within] += 1
                 measure = partial(block_stats, rtol=1e-7, atol=1e-7, reads=reads)
                 quick = scale.rescaled(found, b, r, measure)
                 with monkeypatch.context() as patched:
-                    patched.setattr(scale, "_within", lambda _found: False)
+                    patched.setattr(scale, "within", lambda _found: False)
                     slow = scale.rescaled(found, b, r, measure)
                 assert torch.equal(quick.isnan(), slow.isnan()), (e, case)
                 assert torch.equal(quick.nan_to_num(), slow.nan_to_num()), (e, case)
@@ -363,7 +363,7 @@ def test_rows_whose_fields_show_them_within_range_keep_their_sums_bit_for_bit(
     assert seen[True]
     assert seen[False]
     edge = torch.full((1, 8), 2.0 ** 400, dtype=torch.float64)
-    assert not scale._within(block_stats(edge, edge.clone(), 1e-7, 1e-7))
+    assert not scale.within(block_stats(edge, edge.clone(), 1e-7, 1e-7))
     assert scale.rescaled(block_stats(edge, edge * (1 + 2.0 ** -40), 1e-7, 1e-7), edge,
                           edge * (1 + 2.0 ** -40), lambda x, y: block_stats(
                               x, y, 1e-7, 1e-7))[0, scale.SCALE] == 401

@@ -32,6 +32,7 @@ from divtrace.measure.scale import (
     exponents,
     finite_magnitudes,
     rescaled,
+    within,
 )
 from divtrace.measure.stats import block_stats
 
@@ -185,8 +186,10 @@ class FusedQueue(_Queue):
 
 
 class WideQueue(FusedQueue):
-    """Small CUDA float64 sites, measured as :class:`FusedQueue`'s and then taken again at
-    their scale (:mod:`~divtrace.measure.scale`) in a few launches for all of them: every
+    """Small CUDA float64 sites, measured as :class:`FusedQueue`'s; where their fields do
+    not show every row within the range (:func:`~divtrace.measure.scale.within`, one wait
+    for the device a part), taken again at their scale (:mod:`~divtrace.measure.scale`)
+    in a few launches for all of them: every
     row's largest finite magnitude in one segmented maximum over the queued rows end to
     end, their copies times ``2**-e`` in one product, the fused kernel once more, and each
     site's rows brought to one scale (:func:`~divtrace.measure.scale.common_many`). Each
@@ -211,13 +214,16 @@ class WideQueue(FusedQueue):
         flat_b, flat_r = (torch.cat([t for block, extra in zip(blocks, odd, strict=True)
                                      for t in (block[side].reshape(-1), pad)[:1 + extra]])
                           for side in (0, 1))
+        views = _views(flat_b, flat_r, shapes, odd)
+        launch = fused.ManyLaunch(views, rtol, atol)  # planned once, launched twice
+        fields = launch.gathered()
+        if within(fields):  # (one wait for the device) every row at 2**0: as they are
+            self._put(pairs, shapes, fields)
+            return
         # every row's length in the copies, then every site's count of rows: one upload
         counts = upload(torch.tensor([w + (extra and row == n - 1) for (n, w), extra in zip(
             shapes, odd, strict=True) for row in range(n)] + [n for n, _ in shapes]), device)
         lengths, rows = counts[:-len(shapes)], counts[-len(shapes):]
-        views = _views(flat_b, flat_r, shapes, odd)
-        launch = fused.ManyLaunch(views, rtol, atol)  # planned once, launched twice
-        fields = launch.gathered()
         top = torch.segment_reduce(torch.maximum(
             finite_magnitudes(flat_b), finite_magnitudes(flat_r)), "max", lengths=lengths,
             unsafe=True)  # (checking the lengths would wait for the device)
@@ -230,7 +236,11 @@ class WideQueue(FusedQueue):
         again = (launch if not launch.copied else fused.ManyLaunch(views, rtol, atol))
         fields[:, SUMS_AT] = again.gathered()[:, SUMS_AT]
         fields[:, SCALE] = e.to(fields.dtype)
-        fields = common_many(fields, rows)
+        self._put(pairs, shapes, common_many(fields, rows))
+
+    def _put(self, pairs: _Pairs, shapes: list[tuple[int, ...]], fields: torch.Tensor
+             ) -> None:
+        """Each pair's rows of ``fields`` (the pairs' rows end to end) to the host."""
         at = 0
         for (place, _, _), (n, _) in zip(pairs, shapes, strict=True):
             self.host.put(place, fields, (at, at + n))

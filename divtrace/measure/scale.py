@@ -20,7 +20,7 @@ import torch
 from divtrace.measure.fields import INDEX
 
 __all__ = ["SCALE", "SUMS_AT", "WIDE", "common", "common_arrays", "common_many", "exponents",
-           "finite_magnitudes", "ratio", "rescaled"]
+           "finite_magnitudes", "ratio", "rescaled", "within"]
 
 #: The dtypes whose squares can leave float64's range.
 WIDE = (torch.float64, torch.complex128)
@@ -61,13 +61,18 @@ _SURE = 700
 _CHECKED = (INDEX["nonfinite"], INDEX["sq_ref"], INDEX["max_abs"])
 
 
-def _within(found: torch.Tensor) -> bool:
-    """Whether a CPU block's fields alone show every row's largest finite magnitude
+def within(found: torch.Tensor) -> bool:
+    """Whether a block's fields alone show every row's largest finite magnitude
     within 2**±400 (its scale 2**0), without a pass over its values: no pair non-finite,
     ``sq_ref`` (Σr² as computed: within a rounding of it) within 2**±700, ``max_abs`` at most
     2**350. Then ``max |r| <= 2**350`` and ``max |b| <= max |r| + max_abs < 2**352``,
     and ``max |r| >= 2**-350 / sqrt(n) > 2**-400`` for any row shorter than 2**98.
-    False where a field was not computed (NaN)."""
+    False where a field was not computed (NaN), and inside a CUDA graph's capture (where
+    nothing may wait for the device); elsewhere on a device, asking waits for it. Every
+    sum of such rows is finite, so bringing them to one scale (times ``2**0``) leaves them
+    bit for bit as they are."""
+    if found.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
     nonfinite, square, largest = (found[:, i] for i in _CHECKED)
     return bool(((nonfinite == 0) & (square >= 2.0 ** -_SURE) & (square <= 2.0 ** _SURE)
                  & (largest <= 2.0 ** (_SURE // 2))).all())
@@ -77,10 +82,11 @@ def rescaled(found: torch.Tensor, b: torch.Tensor, r: torch.Tensor,
              measure: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``found`` (the fields of ``[rows, elements]`` blocks ``b``, ``r`` of a wide dtype)
     with the sums of the rows beyond the range taken again at their scale by
-    ``measure``. On the CPU, rows within the range are not measured again (nor looked at
-    again where their fields show it: :func:`_within`); on a device (where asking would
-    wait for it) every wide block is."""
-    if not len(b) or not b.shape[1] or (b.device.type == "cpu" and _within(found)):
+    ``measure``. Rows whose fields show them within the range are not looked at again
+    (:func:`within`; on a device, one wait for it); on the CPU, nor are rows found within
+    the range by their values; on a device (where asking again would wait for it) every
+    other wide block is measured again."""
+    if not len(b) or not b.shape[1] or within(found):
         return found
     top = torch.maximum(_largest(b), _largest(r))
     e = exponents(top)
