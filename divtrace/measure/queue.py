@@ -189,14 +189,13 @@ class WideQueue(FusedQueue):
     """Small CUDA float64 sites, measured as :class:`FusedQueue`'s; where their fields do
     not show every row within the range (:func:`~divtrace.measure.scale.within`, one wait
     for the device a part), taken again at their scale (:mod:`~divtrace.measure.scale`)
-    in a few launches for all of them: every
-    row's largest finite magnitude in one segmented maximum over the queued rows end to
-    end, their copies times ``2**-e`` in one product, the fused kernel once more, and each
-    site's rows brought to one scale (:func:`~divtrace.measure.scale.common_many`). Each
-    step is exact and row by row, so each site's fields are those the per-site path on a
-    device gives it (which takes every row again, at ``2**0`` within the range). Flushed
-    in parts of whole sites of at most :data:`_WIDE_ELEMENTS` elements (the temporaries
-    are a few copies of a part)."""
+    in a few launches for all of them: every row's largest finite magnitude in one
+    segmented maximum over the queued rows end to end, their copies times ``2**-e`` in one
+    product, the fused kernel once more, and each site's rows brought to one scale
+    (:func:`~divtrace.measure.scale.common_many`). Each step is exact and row by row, so
+    each site's fields are those the per-site path on a device gives it (a row within the
+    range keeps its sums at ``2**0`` on either). Flushed in parts of whole sites of at
+    most :data:`_WIDE_ELEMENTS` elements (the temporaries are a few copies of a part)."""
 
     def _measure(self, key: tuple[Any, ...], pairs: _Pairs) -> None:
         device, _dtype, rtol, atol = key
