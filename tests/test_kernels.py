@@ -90,6 +90,18 @@ for dtype in [torch.float32, torch.float16, torch.bfloat16, torch.float64]:
         assert torch.equal(got.contiguous().view(torch.int64),
                            alone.contiguous().view(torch.int64)), (dtype, b.shape)
     assert many[0][0, 0] > 0 and many[5][1, 1] == 3  # mismatches; NaN, inf, NaN-vs-number
+    # planned once, launched again over the same memory with other values: each launch
+    # gives what the pairs alone give then, in the pairs' order
+    launch = kernels.ManyLaunch(pairs, 1e-3, 1e-5)
+    assert not launch.copied  # (every pair's rows run along its memory)
+    first = launch.gathered()
+    for b, _ in pairs:
+        b.mul_(3)
+    again = launch.gathered()
+    after = torch.cat([kernels.fused_stats(b, r, 1e-3, 1e-5) for b, r in pairs])
+    assert torch.equal(first.view(torch.int64), torch.cat(many).view(torch.int64)), dtype
+    assert torch.equal(again.view(torch.int64), after.view(torch.int64)), dtype
+    assert not torch.equal(first.view(torch.int64), again.view(torch.int64))
 print("many == alone")
 """
 
