@@ -230,11 +230,9 @@ class ManyLaunch:
     :func:`fused_stats`' reduction of one pair does; a CUDA test checks the two bit for bit
     over many shapes. A pair of more blocks is combined alone.
 
-    :meth:`run` may launch again over the same memory, its values changed since (the
-    addresses, tables and buffers are planned once), where no pair was copied to make its
-    rows contiguous (``copied`` False). The caller keeps every tensor alive until the
-    launches have run (they are stream-ordered).
-    """
+    :meth:`run` may launch again over the same memory, its values changed since, where no
+    pair was copied to make its rows contiguous (``copied`` False). The caller keeps every
+    tensor alive until the launches have run (they are stream-ordered)."""
 
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], rtol: float,
                  atol: float) -> None:
@@ -256,67 +254,64 @@ class ManyLaunch:
         outs = {key: torch.empty((rows, blocks, len(FIELDS)), dtype=torch.float64,
                                  device=device) for key, (rows, blocks) in held.items()
                 if key > 0}
-        self._alone = alone = [key for key in keys if key < 0]  # combined one by one: from
+        alone = [key for key in keys if key < 0]  # combined one by one: from a graph
         self._graphed = reductions_for(device, tuple(held[key] for key in alone)) if len(
-            alone) > 1 else None  # a graph where several are (the same kernels, one launch)
+            alone) > 1 else None  # where several are (the same kernels, one launch)
         for index, key in enumerate(alone):
             outs[key] = (self._graphed.partials[index] if self._graphed is not None
                          else torch.empty((*held[key], len(FIELDS)), dtype=torch.float64,
                                           device=device))
         self._outs = outs
+        in_graph = dict(zip(alone, self._graphed.spans, strict=True)) if self._graphed else {}
         taken = dict.fromkeys(outs, 0)
-        self._spans: list[tuple[int, int, int]] = []  # the pair's buffer, its rows in it
+        #: per pair, where run() gives its fields: its buffer's key and its rows there
+        self._spans: list[tuple[int | None, int, int]] = []
         kinds: dict[tuple[bool, ...], list[int]] = {}
         records = []
         for index, ((b, r), (rows, cols, blocks), key) in enumerate(
                 zip(pairs, shapes, keys, strict=True)):
             out, at = outs[key], taken[key]
             taken[key] += rows
-            self._spans.append((key, at, at + rows))
+            self._spans.append((None, *in_graph[key]) if key in in_graph
+                               else (key, at, at + rows))
             records.append((b.data_ptr(), r.data_ptr(),
                             out.data_ptr() + at * blocks * len(FIELDS) * out.element_size(),
                             cols, b.stride(0), r.stride(0), blocks))
             kinds.setdefault((b.data_ptr() % 16 == 0, r.data_ptr() % 16 == 0,
                               b.stride(0) % 16 == 0, r.stride(0) % 16 == 0, cols % 16 == 0),
                              []).append(index)
-        #: gathered()'s rows among the fields made together (None: in order), once made
-        self._order: list[torch.Tensor | None] = []
+        self._gather: tuple[list[int | None], torch.Tensor | None] | None = None
         self._tables = [(_table([records[i] for i in members],
                                 [shapes[i][0] * shapes[i][2] for i in members], device), kind)
                         for kind, members in kinds.items()]
 
     def run(self) -> list[tuple[torch.Tensor, tuple[int, int]]]:
-        """Each pair's fields, as the tensor that holds them and its rows' range in it."""
+        """Each pair's fields, as the tensor that holds them and its rows' range in it
+        (one launch per kind of layout)."""
         for (table, programs), kind in self._tables:
             _launch(table, programs, kind, self.device, self.dtype, self.rtol, self.atol)
-        placed: dict[int, tuple[torch.Tensor, tuple[int, int]]] = {}
+        made: dict[int | None, torch.Tensor] = {}
         if self._graphed is not None:  # every pair combined alone, in one replay
-            reduced = self._graphed.replay()
-            placed = {key: (reduced, span)
-                      for key, span in zip(self._alone, self._graphed.spans, strict=True)}
-        fields = {key: out[:, 0] if key == 1 else reduce_blocks(out, 1)
-                  for key, out in self._outs.items() if key not in placed}
-        return [placed[key] if key in placed else (fields[key], (lo, hi))
-                for key, lo, hi in self._spans]
+            made[None] = self._graphed.replay()
+        for key, out in self._outs.items():
+            if key > 0 or self._graphed is None:
+                made[key] = out[:, 0] if key == 1 else reduce_blocks(out, 1)
+        return [(made[key], (lo, hi)) for key, lo, hi in self._spans]
 
     def gathered(self) -> torch.Tensor:
         """:meth:`run`, every pair's fields then in one ``[rows, fields]`` tensor of its
         own, the pairs' rows one after the other in their order (one gather)."""
-        found = self.run()
-        distinct: dict[int, tuple[int, torch.Tensor]] = {}  # id -> (its first row, it)
-        rows = 0
-        for fields, _ in found:
-            if id(fields) not in distinct:
-                distinct[id(fields)] = (rows, fields)
-                rows += fields.shape[0]
-        together = [fields for _, fields in distinct.values()]
-        whole = torch.cat(together) if len(together) > 1 else together[0].clone()
-        if not self._order:  # the same layout at every run: made once
-            at = np.concatenate([np.arange(lo, hi) + distinct[id(fields)][0]
-                                 for fields, (lo, hi) in found])
-            self._order.append(None if len(at) == rows and (at == np.arange(rows)).all()
-                               else upload(torch.from_numpy(at), self.device))
-        order = self._order[0]
+        made = {key: fields for (key, _, _), (fields, _) in zip(
+            self._spans, self.run(), strict=True)}  # each buffer's fields, by key
+        if self._gather is None:  # the buffers in their first pairs' order, and the pairs'
+            keys = list(made)  # rows among them (the same at every launch)
+            sizes = [made[key].shape[0] for key in keys]
+            first = dict(zip(keys, np.cumsum([0, *sizes[:-1]]), strict=True))
+            at = np.concatenate([np.arange(lo, hi) + first[key] for key, lo, hi in self._spans])
+            in_order = len(at) == sum(sizes) and bool((at == np.arange(len(at))).all())
+            self._gather = keys, None if in_order else upload(torch.from_numpy(at), self.device)
+        keys, order = self._gather
+        whole = torch.cat([made[key] for key in keys]) if len(keys) > 1 else made[keys[0]].clone()
         return whole if order is None else whole.index_select(0, order)
 
 

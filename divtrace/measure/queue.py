@@ -232,8 +232,9 @@ class WideQueue(FusedQueue):
         flat_b.mul_(factor)  # (after the first launch has read them: stream order)
         flat_r.mul_(factor)
         del factor
-        again = (launch if not launch.copied else fused.ManyLaunch(views, rtol, atol))
-        fields[:, SUMS_AT] = again.gathered()[:, SUMS_AT]
+        # (the views run along the copies: nothing was copied again, so the plan reads the
+        # scaled values)
+        fields[:, SUMS_AT] = launch.gathered()[:, SUMS_AT]
         fields[:, SCALE] = e.to(fields.dtype)
         self._put(pairs, shapes, common_many(fields, rows))
 
