@@ -88,6 +88,53 @@ def _blocks(device: str) -> list[torch.Tensor]:
     return [b.to(device) for b in made]
 
 
+_MASK = (1 << 64) - 1
+
+
+def _shifted(x: int, by: int) -> int:
+    """``x >> by`` of a 64-bit word read as signed, as torch shifts an int64."""
+    signed = x - (1 << 64) if x >> 63 else x
+    return (signed >> by) & _MASK
+
+
+def _mixed(i: int) -> int:
+    """splitmix64's mixing of ``i``, made odd, in plain integers modulo 2**64."""
+    x = (i * 0x9E3779B97F4A7C15 + 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ _shifted(x, 30)) * 0x94D049BB133111EB) & _MASK
+    x = ((x ^ _shifted(x, 27)) * 0xBF58476D1CE4E5B9) & _MASK
+    return (x ^ _shifted(x, 31)) | 1
+
+
+def _by_hand(row: torch.Tensor) -> int:
+    """The module docstring's fingerprint of one row, from its bytes alone: word ``j``
+    times the weight of its position (``j`` mod 2**15 mixed, times its repetition's odd
+    number), summed modulo 2**64."""
+    data = row.contiguous().view(torch.uint8).numpy().tobytes()
+    data += bytes(-len(data) % 8)  # zero bytes up to a whole word
+    period = 1 << 15
+    weights = [_mixed(j) for j in range(min(period, len(data) // 8))]
+    total = 0
+    for j in range(len(data) // 8):
+        word = int.from_bytes(data[8 * j:8 * j + 8], "little")
+        total += word * weights[j % period] * _mixed(j // period + (1 << 40))
+    return total & _MASK
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_fingerprints_are_the_sums_worked_out_by_hand(device: str) -> None:
+    generator = torch.Generator().manual_seed(3)
+    blocks = [torch.randn(2, 70_001, generator=generator),  # two periods and a tail
+              torch.randn(3, 7, generator=generator).double(),
+              torch.randint(-9, 9, (2, 13), generator=generator).to(torch.int8)]
+    expected = [_by_hand(row) for b in blocks for row in b]
+    printer = Fingerprints()
+    for width in (1, 1 << 18):  # a block per period of the weights, and one block
+        found = torch.cat([printer.of(b.to(device), width) for b in blocks])
+        assert [v & _MASK for v in found.tolist()] == expected
+    together = printer.of_many([b.to(device) for b in blocks])
+    assert [v & _MASK for v in together.tolist()] == expected
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_many_blocks_at_once_give_each_blocks_own_fingerprints(device: str) -> None:
     blocks = _blocks(device)

@@ -65,6 +65,16 @@ def _words(flat: torch.Tensor) -> torch.Tensor:
     return padded.view(torch.int64)
 
 
+def _dot(words: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each row of ``words`` times ``weights``, summed along the row: on the CPU one
+    matrix product (no temporary of the words' size; int64 products wrap modulo 2**64, so
+    no order of addition changes the sum), elsewhere a product and a sum (CUDA has no
+    int64 matrix product)."""
+    if words.device.type == "cpu":
+        return words @ weights
+    return (words * weights).sum(-1)
+
+
 @dataclass
 class Fingerprints:
     """Computes fingerprints of rows (holds each device's table of weights)."""
@@ -84,8 +94,8 @@ class Fingerprints:
         if words.is_cuda and fused.AVAILABLE:  # one kernel, no temporaries
             return printkernels.fused_prints(words, _PERIOD)
         n = words.shape[1]
-        if k * n <= width:  # one block: the held weights, one product and one sum
-            return (words * self._weights(rows.device, n)[:n]).sum(1)
+        if k * n <= width:  # one block: the held weights, one product summed
+            return _dot(words, self._weights(rows.device, n)[:n])
         step = max(_PERIOD, width // k // _PERIOD * _PERIOD)
         table = self._table(rows.device)
         for lo in range(0, n, step):
@@ -94,13 +104,13 @@ class Fingerprints:
             full = m // _PERIOD * _PERIOD
             sums = []
             if full:
-                sums.append((block[:, :full].reshape(k, -1, _PERIOD) * table).sum(-1))
+                sums.append(_dot(block[:, :full].reshape(k, -1, _PERIOD), table))
             if m > full:
-                sums.append((block[:, full:] * table[:m - full]).sum(-1, keepdim=True))
+                sums.append(_dot(block[:, full:], table[:m - full]).unsqueeze(1))
             first = lo // _PERIOD
             odd = _mix(torch.arange(first, first - (-m // _PERIOD), dtype=torch.int64,
                                     device=rows.device) + (1 << 40))
-            total += (torch.cat(sums, 1) * odd).sum(1)
+            total += _dot(torch.cat(sums, 1), odd)
         return total
 
     def of_many(self, blocks: list[torch.Tensor]) -> torch.Tensor:
@@ -124,11 +134,11 @@ class Fingerprints:
             else:  # short blocks of one length together (long ones: a copy costs more)
                 alike.setdefault(width if b.shape[0] * width <= _SHORT else -i - 1,
                                  []).append(i)
-        for members in alike.values():  # one product and one sum per row width
+        for members in alike.values():  # one product summed per row width
             words = [_words(blocks[i].reshape(blocks[i].shape[0], -1)) for i in members]
             width = words[0].shape[1]
-            sums = ((words[0] if len(words) == 1 else torch.cat(words))
-                    * self._weights(device, width)[:width]).sum(1)
+            sums = _dot(words[0] if len(words) == 1 else torch.cat(words),
+                        self._weights(device, width)[:width])
             for i, part in zip(members, sums.split([w.shape[0] for w in words]), strict=True):
                 found[i] = part
         return torch.cat([f for f in found if f is not None])
