@@ -28,7 +28,10 @@ passes plus the passes the default verdict's tests make, run without divtrace:
 test's batched passes and the float64 passes), divtrace's default call, and with
 ``--old`` an older checkout's call, timed in the same rotation; medians of ``--repeats``
 after a first call, whose time is given against the warm call ("first / warm"; on a fresh
-machine the first case's first call compiles the Triton kernels). "extra / stored": the
+machine the first case's first call compiles the Triton kernels; ``--triton-cache DIR``
+keeps Triton's compiled kernels there for the run: an empty directory gives the first
+call of a fresh machine, the same directory again that of a new process on a machine
+that has compiled them). "extra / stored": the
 peak memory beyond the floor's peak (image cases; prompts on CUDA: beyond the bare
 passes'), per byte of run a's rows the call keeps.
 
@@ -47,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -279,6 +283,11 @@ def _line(r: dict[str, Any]) -> str:
             f"| {'-' if memory is None else f'{memory:.2f}'} |")
 
 
+def _kernels(cache: Path | None) -> int:
+    """How many kernels Triton keeps compiled in ``cache`` (one group file each)."""
+    return 0 if cache is None else sum(1 for _ in cache.glob("*/__grp__*.json"))
+
+
 def floor_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks floor", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -287,8 +296,13 @@ def floor_main(argv: list[str]) -> int:
     parser.add_argument("--old", type=Path, help="an older checkout, timed beside this one")
     parser.add_argument("--only", nargs="*", help="only these cases")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--triton-cache", type=Path,
+                        help="Triton's kernel cache for this run (empty: a fresh machine's)")
     parser.add_argument("--peaks", type=Path, help=argparse.SUPPRESS)  # cpu_peaks' child
     args = parser.parse_args(argv)
+    if args.triton_cache:  # read by Triton when it first compiles or loads a kernel
+        args.triton_cache.mkdir(parents=True, exist_ok=True)
+        os.environ["TRITON_CACHE_DIR"] = str(args.triton_cache.resolve())
     device = torch.device(args.device)
     use_seed_settings(device)
     if args.peaks:  # the child of cpu_peaks: the image cases' peaks only
@@ -303,7 +317,11 @@ def floor_main(argv: list[str]) -> int:
     print("| case | bare (s) | floor / bare | divtrace / bare | divtrace / floor "
           "| before / floor | first / warm | extra / stored |")
     print("|---|---|---|---|---|---|---|---|", flush=True)
+    kernels = _kernels(args.triton_cache)
     found = rows(device, args.repeats, old, args.only, peaks)
+    if args.triton_cache:
+        print(f"Triton's cache: {_kernels(args.triton_cache)} kernels, {kernels} of them "
+              f"there before this run")
     if args.json:
         args.json.write_text(json.dumps({"environment": env, "results": found}, indent=1))
     return 0
