@@ -22,13 +22,16 @@ float64 copy of the model apart), the statistics computed together at the fetch,
 table's figures and its DataFrame; beside the bare passes (run a's split passes, the
 batched pass), the floor's further passes without divtrace (the independence test's
 batched passes with other values; a float64 copy of the model and its split and batched
-passes) and the whole call. Medians of interleaved repeats, in one process (a part
-called more than once in a call: its calls summed). ``--output-only``: the call
-observes only the model's output (``modules=[]``), so what it costs beyond the bare
-passes is its own.
+passes) and the whole call; the statistics' queues, flushed (inside run b's part and
+the tests'). Medians of interleaved repeats, in one process (a part called more than
+once in a call: its calls summed). ``--output-only``: the call observes only the
+model's output (``modules=[]``), so what it costs beyond the bare passes is its own.
+``--model llama``: the small Llama's prompts of ``python -m benchmarks lm`` (every prompt
+compared, run a prompt by prompt; ``--chunk`` does not apply), its floor a batched pass
+per group of the independence test and the float64 copy's passes.
 
-    python -m benchmarks parts [--model mobilenet_v3_small] [--chunk 1] [--device cpu]
-        [--repeats 9] [--output-only]
+    python -m benchmarks parts [--model mobilenet_v3_small|llama] [--chunk 1]
+        [--device cpu] [--repeats 9] [--output-only]
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ from divtrace import pipeline
 from divtrace.explain.independence import Independence
 from divtrace.explain.precision import Precision
 from divtrace.measure.host import Host
-from divtrace.measure.queue import WideQueue
+from divtrace.measure.queue import FusedQueue, StatsQueue, WideQueue
 from divtrace.plan.samples import chunks_for
 from divtrace.record import guard
 from divtrace.record.runner import Runner
@@ -182,11 +185,10 @@ def main(argv: list[str]) -> int:
 
 def parts_main(argv: list[str]) -> int:
     """``python -m benchmarks parts``: where the time of one ``compare()`` goes."""
-    import torchvision.models
-
     parser = argparse.ArgumentParser(prog="python -m benchmarks parts", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="mobilenet_v3_small")
+    parser.add_argument("--model", default="mobilenet_v3_small",
+                        help="a torchvision model, or llama: the small Llama's prompts")
     parser.add_argument("--chunk", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=9)
@@ -197,11 +199,9 @@ def parts_main(argv: list[str]) -> int:
     use_seed_settings(device)
     torch.set_num_threads(2)
     torch.manual_seed(0)
-    model = getattr(torchvision.models, args.model)().eval().to(device)
-    x = torch.rand(16, 3, 64, 64, device=device)
-    samples = [0, 1]
-    chunks = chunks_for(samples, args.chunk, len(x))
     selection: dict[str, Any] = {"modules": []} if args.output_only else {}
+    title, ways = (_prompt_ways(device, selection) if args.model == "llama"
+                   else _image_ways(args.model, args.chunk, device, selection))
     entry = importlib.import_module("divtrace.compare")
     parts = ((entry, "make_plan", "plan"),
              (pipeline, "record", "run a, recording"),
@@ -209,11 +209,43 @@ def parts_main(argv: list[str]) -> int:
              (Independence, "_after", "the independence test"),
              (Precision, "_after", "the precision test"),
              (Runner, "of", "runs made (the float64 copy)"),
+             (StatsQueue, "flush", "the statistics' queues, flushed"),
+             (FusedQueue, "flush", "the statistics' queues, flushed"),
              (Host, "fetch", "statistics together, at the fetch"),
              (WideQueue, "_measure", "float64 sites' fields on CUDA, at scale"),
              (table, "_measured_rows", "the table's figures"),
              (guard, "_snapshot", "the guard's snapshot of the buffers"),
              (table.pd.DataFrame, "__init__", "the table's DataFrame"))
+    times: defaultdict[str, list[float]] = defaultdict(list)
+    inside: defaultdict[str, float] = defaultdict(float)  # this call's parts, summed
+
+    def note(label: str, seconds: float) -> None:
+        inside[label] += seconds
+
+    with calls_timed(parts, note, device):
+        for fn in ways.values():
+            fn()
+        for _ in range(args.repeats):
+            for label, fn in ways.items():
+                inside.clear()
+                times[label].append(timed(fn, device))
+                for part, seconds in inside.items():
+                    times[part].append(seconds)
+    print(f"{title}, {args.device}{', output only' if args.output_only else ''}:")
+    for label, values in times.items():
+        print(f"  {label:40} {statistics.median(values) * 1e3:8.2f} ms")
+    return 0
+
+
+def _image_ways(name: str, chunk: int, device: torch.device, selection: dict[str, Any]
+                ) -> tuple[str, dict[str, Callable[[], object]]]:
+    """The image case's bare passes, the floor's further passes and the call."""
+    import torchvision.models
+
+    model = getattr(torchvision.models, name)().eval().to(device)
+    x = torch.rand(16, 3, 64, 64, device=device)
+    samples = [0, 1]
+    chunks = chunks_for(samples, chunk, len(x))
 
     def split() -> None:
         with torch.no_grad():
@@ -238,30 +270,55 @@ def parts_main(argv: list[str]) -> int:
                 double(x64[start:stop])
             double(x64)
 
-    ways: dict[str, Callable[[], object]] = {
+    return (f"{name}, batch 16 of 3x64x64, samples {samples}, chunk {chunk}", {
         "bare split passes": split, "bare batched pass": batched,
         "floor: two batched passes, other values": independence,
         "floor: float64 copy and its passes": float64,
         "compare()": lambda: divtrace.compare(model, x, samples=samples,
-                                              a=divtrace.Run(chunk=args.chunk),
-                                              progress=False, **selection)}
-    times: defaultdict[str, list[float]] = defaultdict(list)
-    inside: defaultdict[str, float] = defaultdict(float)  # this call's parts, summed
+                                              a=divtrace.Run(chunk=chunk),
+                                              progress=False, **selection)})
 
-    def note(label: str, seconds: float) -> None:
-        inside[label] += seconds
 
-    with calls_timed(parts, note, device):
-        for fn in ways.values():
-            fn()
-        for _ in range(args.repeats):
-            for label, fn in ways.items():
-                inside.clear()
-                times[label].append(timed(fn, device))
-                for part, seconds in inside.items():
-                    times[part].append(seconds)
-    print(f"{args.model}, batch 16 of 3x64x64, samples {samples}, chunk {args.chunk}, "
-          f"{args.device}{', output only' if args.output_only else ''}:")
-    for label, values in times.items():
-        print(f"  {label:40} {statistics.median(values) * 1e3:8.2f} ms")
-    return 0
+def _prompt_ways(device: torch.device, selection: dict[str, Any]
+                 ) -> tuple[str, dict[str, Callable[[], object]]]:
+    """The small Llama's prompts (``benchmarks.lm``'s case for ``device``, every prompt
+    compared): the bare passes, the floor's further passes (a batched pass per group of
+    the independence test, the float64 copy and its passes) and the call."""
+    from benchmarks.lm import PROMPTS, _llama, pad
+
+    case = PROMPTS[device.type]
+    model = _llama(case, device)
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.linspace(case["shortest"], case["longest"], case["prompts"]).round()
+    given = divtrace.Prompts([torch.randint(3, case["vocab"], (int(n),), generator=generator)
+                              .to(device) for n in lengths.tolist()], padding_side="left")
+    count = len(given.prompts)
+
+    def split(on: torch.nn.Module = model) -> None:
+        with torch.no_grad():
+            for i in range(count):
+                on(**pad(given, i, i + 1)[0])
+
+    def batched(on: torch.nn.Module = model) -> None:
+        with torch.no_grad():
+            on(**pad(given, 0, count)[0])
+
+    def call() -> object:
+        return divtrace.compare(model, given, progress=False, **selection)
+
+    tested = int(call().meta.notes.get("independence", {}).get("passes", 0))  # type: ignore[attr-defined]
+
+    def independence() -> None:
+        for _ in range(tested):
+            batched()
+
+    def float64() -> None:
+        double = copy.deepcopy(model).double()
+        split(double)
+        batched(double)
+
+    return (f"a small Llama ({case['layers']} layers of {case['hidden']}), {count} prompts "
+            f"of {case['shortest']}-{case['longest']} tokens, every prompt", {
+                "bare split passes": split, "bare batched pass": batched,
+                f"floor: {tested} batched passes": independence,
+                "floor: float64 copy and its passes": float64, "compare()": call})
