@@ -208,26 +208,39 @@ def _llama(case: dict[str, Any], device: torch.device) -> nn.Module:
     return llama(case, device, getattr(torch, case["dtype"]))  # made in it, never float32
 
 
+def given_prompts(case: dict[str, Any], device: torch.device) -> divtrace.Prompts:
+    """``case``'s prompts: random token ids, lengths evenly from its shortest to its
+    longest, left-padded."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.linspace(case["shortest"], case["longest"], case["prompts"]).round()
+    return divtrace.Prompts([torch.randint(3, case["vocab"], (int(n),), generator=generator)
+                             .to(device) for n in lengths.tolist()], padding_side="left")
+
+
+def prompt_passes(model: nn.Module, given: divtrace.Prompts, split: bool = True,
+                  batched: bool = True) -> None:
+    """The bare passes of ``given`` through ``model``: each prompt alone (``split``),
+    then all of them padded to one batch (``batched``)."""
+    count = len(given.prompts)
+    with torch.no_grad():
+        for i in range(count if split else 0):
+            model(**pad(given, i, i + 1)[0])
+        if batched:
+            model(**pad(given, 0, count)[0])
+
+
 def prompts(device: torch.device, repeats: int, old: Any = None) -> dict[str, Any]:
     case = PROMPTS[device.type]
     built: dict[str, nn.Module] = {}
     made = timed(lambda: built.setdefault("model", _llama(case, device)), device)
     model = built["model"]
-    generator = torch.Generator().manual_seed(0)
-    lengths = torch.linspace(case["shortest"], case["longest"], case["prompts"]).round()
-    given = divtrace.Prompts([torch.randint(3, case["vocab"], (int(n),), generator=generator)
-                              .to(device) for n in lengths.tolist()], padding_side="left")
+    given = given_prompts(case, device)
 
     def bare(on: nn.Module | None = None) -> None:
-        run = model if on is None else on
-        with torch.no_grad():
-            for i in range(len(given.prompts)):
-                run(**pad(given, i, i + 1)[0])
-            run(**pad(given, 0, len(given.prompts))[0])
+        prompt_passes(model if on is None else on, given)
 
     def batched() -> None:
-        with torch.no_grad():
-            model(**pad(given, 0, len(given.prompts))[0])
+        prompt_passes(model, given, split=False)
 
     ways = {"bare passes": bare, "bare batched pass": batched,
             "compare, every prompt": lambda: divtrace.compare(model, given, progress=False),

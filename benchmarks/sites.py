@@ -284,24 +284,11 @@ def _prompt_ways(device: torch.device, selection: dict[str, Any]
     """The small Llama's prompts (``benchmarks.lm``'s case for ``device``, every prompt
     compared): the bare passes, the floor's further passes (a batched pass per group of
     the independence test, the float64 copy and its passes) and the call."""
-    from benchmarks.lm import PROMPTS, _llama, pad
+    from benchmarks.lm import PROMPTS, _llama, given_prompts, prompt_passes
 
     case = PROMPTS[device.type]
     model = _llama(case, device)
-    generator = torch.Generator().manual_seed(0)
-    lengths = torch.linspace(case["shortest"], case["longest"], case["prompts"]).round()
-    given = divtrace.Prompts([torch.randint(3, case["vocab"], (int(n),), generator=generator)
-                              .to(device) for n in lengths.tolist()], padding_side="left")
-    count = len(given.prompts)
-
-    def split(on: torch.nn.Module = model) -> None:
-        with torch.no_grad():
-            for i in range(count):
-                on(**pad(given, i, i + 1)[0])
-
-    def batched(on: torch.nn.Module = model) -> None:
-        with torch.no_grad():
-            on(**pad(given, 0, count)[0])
+    given = given_prompts(case, device)
 
     def call() -> object:
         return divtrace.compare(model, given, progress=False, **selection)
@@ -310,15 +297,14 @@ def _prompt_ways(device: torch.device, selection: dict[str, Any]
 
     def independence() -> None:
         for _ in range(tested):
-            batched()
+            prompt_passes(model, given, split=False)
 
-    def float64() -> None:
-        double = copy.deepcopy(model).double()
-        split(double)
-        batched(double)
-
-    return (f"a small Llama ({case['layers']} layers of {case['hidden']}), {count} prompts "
-            f"of {case['shortest']}-{case['longest']} tokens, every prompt", {
-                "bare split passes": split, "bare batched pass": batched,
+    return (f"a small Llama ({case['layers']} layers of {case['hidden']}), "
+            f"{len(given.prompts)} prompts of {case['shortest']}-{case['longest']} tokens, "
+            f"every prompt", {
+                "bare split passes": lambda: prompt_passes(model, given, batched=False),
+                "bare batched pass": lambda: prompt_passes(model, given, split=False),
                 f"floor: {tested} batched passes": independence,
-                "floor: float64 copy and its passes": float64, "compare()": call})
+                "floor: float64 copy and its passes": lambda: prompt_passes(
+                    copy.deepcopy(model).double(), given),
+                "compare()": call})
