@@ -26,11 +26,14 @@ passes) and the whole call; the statistics' queues, flushed (inside run b's part
 the tests'). Medians of interleaved repeats, in one process (a part called more than
 once in a call: its calls summed). ``--output-only``: the call observes only the
 model's output (``modules=[]``), so what it costs beyond the bare passes is its own.
-``--model llama``: the small Llama's prompts of ``python -m benchmarks lm`` (every prompt
-compared, run a prompt by prompt; ``--chunk`` does not apply), its floor a batched pass
-per group of the independence test and the float64 copy's passes.
+``--case NAME``: an image case of ``python -m benchmarks floor`` instead (its model,
+batch, chunk and samples; the floor holds a batched pass per group of the independence
+test, as many as the call made). ``--model llama``: the small Llama's prompts of
+``python -m benchmarks lm`` (every prompt compared, run a prompt by prompt; ``--chunk``
+does not apply), its floor a batched pass per group of the independence test and the
+float64 copy's passes.
 
-    python -m benchmarks parts [--model mobilenet_v3_small|llama] [--chunk 1]
+    python -m benchmarks parts [--model mobilenet_v3_small|llama] [--chunk 1] [--case NAME]
         [--device cpu] [--repeats 9] [--output-only]
 """
 
@@ -50,8 +53,10 @@ import torch
 
 import divtrace
 from benchmarks.common import (
+    CASES,
     arguments,
     bare_passes,
+    build,
     calls_timed,
     environment,
     load_old,
@@ -190,6 +195,9 @@ def parts_main(argv: list[str]) -> int:
     parser.add_argument("--model", default="mobilenet_v3_small",
                         help="a torchvision model, or llama: the small Llama's prompts")
     parser.add_argument("--chunk", type=int, default=1)
+    parser.add_argument("--case", choices=list(CASES),
+                        help="an image case of the floor benchmark instead (its model, "
+                             "batch, chunk and samples)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--output-only", action="store_true",
@@ -200,8 +208,13 @@ def parts_main(argv: list[str]) -> int:
     torch.set_num_threads(2)
     torch.manual_seed(0)
     selection: dict[str, Any] = {"modules": []} if args.output_only else {}
+    if args.case is not None:
+        case = CASES[args.case]
+    else:
+        case = {"model": args.model, "batch": 16, "size": 64, "chunk": args.chunk,
+                "samples": [0, 1]}
     title, ways = (_prompt_ways(device, selection) if args.model == "llama"
-                   else _image_ways(args.model, args.chunk, device, selection))
+                   else _image_ways(case, device, selection))
     entry = importlib.import_module("divtrace.compare")
     parts = ((entry, "make_plan", "plan"),
              (pipeline, "record", "run a, recording"),
@@ -237,15 +250,22 @@ def parts_main(argv: list[str]) -> int:
     return 0
 
 
-def _image_ways(name: str, chunk: int, device: torch.device, selection: dict[str, Any]
+def _image_ways(case: dict[str, Any], device: torch.device, selection: dict[str, Any]
                 ) -> tuple[str, dict[str, Callable[[], object]]]:
-    """The image case's bare passes, the floor's further passes and the call."""
-    import torchvision.models
+    """The image case's bare passes, the floor's further passes (a batched pass per group
+    of the independence test, the float64 copy and its passes) and the call."""
+    model, x = build(case, device)
+    samples, chunk = case["samples"], case["chunk"]
+    compared = samples or list(range(len(x)))
+    chunks = chunks_for(compared, chunk, len(x))
 
-    model = getattr(torchvision.models, name)().eval().to(device)
-    x = torch.rand(16, 3, 64, 64, device=device)
-    samples = [0, 1]
-    chunks = chunks_for(samples, chunk, len(x))
+    def call() -> object:
+        return divtrace.compare(model, x, samples=samples, a=divtrace.Run(chunk=chunk),
+                                progress=False, **selection)
+
+    notes = call().meta.notes  # type: ignore[attr-defined]
+    groups = int(notes.get("independence", {}).get("groups", 0))
+    other = torch.rand_like(x)
 
     def split() -> None:
         with torch.no_grad():
@@ -256,27 +276,20 @@ def _image_ways(name: str, chunk: int, device: torch.device, selection: dict[str
         with torch.no_grad():
             model(x)
 
-    other = torch.rand_like(x)
-
     def independence() -> None:
         with torch.no_grad():
-            for _ in range(2):  # a group of the held samples, and one of the others
+            for _ in range(groups):  # one batched pass per group of held samples
                 model(other)
 
     def float64() -> None:
-        double, x64 = copy.deepcopy(model).double(), x.double()
-        with torch.no_grad():
-            for start, stop in chunks:
-                double(x64[start:stop])
-            double(x64)
+        bare_passes(copy.deepcopy(model).double(), x.double(), case)
 
-    return (f"{name}, batch 16 of 3x64x64, samples {samples}, chunk {chunk}", {
+    shape = "x".join(str(n) for n in x.shape[1:])
+    said = "every sample" if samples is None else f"samples {samples}"
+    return (f"{case['model']}, batch {len(x)} of {shape}, {said}, chunk {chunk}", {
         "bare split passes": split, "bare batched pass": batched,
-        "floor: two batched passes, other values": independence,
-        "floor: float64 copy and its passes": float64,
-        "compare()": lambda: divtrace.compare(model, x, samples=samples,
-                                              a=divtrace.Run(chunk=chunk),
-                                              progress=False, **selection)})
+        f"floor: {groups} batched passes, other values": independence,
+        "floor: float64 copy and its passes": float64, "compare()": call})
 
 
 def _prompt_ways(device: torch.device, selection: dict[str, Any]
