@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 
 import pytest
@@ -277,3 +278,51 @@ def test_a_cast_copy_is_made_cast_and_is_what_deepcopy_then_to_makes() -> None:
         assert torch.equal(value, before[key][0])
         assert value.data_ptr() == before[key][1]
         assert value.dtype == before[key][0].dtype
+
+
+class _Containers(nn.Module):
+    """Empty containers of every kind as attributes, one empty list held by two modules,
+    a filled dict and an OrderedDict subclass."""
+
+    class Tagged(collections.OrderedDict):
+        pass
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(3, 3)
+        self.shared: list[int] = []
+        self.inner.shared = self.shared
+        self.empty_set: set[int] = set()
+        self.table = {"k": [1, 2]}
+        self.tagged = self.Tagged()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def test_a_cast_copy_owns_its_containers_as_deepcopy_makes_them() -> None:
+    import copy
+
+    model = _Containers()
+    seen: list[str] = []
+    model.inner.register_forward_hook(lambda *_: seen.append("user's hook"))
+    mine = Run(dtype=torch.float64).model(model)
+    theirs = copy.deepcopy(model).to(torch.float64)
+    for a, b, given in zip(mine.modules(), theirs.modules(), model.modules(), strict=True):
+        assert a.__dict__.keys() == b.__dict__.keys()
+        for key, value in a.__dict__.items():
+            assert type(value) is type(b.__dict__[key]), key
+            if isinstance(value, dict | list | set):
+                assert value is not given.__dict__[key], key  # a container of its own
+                if key not in ("_parameters", "_buffers", "_modules"):
+                    assert value == b.__dict__[key], key
+    assert mine.inner.shared is mine.shared  # held twice, still one
+    assert mine.table == {"k": [1, 2]}
+    assert mine.table["k"] is not model.table["k"]
+    mine.inner.register_forward_hook(lambda *_: seen.append("copy's hook"))
+    mine.shared.append(1)
+    model(torch.ones(1, 3))
+    assert seen == ["user's hook"]  # the user's model as it was
+    assert model.shared == []
+    mine(torch.ones(1, 3, dtype=torch.float64))
+    assert seen == ["user's hook", "user's hook", "copy's hook"]

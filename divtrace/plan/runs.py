@@ -8,6 +8,7 @@ dtype or memory format works on a copy).
 
 from __future__ import annotations
 
+import collections
 import copy
 import itertools
 import operator
@@ -280,12 +281,13 @@ def made_as(model: nn.Module, device: torch.device | str | None, dtype: torch.dt
     """A memo for ``copy.deepcopy(model, memo)``: each floating parameter and buffer of
     ``model`` (plain tensors and ``nn.Parameter`` only) made straight away on ``device`` in
     ``dtype``, as ``Module.to`` would make it, so that the copy never holds the weights as
-    they first were (one copy of them instead of two, and none of the first's memory).
-    Whatever it leaves out is copied as ``deepcopy`` copies it, and cast by ``to``."""
-    if device is None and dtype is None:
-        return {}
-    target = None if device is None else torch.device(device)
+    they first were (one copy of them instead of two, and none of the first's memory);
+    and each module's empty containers made afresh (:func:`_fresh_containers`). Whatever
+    it leaves out is copied as ``deepcopy`` copies it, and cast by ``to``."""
     memo: dict[int, Any] = {}
+    if device is None and dtype is None:
+        return _fresh_containers(model, memo)
+    target = None if device is None else torch.device(device)
     for tensor in itertools.chain(model.parameters(), model.buffers()):
         parameter = type(tensor) is nn.Parameter
         if id(tensor) in memo or not tensor.is_floating_point() or not (
@@ -296,4 +298,22 @@ def made_as(model: nn.Module, device: torch.device | str | None, dtype: torch.dt
         if made.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
             continue  # already so: deepcopy copies it
         memo[id(tensor)] = nn.Parameter(made, tensor.requires_grad) if parameter else made
+    return _fresh_containers(model, memo)
+
+
+#: Containers whose empty instances ``deepcopy`` makes as a new empty one of the type.
+_CONTAINERS = frozenset({dict, list, set, collections.OrderedDict})
+
+
+def _fresh_containers(model: nn.Module, memo: dict[int, Any]) -> dict[int, Any]:
+    """``memo`` with a new empty container for each empty ``dict``, ``OrderedDict``,
+    ``list`` and ``set`` among the attributes of ``model``'s modules (a dozen hook
+    dictionaries each): what ``deepcopy`` makes of them, without its dispatch and
+    reconstruction per container (about 40% of copying mobilenet_v3_small's 209 modules).
+    One container held twice stays one; the copy shares none of them with ``model``."""
+    for module in model.modules():
+        for value in module.__dict__.values():
+            if type(value) in _CONTAINERS and not value and id(value) not in memo and (
+                    not getattr(value, "__dict__", None)):
+                memo[id(value)] = type(value)()
     return memo
