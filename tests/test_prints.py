@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from divtrace.measure import prints as prints_module
 from divtrace.measure.prints import Fingerprints
 
 
@@ -13,10 +14,15 @@ def prints(rows: torch.Tensor, width: int = 1 << 18) -> torch.Tensor:
     return Fingerprints().of(rows, width)
 
 
-def test_the_same_whatever_the_width_of_the_blocks() -> None:
+def test_the_same_whatever_the_width_of_the_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     rows = torch.randn(3, 5, 70_001)  # over five periods of the weights, and a tail
-    found = {tuple(prints(rows, width).tolist()) for width in (1, 1 << 16, 1 << 19, 1 << 24)}
-    assert len(found) == 1
+    whole = prints(rows).tolist()  # on the CPU one product with the held weights
+    periods = torch.randn(2, 4 << 15)  # two periods a row exactly: one contiguous block
+    whole_periods = prints(periods).tolist()
+    monkeypatch.setattr(prints_module, "_LONG_ROWS", 1000)  # in steps, as longer rows
+    for width in (1, 1 << 16, 1 << 19, 1 << 24):
+        assert prints(rows, width).tolist() == whole
+        assert prints(periods, width).tolist() == whole_periods
     alone = prints(rows[1:2])  # a row's fingerprint does not depend on the other rows
     assert alone.item() == prints(rows)[1].item()
 
@@ -128,9 +134,12 @@ def test_fingerprints_are_the_sums_worked_out_by_hand(device: str) -> None:
               torch.randint(-9, 9, (2, 13), generator=generator).to(torch.int8)]
     expected = [_by_hand(row) for b in blocks for row in b]
     printer = Fingerprints()
-    for width in (1, 1 << 18):  # a block per period of the weights, and one block
-        found = torch.cat([printer.of(b.to(device), width) for b in blocks])
-        assert [v & _MASK for v in found.tolist()] == expected
+    for long_rows in (1 << 22, 1000):  # one product; and as longer rows, in steps
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(prints_module, "_LONG_ROWS", long_rows)
+            for width in (1, 1 << 18):  # a block per period of the weights, one block
+                found = torch.cat([printer.of(b.to(device), width) for b in blocks])
+                assert [v & _MASK for v in found.tolist()] == expected
     together = printer.of_many([b.to(device) for b in blocks])
     assert [v & _MASK for v in together.tolist()] == expected
 
