@@ -574,3 +574,36 @@ def test_the_progress_bar_ends_full(case: str, monkeypatch: pytest.MonkeyPatch) 
     assert result.meta.notes["precision"]["ran"] == (case == "ran")
     (done, total), = ended
     assert done == total  # every pass it counted on, and no more
+
+
+def _wide(variant_from: int) -> nn.Sequential:
+    """The variant MLP (batch-variant from ``variant_from`` rows on), then a site of rows
+    too wide for the CPU's queue (measured alone, in blocks of columns)."""
+    torch.manual_seed(0)
+    return nn.Sequential(models.variant_mlp(variant_from), nn.Linear(8, 20_000), nn.Tanh(),
+                         nn.Linear(20_000, 4)).eval()
+
+
+@pytest.mark.parametrize(("samples", "chunk", "variant_from"), [
+    ([3], 1, 2), ([0, 1], 2, 3), ([1, 3, 6], 8, 9)])  # (one pass: from row 3; from row
+# 0; one holding other samples between the compared ones)
+def test_the_float64_replay_stores_run_b_first_with_the_same_figures(
+        samples: list[int], chunk: int, variant_from: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from divtrace.explain import float64
+
+    model, x = _wide(variant_from), torch.randn(10, 16)
+    taken: list[bool] = []
+    usual_order = float64._batched_first
+    monkeypatch.setattr(float64, "_batched_first",
+                        lambda *args: taken.append(usual_order(*args)) or taken[-1])
+    first = run(model, x, samples=samples, a=divtrace.Run(chunk=chunk))
+    monkeypatch.setattr(float64, "_batched_first", lambda *_: False)
+    usual = run(model, x, samples=samples, a=divtrace.Run(chunk=chunk))
+    assert taken == [True]
+    assert first.meta.notes["precision"]["ran"]
+    table = first.table
+    wide = table[table["module_type"] == "Linear"].iloc[-2]  # the 20,000 features
+    assert wide["mismatch"] > 0
+    assert 0 < wide["fp64_rel_l2"] < wide["rel_l2"] * 1e-6
+    assert table.equals(usual.table), table.compare(usual.table)

@@ -9,13 +9,18 @@ cast of anything else to one of them, float64 values), a function asked for a co
 ``dtype=`` computes in float64; every other function runs as it is. The
 sinks of the replay run with it off (:class:`Unmoded`), so divtrace's own work is not
 touched.
+
+:func:`replayed` runs both runs so and measures them against each other. Where one pass
+of run a holds every compared sample, run b's pass is stored first and run a's measured
+against it (:mod:`~divtrace.measure.reversed`): run b's rows fill as its activations are
+freed, instead of run a's float64 rows being all held through run b's batched pass.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -23,10 +28,21 @@ from torch.overrides import TorchFunctionMode
 
 from divtrace.align.sites import Site
 from divtrace.compat import function_mode_off
+from divtrace.explain.held import REL_READS, figures_of
+from divtrace.kinds.kind import Kind
+from divtrace.measure.chunked import compare_stores
+from divtrace.measure.host import Host
+from divtrace.measure.meter import Meter
+from divtrace.measure.reversed import ReversedMeter, within_pass
 from divtrace.record.lineage import InputPart
 from divtrace.record.recorder import Sink, Tracker
+from divtrace.record.rows import RowStore
+from divtrace.record.runner import Runner
 
-__all__ = ["KeptFloat64", "Unmoded"]
+if TYPE_CHECKING:
+    from divtrace.explain.context import Context
+
+__all__ = ["KeptFloat64", "Unmoded", "replayed"]
 
 _CASTS = frozenset({torch.Tensor.to, torch.Tensor.float, torch.Tensor.half,
                     torch.Tensor.bfloat16, torch.Tensor.type, torch.Tensor.type_as})
@@ -91,3 +107,52 @@ class Unmoded(Sink):
     def end_chunk(self) -> bool:
         with function_mode_off(self.mode):
             return bool(self.sink.end_chunk())
+
+
+def replayed(ctx: Context, a: Runner, b: Runner, step: Callable[[], object]
+             ) -> dict[str, float]:
+    """Per site: the rel_l2 of run b's float64 replay ``b`` against run a's ``a`` (both
+    run under :class:`KeptFloat64`; ``step`` after each pass)."""
+    plan = ctx.plan
+    store = ctx.kind.store(plan, list(plan.samples), offload=plan.offload,
+                           learn_lineage=False)
+    host = Host()
+    meter = ctx.meter.over(store, host, REL_READS)  # only what rel_l2 reads
+    size = plan.batch.batch_size
+    other: RowStore | None = None  # run b's rows, when it runs in chunks
+
+    def run(runner: Runner, sink: Sink, chunks: list[tuple[int, int]]) -> None:
+        runner.execute(Unmoded(sink, mode), plan.batch, chunks, lambda _s, _e: runner.name,
+                       step, ctx.check)
+
+    with KeptFloat64() as mode:  # float64 throughout, the model's own casts too
+        if _batched_first(ctx, store, meter):
+            start, stop = plan.a_chunks[0]
+            meter = ReversedMeter(within_pass(store, start), stop - start, host, meter.rtol,
+                                  meter.atol, lineage=False, views=False, reads=REL_READS)
+            run(b, store, [(0, size)])
+            run(a, meter, list(plan.a_chunks))
+            size = stop - start  # the measured sites' shapes are run a's pass's
+        elif plan.b_chunks:
+            other = ctx.kind.store(plan, list(plan.samples), offload=plan.offload,
+                                   learn_lineage=False)
+            run(a, store, list(plan.a_chunks))
+            run(b, other, list(plan.b_chunks))
+        else:
+            run(a, store, list(plan.a_chunks))
+            run(b, meter, [(0, size)])
+    if other is not None:
+        compare_stores(meter, other, size)
+    meter.flush()
+    host.fetch()
+    return {key: rel for key, (_, rel) in figures_of(meter, size).items()}
+
+
+def _batched_first(ctx: Context, store: RowStore, meter: Meter) -> bool:
+    """Whether run b's pass is stored first and run a's measured against it: one pass
+    each, run a's holding every compared sample, kept in a plain row store and measured
+    by a plain meter (a kind with a store, a meter or an adapter of its own keeps the
+    usual order)."""
+    plan = ctx.plan
+    return (len(plan.a_chunks) == 1 and not plan.b_chunks and type(store) is RowStore
+            and type(meter) is Meter and type(ctx.kind).wrap is Kind.wrap)

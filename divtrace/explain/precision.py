@@ -31,15 +31,12 @@ import pandas as pd
 import torch
 
 from divtrace.explain.context import Context
-from divtrace.explain.float64 import KeptFloat64, Unmoded
-from divtrace.explain.held import REL_READS, figures_of
+from divtrace.explain.float64 import replayed
 from divtrace.explain.mixed import first_flagged
 from divtrace.explain.probe import Explained, Findings, Hooks, Judged, Probe, Settings, Spec
 from divtrace.explain.rounding import MODELS, two_models
 from divtrace.explain.view import TableView
-from divtrace.measure.chunked import compare_stores
 from divtrace.measure.fields import INDEX
-from divtrace.measure.host import Host
 from divtrace.plan.runs import Run, made_as
 from divtrace.record.runner import Runner
 from divtrace.words import sci
@@ -160,27 +157,7 @@ class Precision(Probe):
         passes = self._planned = len(plan.a_chunks) + max(1, len(plan.b_chunks))
         ctx.progress.more(passes - _PASSES)
         step = partial(self._step, ctx)
-        store = ctx.kind.store(plan, list(plan.samples), offload=plan.offload,
-                               learn_lineage=False)
-        host = Host()
-        meter = ctx.meter.over(store, host, REL_READS)  # only what rel_l2 reads
-        size = plan.batch.batch_size
-        with KeptFloat64() as mode:  # float64 throughout, the model's own casts too
-            a.execute(Unmoded(store, mode), plan.batch, list(plan.a_chunks),
-                      lambda _s, _e: a.name, step, ctx.check)
-            if plan.b_chunks:
-                other = ctx.kind.store(plan, list(plan.samples), offload=plan.offload,
-                                       learn_lineage=False)
-                b.execute(Unmoded(other, mode), plan.batch, list(plan.b_chunks),
-                          lambda _s, _e: b.name, step, ctx.check)
-            else:
-                b.execute(Unmoded(meter, mode), plan.batch, [(0, size)],
-                          lambda _s, _e: b.name, step, ctx.check)
-        if plan.b_chunks:
-            compare_stores(meter, other, size)
-        meter.flush()
-        host.fetch()
-        self.fp64 = {key: rel for key, (_, rel) in figures_of(meter, size).items()}
+        self.fp64 = replayed(ctx, a, b, step)
         floating = next((p.dtype for p in ctx.a.model.parameters() if p.is_floating_point()),
                         plan.a.dtype or torch.get_default_dtype())
         self.found |= {"ran": True, "runs": not plan.default_pair,
