@@ -117,8 +117,12 @@ def replayed(ctx: Context, a: Runner, b: Runner, step: Callable[[], object]
     store = ctx.kind.store(plan, list(plan.samples), offload=plan.offload,
                            learn_lineage=False)
     host = Host()
-    meter = ctx.meter.over(store, host, REL_READS)  # only what rel_l2 reads
+    first = _batched_first(ctx, store)
     size = plan.batch.batch_size
+    start, stop = plan.a_chunks[0] if first else (0, size)
+    meter = (ReversedMeter(within_pass(store, start), stop - start, host, ctx.meter.rtol,
+                           ctx.meter.atol, lineage=False, views=False, reads=REL_READS)
+             if first else ctx.meter.over(store, host, REL_READS))  # what rel_l2 reads
     other: RowStore | None = None  # run b's rows, when it runs in chunks
 
     def run(runner: Runner, sink: Sink, chunks: list[tuple[int, int]]) -> None:
@@ -126,13 +130,9 @@ def replayed(ctx: Context, a: Runner, b: Runner, step: Callable[[], object]
                        step, ctx.check)
 
     with KeptFloat64() as mode:  # float64 throughout, the model's own casts too
-        if _batched_first(ctx, store, meter):
-            start, stop = plan.a_chunks[0]
-            meter = ReversedMeter(within_pass(store, start), stop - start, host, meter.rtol,
-                                  meter.atol, lineage=False, views=False, reads=REL_READS)
+        if first:
             run(b, store, [(0, size)])
             run(a, meter, list(plan.a_chunks))
-            size = stop - start  # the measured sites' shapes are run a's pass's
         elif plan.b_chunks:
             other = ctx.kind.store(plan, list(plan.samples), offload=plan.offload,
                                    learn_lineage=False)
@@ -145,14 +145,15 @@ def replayed(ctx: Context, a: Runner, b: Runner, step: Callable[[], object]
         compare_stores(meter, other, size)
     meter.flush()
     host.fetch()
-    return {key: rel for key, (_, rel) in figures_of(meter, size).items()}
+    # (the measured sites' shapes are those of the pass the meter saw: its rows)
+    return {key: rel for key, (_, rel) in figures_of(meter, meter.batch).items()}
 
 
-def _batched_first(ctx: Context, store: RowStore, meter: Meter) -> bool:
+def _batched_first(ctx: Context, store: RowStore) -> bool:
     """Whether run b's pass is stored first and run a's measured against it: one pass
     each, run a's holding every compared sample, kept in a plain row store and measured
     by a plain meter (a kind with a store, a meter or an adapter of its own keeps the
     usual order)."""
     plan = ctx.plan
     return (len(plan.a_chunks) == 1 and not plan.b_chunks and type(store) is RowStore
-            and type(meter) is Meter and type(ctx.kind).wrap is Kind.wrap)
+            and type(ctx.meter) is Meter and type(ctx.kind).wrap is Kind.wrap)

@@ -17,18 +17,9 @@ from divtrace.measure.measured import CallRecord, LeafCall, Measured
 from divtrace.measure.pair import pair_fields
 from divtrace.measure.printbatch import SitePrints
 from divtrace.measure.prints import Fingerprints
-from divtrace.measure.queue import (
-    QUEUE_WIDTH,
-    FusedQueue,
-    StatsQueue,
-    WideQueue,
-    budget_for,
-)
+from divtrace.measure.queue import QUEUE_WIDTH, FusedQueue, StatsQueue, WideQueue, budget_for
 from divtrace.measure.scale import WIDE, common
-from divtrace.measure.stats import (
-    lower_precision,
-    tolerances,
-)
+from divtrace.measure.stats import lower_precision, tolerances
 from divtrace.record.lineage import InputPart, Origin, input_parts
 from divtrace.record.oplineage import per_sample
 from divtrace.record.recorder import Sink, Tracker, writes
@@ -305,7 +296,14 @@ class Meter(Sink):
         n = rows.shape[0]  # (stored rows: the compared samples first)
         picked = self.store.pick(tensor)  # a copy: later ops cannot change it
         rtol, atol = self._tolerances(tensor.dtype)
-        return queue.add(picked.reshape(n, -1), rows.reshape(n, -1), rtol, atol), picked
+        return queue.add(*self._roles(picked.reshape(n, -1), rows.reshape(n, -1)), rtol,
+                         atol), picked
+
+    def _roles(self, live: torch.Tensor, stored: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pair of blocks as the fields take them, the measured run's rows first: the
+        pass's rows (``live``), then the stored ones."""
+        return live, stored
 
     def queued_pair(self, b: torch.Tensor, r: torch.Tensor) -> Deferred | None:
         """The fields of one ``[rows, elements]`` pair (``b``: the measured run's rows, a
@@ -334,7 +332,7 @@ class Meter(Sink):
         per_run = []
         for (slot, _, n), b in zip(self._runs, self.rows(tensor, self._runs), strict=True):
             r = rows if n == rows.shape[0] else rows.narrow(0, slot, n)
-            per_run.append(self.pair_stats(b.reshape(n, -1), r.reshape(n, -1)))
+            per_run.append(self.pair_stats(*self._roles(b.reshape(n, -1), r.reshape(n, -1))))
         found = per_run[0] if len(per_run) == 1 else torch.cat(per_run)
         return common(found) if tensor.dtype in WIDE else found
 

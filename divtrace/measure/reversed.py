@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from divtrace.measure.host import Deferred
 from divtrace.measure.meter import Meter
-from divtrace.measure.queue import QUEUE_WIDTH
 from divtrace.record.rows import RowStore
 
 __all__ = ["ReversedMeter", "within_pass"]
@@ -37,17 +35,7 @@ class ReversedMeter(Meter):
     """A :class:`Meter` over the measured run's stored rows, driven by a pass of the
     reference run (``batch``: its rows; ``store``: see :func:`within_pass`)."""
 
-    def _queued(self, tensor: torch.Tensor, rows: torch.Tensor
-                ) -> tuple[Deferred | None, torch.Tensor | None]:
-        queue = self._queue_of(tensor.dtype, rows, QUEUE_WIDTH)
-        if queue is None:
-            return None, None
-        n = rows.shape[0]
-        picked = self.store.pick(tensor)  # a copy: later ops cannot change it
-        rtol, atol = self._tolerances(tensor.dtype)
-        return queue.add(rows.reshape(n, -1), picked.reshape(n, -1), rtol, atol), picked
-
-    def pair_stats(self, b: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        """The fields of the stored rows (``r`` here: the measured run's) against the
-        pass's (``b``: the reference run's), in :class:`Meter`'s roles."""
-        return super().pair_stats(r, b)
+    def _roles(self, live: torch.Tensor, stored: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored rows first: they are the measured run's."""
+        return stored, live
