@@ -159,6 +159,10 @@ def test_queued_sites_get_exactly_the_fields_each_gets_alone() -> None:
             b[0, :3] = torch.tensor([math.nan, math.inf, -0.0])
             r[1, 1] = math.nan
         pairs.append((queue.add(b, r.clone(), 1.3e-6, 1e-5), b, r))
+    for same in (False, True, False):  # a part of one pair each: measured where they lie
+        b = torch.randn(2, 140_000, generator=generator)
+        r = b.clone() if same else b + 1e-6 * torch.randn(2, 140_000, generator=generator)
+        pairs.append((queue.add(b, r, 1.3e-6, 1e-5), b, r))
     host.fetch()
     for place, b, r in pairs:
         alone = block_stats(b, r, 1.3e-6, 1e-5).numpy()

@@ -58,6 +58,9 @@ _WIDE_ELEMENTS = 1 << 18
 #: what they cost).
 FUSED_ELEMENTS = 1 << 20
 
+#: The alignment in bytes of the start of a block the CPU's allocator makes.
+_ALIGNED = 64
+
 _Pairs = list[tuple[Deferred, torch.Tensor, torch.Tensor]]
 
 
@@ -124,11 +127,12 @@ class StatsQueue(_Queue):
         return self._add((b.dtype, rtol, atol, b.shape[1], same), b, r)
 
     def _measure(self, key: tuple[Any, ...], pairs: _Pairs) -> None:
-        dtype, rtol, atol, _width, _same = key
+        dtype, rtol, atol, _width, same = key
         for part in _parts(pairs):
-            measured = torch.cat([b for _, b, _ in part])
-            reference = torch.cat([r for _, _, r in part])
-            fields = block_stats(measured, reference, rtol, atol, self.reads)
+            measured = _joined([b for _, b, _ in part])
+            reference = _joined([r for _, _, r in part])
+            # (every pair of a group was found bit-identical, or every pair not)
+            fields = block_stats(measured, reference, rtol, atol, self.reads, same)
             # float64: rows beyond the squares' range measured again at their scale (row
             # by row, as alone), then each such site's rows brought to one scale
             scaled = dtype in WIDE and bool((fields := rescaled(
@@ -142,6 +146,15 @@ class StatsQueue(_Queue):
                 else:
                     self.host.put(place, fields, rows)
                 at += b.shape[0]
+
+
+def _joined(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """Blocks one after the other in one tensor; a block alone as it is where it lies as
+    a copy of it would (contiguous, its start aligned as the CPU's allocator aligns)."""
+    if len(blocks) == 1 and blocks[0].is_contiguous() and (
+            blocks[0].data_ptr() % _ALIGNED == 0):
+        return blocks[0]
+    return torch.cat(blocks)
 
 
 def _parts(pairs: _Pairs, elements: int = _FLUSH_ELEMENTS) -> list[_Pairs]:

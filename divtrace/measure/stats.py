@@ -44,18 +44,21 @@ def lower_precision(a: torch.dtype, b: torch.dtype) -> torch.dtype:
 
 
 def block_stats(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float,
-                reads: frozenset[str] | None = None) -> torch.Tensor:
+                reads: frozenset[str] | None = None, same: bool | None = None
+                ) -> torch.Tensor:
     """Per-row statistics of two ``[rows, elements]`` blocks, as ``[rows, len(FIELDS)]``.
 
     Integer and bool tensors get the fields that have an ``exact`` rule (mismatch);
     the others are NaN. ``reads``: the only fields computed (the others NaN; None: all),
-    each exactly as with all of them.
+    each exactly as with all of them. ``same``: on the CPU, whether the blocks are
+    bit-identical (``torch.equal``), when the caller knows already (None: asked here).
     """
     block = Block(b, r, rtol, atol)
     if not b.is_floating_point() and not b.is_complex():
         nan = torch.full((b.shape[0],), math.nan, dtype=F64, device=b.device)
         return torch.stack([nan if f.exact is None else f.exact(block) for f in FIELDS], 1)
-    if block.host and b.dtype != torch.complex32 and torch.equal(b, r):  # bit-identical:
+    if block.host and b.dtype != torch.complex32 and (
+            torch.equal(b, r) if same is None else same):  # bit-identical:
         # one pass, most fields zero (torch.equal takes no complex32)
         zero = torch.zeros(b.shape[0], dtype=F64)
         return torch.stack([zero if f.same is None else f.same(block) for f in FIELDS], 1)
