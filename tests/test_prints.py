@@ -84,13 +84,14 @@ def test_rows_that_do_not_start_on_a_word() -> None:
 
 def _blocks(device: str) -> list[torch.Tensor]:
     """Blocks of many lengths and dtypes: short, empty, beyond a period of the weights,
-    rows that do not start on a word, rows of several samples."""
+    rows that do not start on a word, rows of several samples, rows not side by side."""
     generator = torch.Generator().manual_seed(1)
     made = [torch.randn(1, n, generator=generator) for n in (3, 17, 1, 0, 40_000, 65_541)]
     made += [torch.randn(3, 7, generator=generator).to(torch.bfloat16),
              torch.randn(2, 5, generator=generator).double(),
              torch.randn(1, 70_001, generator=generator)[:, 1:], torch.randn(2, 0),
              torch.randint(0, 9, (2, 11), generator=generator)]
+    made.append(torch.randn(4, 6, generator=generator).t())  # rows not side by side
     return [b.to(device) for b in made]
 
 
