@@ -213,6 +213,8 @@ class Meter(Sink):
         """The rows of a whole-batch ``tensor`` in each run ``(slot, row, n)`` of samples,
         batch dimension first (views, where the batch dimension is the first)."""
         dim = self.store.batch_dim % tensor.dim()
+        if not dim:  # (a move to where it is would still be an op)
+            return [tensor.narrow(0, row, n) for _, row, n in runs]
         return [tensor.narrow(dim, row, n).movedim(dim, 0) for _, row, n in runs]
 
     def _repeated(self, key: str, tensor: torch.Tensor, wrote: int) -> Measured | None:

@@ -78,19 +78,24 @@ class PrintBatch:
         """The fingerprints of waiting sites on one device, handed to ``done``."""
         blocks = [b for found, _ in waiting if isinstance(found, list) for b in found]
         made = self._of(blocks) if blocks else None
-        parts, spans, at, taken = [], [], 0, 0
+        spans, at = [], 0
         for found, tag in waiting:
+            n = sum(b.shape[0] for b in found) if isinstance(found, list) else len(found)
+            spans.append((tag, at, at + n))
+            at += n
+        if made is not None and len(made) == at:  # every site's made together
+            self.done(made, spans)
+            return
+        parts, taken = [], 0  # in the sites' order: made together, or at once
+        for found, _ in waiting:
             if isinstance(found, list):  # its rows' span of the ones made together
                 assert made is not None
                 n = sum(b.shape[0] for b in found)
                 parts.append(made[taken:taken + n])
                 taken += n
-            else:  # made at once
-                n = len(found)
+            else:
                 parts.append(found)
-            spans.append((tag, at, at + n))
-            at += n
-        self.done(made if made is not None and taken == at else torch.cat(parts), spans)
+        self.done(torch.cat(parts), spans)
 
     def _of(self, blocks: list[torch.Tensor]) -> torch.Tensor:
         return self.printer.of_many(blocks) if len(blocks) > 1 else self.printer.of(blocks[0])

@@ -100,7 +100,8 @@ class PrintCheck(Sink):
             if rows is None:
                 rows = self._rows[tensor.device] = upload(torch.tensor(self.held),
                                                           tensor.device)
-            return [tensor.index_select(dim, rows).movedim(dim, 0)], True
+            picked = tensor.index_select(dim, rows)
+            return [picked.movedim(dim, 0) if dim else picked], True
         assert measured.part_shapes is not None
         shapes = [measured.part_shapes[i] for i in self._at]
         cut = getattr(self.meter, "part_of", None)

@@ -200,7 +200,8 @@ class RowStore(Sink):
                 self._watched.append((tensor, version(tensor), wrote, site.key))
             return
         for slot, row, n in self._runs:
-            rows.narrow(0, slot, n).copy_(tensor.narrow(dim, row, n).movedim(dim, 0),
+            part = tensor.narrow(dim, row, n)
+            rows.narrow(0, slot, n).copy_(part.movedim(dim, 0) if dim else part,
                                           self.offload)
 
     def _shares(self, site: Site, stored: StoredRows | None, tensor: torch.Tensor,
