@@ -294,7 +294,8 @@ def made_as(model: nn.Module, device: torch.device | str | None, dtype: torch.dt
                 parameter or (type(tensor) is torch.Tensor and not tensor.requires_grad
                               and not tensor.__dict__)):
             continue
-        made = tensor.detach().to(device=target, dtype=dtype)
+        with torch.no_grad():  # (as a detached tensor would give it, in one op)
+            made = tensor.to(device=target, dtype=dtype)
         if made.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
             continue  # already so: deepcopy copies it
         memo[id(tensor)] = nn.Parameter(made, tensor.requires_grad) if parameter else made

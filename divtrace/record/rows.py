@@ -201,8 +201,8 @@ class RowStore(Sink):
             return
         for slot, row, n in self._runs:
             part = tensor.narrow(dim, row, n)
-            rows.narrow(0, slot, n).copy_(part.movedim(dim, 0) if dim else part,
-                                          self.offload)
+            target = rows if n == len(rows) else rows.narrow(0, slot, n)
+            target.copy_(part.movedim(dim, 0) if dim else part, self.offload)
 
     def _shares(self, site: Site, stored: StoredRows | None, tensor: torch.Tensor,
                 row_shape: tuple[int, ...], wrote: int) -> bool:
