@@ -197,6 +197,62 @@ def test_samples_that_are_all_alike_are_shifted_and_masks_alone_cannot_be() -> N
     assert unchanged == [1, 2, 3]
 
 
+def test_the_groups_replaced_in_turn_are_each_groups_alone_after_one_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every group's batch, made as asked for after one read of all their flags, is the
+    one ``replaced`` makes for that group alone: held rows, masks, a tensor given twice,
+    rows all alike (shifted, read again) and a batch of only masks."""
+    from divtrace.plan import replace
+
+    x = torch.randn(6, 3)
+    x[4] = x[0]  # row 4 takes row 0's values where 0 is held: equal still, shifted
+    ids = torch.randint(2, 50, (6, 4))
+    mask = torch.ones(6, 4, dtype=torch.long)
+    mask[1, 2:] = 0
+    groups = [[0, 3], [1], [0, 2, 5], list(range(6))]
+    reads: list[int] = []
+    read = replace._read
+
+    def counted(flags: list[torch.Tensor]) -> list[list[bool]]:
+        reads.append(1)
+        return read(flags)
+
+    for given in ({"x": x, "ids": ids, "mask": mask, "again": x}, torch.ones(6, 3),
+                  torch.ones(6, 2, dtype=torch.bool)):
+        batch = prepare_input(given)
+        alone = [batch.replaced(group) for group in groups]
+        reads.clear()
+        monkeypatch.setattr(replace, "_read", counted)
+        made = list(batch.replacements(groups))
+        monkeypatch.setattr(replace, "_read", read)
+        for (one, unchanged), (other, left) in zip(made, alone, strict=True):
+            assert unchanged == left
+            assert all(torch.equal(a, b) for a, b in zip(one.leaves, other.leaves,
+                                                         strict=True))
+        shifted = sum(1 for other, _ in alone if other is not batch and torch.equal(
+            other.leaves[0][4], batch.leaves[0][4] + 1))  # (rows made equal, read again)
+        assert len(reads) == 1 + shifted, (reads, shifted)
+    assert made[0][1] == [1, 2, 4, 5]  # only masks: nothing could be made to differ
+
+
+def test_the_tests_passes_wait_for_the_device_once_for_every_group(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from divtrace.plan import replace
+
+    reads = []
+    read = replace._read
+    monkeypatch.setattr(replace, "_read", lambda flags: reads.append(1) or read(flags))
+    x = torch.randn(8, 16)
+    result = run(models.variant_mlp(), x, explain=["-precision"])
+    assert result.meta.notes["independence"]["groups"] == 5
+    assert len(reads) == 1, reads
+    assert not dependent(result)
+    reads.clear()  # where rows moved, each moving group's batch is made again, alone
+    result = run(planted(1e-4), x, explain=["-precision"])
+    assert dependent(result)
+    assert len(reads) == 1 + 5, reads
+
+
 def test_prompts_keep_their_lengths_and_masks() -> None:
     prompts = divtrace.Prompts([torch.tensor([5, 6, 7]), torch.tensor([8]),
                                 torch.tensor([9, 9])])

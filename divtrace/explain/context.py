@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -98,6 +98,11 @@ class Context:
         valid data, as the kind lays it out (:meth:`Kind.held`), and the rows that could
         not be made to differ."""
         return self.kind.held(self.plan, group)
+
+    def held_each(self, groups: list[list[int]]) -> Iterator[tuple[BatchedInput, list[int]]]:
+        """:meth:`held` for each group in turn, made as asked for (:meth:`Kind.held_each`:
+        one wait for the device for all of them)."""
+        return self.kind.held_each(self.plan, groups)
 
     def moved(self, group: list[int], batch: BatchedInput, host: Host,
               label: str = "") -> dict[str, Deferred]:

@@ -99,8 +99,7 @@ class Independence(Probe):
         held = groups(list(plan.samples))
         ctx.progress.more(len(held) - 1)
         host, checks, unchanged_rows = Host(), [], set()
-        for group in held:
-            batch, unchanged = ctx.held(group)
+        for group, (batch, unchanged) in zip(held, ctx.held_each(held), strict=True):
             if len(unchanged) == size - len(group):
                 ctx.progress.advance()
                 continue  # no other row could be given other values

@@ -11,7 +11,7 @@ run against the split run; a kind overrides what it does differently.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -124,6 +124,16 @@ class Kind:
         the same shapes; and the rows that could not be made to differ."""
         return plan.batch.replaced(group)
 
+    def held_each(self, plan: Plan, groups: list[list[int]]
+                  ) -> Iterator[tuple[BatchedInput, list[int]]]:
+        """:meth:`held` for each of the independence test's groups in turn, made as the
+        test asks for it: the batch's own :meth:`~BatchedInput.replacements` (one wait for
+        the device for every group) where :meth:`held` is this class's, else :meth:`held`
+        group by group."""
+        if type(self).held is not Kind.held:  # a kind's own layout
+            return (self.held(plan, group) for group in groups)
+        return plan.batch.replacements(groups)
+
     def around(self, which: str) -> AbstractContextManager[Any]:
         """A context around each pass of run ``which`` (``"a"`` or ``"b"``)."""
         return nullcontext()
@@ -165,3 +175,9 @@ class Paired(Kind):
 
     def held(self, plan: Plan, group: list[int]) -> tuple[BatchedInput, list[int]]:
         return self.rows.held(plan, group)
+
+    def held_each(self, plan: Plan, groups: list[list[int]]
+                  ) -> Iterator[tuple[BatchedInput, list[int]]]:
+        if type(self).held is not Paired.held:  # a kind's own layout
+            return (self.held(plan, group) for group in groups)
+        return self.rows.held_each(plan, groups)

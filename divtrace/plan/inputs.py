@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import operator
 import warnings
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -12,7 +12,7 @@ import torch
 
 from divtrace.compat import pytree
 from divtrace.errors import DivtraceTypeError, DivtraceValueError, DivtraceWarning
-from divtrace.plan.replace import replaced
+from divtrace.plan.replace import replaced, replacements
 
 __all__ = ["BatchDim", "BatchedInput", "Driver", "each_once", "prepare_input"]
 
@@ -115,6 +115,11 @@ class BatchedInput:
         that could not be made to differ (see :func:`divtrace.plan.replace.replaced`)."""
         return replaced(self, fixed)
 
+    def replacements(self, groups: list[list[int]]) -> Iterator[tuple[BatchedInput, list[int]]]:
+        """:meth:`replaced` of each group in turn, one wait for the device for all of them
+        (see :func:`divtrace.plan.replace.replacements`)."""
+        return replacements(self, groups)
+
     def whole(self, copy: bool = False) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``(args, kwargs)`` exactly as the user gave them (or copies of them)."""
         return self.rows(0, self.batch_size, copy)
@@ -147,8 +152,7 @@ def _split_x(x: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if bad:
             raise DivtraceTypeError(
                 f"x is a dict, so its keys must be the model's keyword argument names "
-                f"(str); got the key(s) {bad!r}"
-            )
+                f"(str); got the key(s) {bad!r}")
         return (), dict(x)
     if isinstance(x, list) and x and all(isinstance(v, torch.Tensor) for v in x):
         raise DivtraceTypeError(_list_message(x))
@@ -169,8 +173,7 @@ def _split_x(x: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
             f"inputs only: next(iter(loader))[0])")
     raise DivtraceTypeError(
         f"x must be a tensor, a tuple of positional arguments or a dict of keyword "
-        f"arguments; got {type(x).__name__}. Wrap a single non-tensor argument as (x,)"
-    )
+        f"arguments; got {type(x).__name__}. Wrap a single non-tensor argument as (x,)")
 
 
 def _key(entry: Any) -> str:
@@ -258,8 +261,7 @@ def _auto_dims(leaves: list[Any], names: list[str], batch_dim: int, stacklevel: 
         shapes = ", ".join(str(tuple(t.shape)) for _, t in tensors)
         raise DivtraceValueError(
             f"no tensor in x has a batch dimension {batch_dim} (shapes: {shapes}); "
-            f"add one, e.g. x.unsqueeze(0), or pass batch_dim="
-        )
+            f"add one, e.g. x.unsqueeze(0), or pass batch_dim=")
     first = batched[0][1]
     size = first.shape[batch_dim]
     dims: list[int | None] = [None] * len(leaves)
@@ -326,8 +328,7 @@ def prepare_input(x: Any, batch_dim: BatchDim = 0, stacklevel: int = 3) -> Batch
     if not any(isinstance(t, torch.Tensor) for t in leaves):
         raise DivtraceValueError(
             "x holds no tensor, so there is no batch to split; pass the model's input "
-            "tensor(s) as x"
-        )
+            "tensor(s) as x")
     names = _names(x, args, kwargs)
     requested = _requested(x, args, kwargs, batch_dim)
     if requested is None:
@@ -344,6 +345,5 @@ def prepare_input(x: Any, batch_dim: BatchDim = 0, stacklevel: int = 3) -> Batch
         raise DivtraceValueError(
             f"the batch has {size} sample(s) at batch_dim={out_dim}; comparing a batched "
             f"run with a split run needs at least 2. Pass a larger batch, or the right "
-            f"batch_dim"
-        )
+            f"batch_dim")
     return BatchedInput(tuple(leaves), spec, tuple(dims), tuple(names), size, out_dim)

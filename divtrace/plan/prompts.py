@@ -4,7 +4,7 @@ padded among its chunk) for the split run, as a language model serves them."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -229,6 +229,11 @@ class RaggedInput(BatchedInput):
 
     def select(self, rows: list[int]) -> BatchedInput:
         return ragged_input(self.source.like([self.source.prompts[i] for i in rows]))
+
+    def replacements(self, groups: list[list[int]]) -> Iterator[tuple[BatchedInput, list[int]]]:
+        """:meth:`replaced` for each group in turn, as the caller asks for it (its checks
+        are the prompts' own, group by group)."""
+        return (self.replaced(fixed) for fixed in groups)
 
     def replaced(self, fixed: list[int]) -> tuple[BatchedInput, list[int]]:
         """The same prompts, every one but ``fixed`` given other tokens of the same

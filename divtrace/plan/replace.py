@@ -3,6 +3,7 @@ valid data, the shapes kept."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -13,10 +14,11 @@ from divtrace.devices import upload
 if TYPE_CHECKING:
     from divtrace.plan.inputs import BatchedInput
 
-__all__ = ["replaced"]
+__all__ = ["flags_for", "replaced", "replacements"]
 
 
-def replaced(batch: BatchedInput, fixed: list[int]) -> tuple[BatchedInput, list[int]]:
+def replaced(batch: BatchedInput, fixed: list[int], found: list[list[bool]] | None = None
+             ) -> tuple[BatchedInput, list[int]]:
     """The same batch, every row but ``fixed`` given other valid data, and the rows
     that could not be made to differ from what they were.
 
@@ -26,11 +28,72 @@ def replaced(batch: BatchedInput, fixed: list[int]) -> tuple[BatchedInput, list[
     tensor of ids likewise; a mask (bool, or only 0 and 1) is kept, so that the
     model takes the same code path. A row that still equals what it was (samples
     that are all alike) is shifted: ``+ 1`` for floats, the next id for integers.
+    ``found``: what :func:`flags_for` read for ``fixed`` (None: read here, a wait for
+    the device).
     """
+    made = _made(batch, fixed)
+    if made is None:
+        return batch, []
+    others, work, index = made
+    flags = _read([f for *_, f in work]) if found is None else found
+    leaves, unchanged = list(batch.leaves), set(others)
+    for (i, new, dim, _), flagged in zip(work, flags, strict=True):
+        if flagged[0]:  # a mask: kept, so that the model takes the same code path
+            continue
+        same = [row for row, equal in zip(others, flagged[1:], strict=True) if equal]
+        if same:
+            rows = _upload_indices(same, new.device)
+            new.index_copy_(dim, rows, _shifted(new.index_select(dim, rows),
+                                                batch.leaves[i]))
+            again = _read([_equal_rows(new, batch.leaves[i], dim, rows)])[0]
+            same = [row for row, equal in zip(same, again, strict=True) if equal]
+        unchanged &= set(same)
+        leaves[i] = new
+    for i, (leaf, given) in enumerate(zip(batch.leaves, batch.dims, strict=True)):
+        if given is not None and (id(leaf), given) in index:  # the same tensor again
+            leaves[i] = leaves[work[index[id(leaf), given]][0]]
+    return replace(batch, leaves=tuple(leaves)), sorted(unchanged)
+
+
+def replacements(batch: BatchedInput, groups: list[list[int]]
+                 ) -> Iterator[tuple[BatchedInput, list[int]]]:
+    """:func:`replaced` for each group of ``fixed`` rows in turn, made as the caller asks
+    for it (one group's tensors at a time), after one wait for the device for all of them
+    (:func:`flags_for`) instead of one before each."""
+    for fixed, found in zip(groups, flags_for(batch, groups), strict=True):
+        yield replaced(batch, fixed, found)
+
+
+def flags_for(batch: BatchedInput, groups: list[list[int]]) -> list[list[list[bool]]]:
+    """What :func:`replaced` reads for each group of ``fixed`` rows, read for every group
+    in one wait for the device (made before the passes that follow, that wait is not one
+    for their work), each group's replaced tensors let go as soon as made."""
+    flags: list[torch.Tensor] = []
+    counts = []
+    for fixed in groups:
+        made = _made(batch, fixed)
+        found = [] if made is None else [f for *_, f in made[1]]
+        flags += found
+        counts.append(len(found))
+        del made  # (its replaced tensors: one group's at a time)
+    read, at, out = _read(flags), 0, []
+    for count in counts:
+        out.append(read[at:at + count])
+        at += count
+    return out
+
+
+def _made(batch: BatchedInput, fixed: list[int]) -> tuple[
+        list[int], list[tuple[int, torch.Tensor, int, torch.Tensor]],
+        dict[tuple[int, int], int]] | None:
+    """The rows to replace; per batched tensor (once, however often given), its leaf,
+    its replaced copy, its batch dimension and the flags to read (whether it is a mask,
+    then per replaced row whether it is equal still); and each tensor's place among
+    them. None when every row is fixed."""
     size = batch.batch_size
     others = [row for row in range(size) if row not in set(fixed)]
     if not others:
-        return batch, []
+        return None
     source = list(range(size))
     for n, row in enumerate(others):
         source[row] = fixed[n % len(fixed)]
@@ -48,24 +111,7 @@ def replaced(batch: BatchedInput, fixed: list[int]) -> tuple[BatchedInput, list[
         made[id(leaf), dim] = len(work)
         work.append((i, new, dim, torch.cat([_mask_flag(leaf).reshape(1),
                                              _equal_rows(new, leaf, dim, rows)])))
-    flags = _read([f for *_, f in work])  # the one wait for the host
-    leaves, unchanged = list(batch.leaves), set(others)
-    for (i, new, dim, _), found in zip(work, flags, strict=True):
-        if found[0]:  # a mask: kept, so that the model takes the same code path
-            continue
-        same = [row for row, equal in zip(others, found[1:], strict=True) if equal]
-        if same:
-            rows = _upload_indices(same, new.device)
-            new.index_copy_(dim, rows, _shifted(new.index_select(dim, rows),
-                                                batch.leaves[i]))
-            again = _read([_equal_rows(new, batch.leaves[i], dim, rows)])[0]
-            same = [row for row, equal in zip(same, again, strict=True) if equal]
-        unchanged &= set(same)
-        leaves[i] = new
-    for i, (leaf, dim) in enumerate(zip(batch.leaves, batch.dims, strict=True)):
-        if dim is not None and (id(leaf), dim) in made:  # the same tensor given again
-            leaves[i] = leaves[work[made[id(leaf), dim]][0]]
-    return replace(batch, leaves=tuple(leaves)), sorted(unchanged)
+    return others, work, made
 
 
 def _read(flags: list[torch.Tensor]) -> list[list[bool]]:
