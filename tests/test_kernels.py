@@ -40,7 +40,7 @@ print("fused == eager")
 PRINTS = r"""
 import torch
 from divtrace.measure import printkernels as kernels
-from divtrace.measure.prints import _PERIOD, Fingerprints, _words
+from divtrace.measure.prints import _PERIOD, Fingerprints, _rows_at, _words
 g = torch.Generator().manual_seed(0)
 for shape in [(3, 5), (2, 4096), (2, 70_001), (1, 2 * _PERIOD + 3)]:
     rows = torch.randn(shape, generator=g)
@@ -58,6 +58,15 @@ eager = torch.cat([Fingerprints().of(b) for b in blocks])
 words = [_words(b.reshape(b.shape[0], -1)) for b in blocks]
 many = kernels.fused_many_prints(words + [torch.empty(2, 0, dtype=torch.int64)], _PERIOD)
 assert torch.equal(many[:-2], eager) and not many[-2:].any(), (many, eager)
+# each row where it lies (a contiguous block of whole words), else a copy of its words
+blocks += [torch.randn(2, 6, generator=g).double(), torch.randn(4, 6, generator=g).t(),
+           torch.randn(3, 0), torch.randn(2, 9, generator=g)[:, 1:]]
+eager = torch.cat([Fingerprints().of(b) for b in blocks])
+held = []
+records = [r for b in blocks for r in _rows_at(b, held)]
+assert len(held) == 8, len(held)  # (copied: rows not of whole words, rows that do not
+#   start on a word, rows not side by side; the 40,000 and the float64 rows where they lie)
+assert torch.equal(kernels.prints_at(records, torch.device("cpu"), _PERIOD), eager)
 print("prints == eager")
 """
 

@@ -16,7 +16,7 @@ if AVAILABLE:
     import triton
     import triton.language as tl
 
-__all__ = ["fused_many_prints", "fused_prints"]
+__all__ = ["fused_many_prints", "fused_prints", "prints_at"]
 
 if AVAILABLE:
 
@@ -73,13 +73,20 @@ def fused_prints(words: torch.Tensor, period: int) -> torch.Tensor:
 
 def fused_many_prints(blocks: list[torch.Tensor], period: int) -> torch.Tensor:
     """Fingerprints of the rows of several ``[rows, words]`` int64 blocks, one after the
-    other, as :func:`fused_prints` gives them block by block: one launch for every row's
-    blocks of words, and one sum of each row's (integers: in any order the same). The
+    other, as :func:`fused_prints` gives them block by block (see :func:`prints_at`). The
     caller keeps the blocks alive until the launch has run (it is stream-ordered)."""
     device = blocks[0].device
     blocks = [b if b.stride(1) == 1 else b.contiguous() for b in blocks]
-    records = [(b.data_ptr() + i * b.stride(0) * 8, b.shape[1]) for b in blocks
-               for i in range(b.shape[0])]
+    return prints_at([(b.data_ptr() + i * b.stride(0) * 8, b.shape[1]) for b in blocks
+                      for i in range(b.shape[0])], device, period)
+
+
+def prints_at(records: list[tuple[int, int]], device: torch.device, period: int
+              ) -> torch.Tensor:
+    """Fingerprints of rows each named by a record (the address of its words on
+    ``device``, their count): one launch for every row's blocks of words, and one sum of
+    each row's (integers: in any order the same). The caller keeps the rows alive until
+    the launch has run (it is stream-ordered)."""
     counts = np.array([max(1, -(-n // BLOCK)) for _, n in records], dtype=np.int64)
     row_of = np.repeat(np.arange(len(records), dtype=np.int64), counts)
     block_of = np.arange(len(row_of), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts,

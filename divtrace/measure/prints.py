@@ -65,6 +65,23 @@ def _words(flat: torch.Tensor) -> torch.Tensor:
     return padded.view(torch.int64)
 
 
+def _rows_at(block: torch.Tensor, held: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """Each row of a ``[k, ...]`` block as (the address of its words, their count): where
+    it lies when the block is contiguous and its rows are whole words starting on a word,
+    else in a copy by :func:`_words`, kept in ``held`` (empty rows: no words)."""
+    k = block.shape[0]
+    if not block.numel():
+        return [(0, 0)] * k
+    size = block.numel() // k * block.element_size()  # bytes a row
+    if size % 8 == 0 and block.data_ptr() % 8 == 0 and block.is_contiguous():
+        start = block.data_ptr()
+        return [(start + i * size, size // 8) for i in range(k)]
+    words = _words(block.reshape(k, -1))
+    held.append(words)
+    start, step = words.data_ptr(), words.stride(0) * 8
+    return [(start + i * step, words.shape[1]) for i in range(k)]
+
+
 def _dot(words: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Each row of ``words`` times ``weights``, summed along the row: on the CPU one
     matrix product (no temporary of the words' size; int64 products wrap modulo 2**64, so
@@ -134,10 +151,9 @@ class Fingerprints:
         the rows (a few operations per length of row)."""
         device = blocks[0].device
         if device.type == "cuda" and fused.AVAILABLE:
-            return printkernels.fused_many_prints(
-                [_words(b.reshape(b.shape[0], -1)) if b.numel() else torch.empty(
-                    b.shape[0], 0, dtype=torch.int64, device=device) for b in blocks],
-                _PERIOD)
+            held: list[torch.Tensor] = []  # copies, alive until the launch is queued
+            return printkernels.prints_at([r for b in blocks for r in _rows_at(b, held)],
+                                          device, _PERIOD)
         found: list[torch.Tensor | None] = [None] * len(blocks)
         alike: dict[int, list[int]] = {}  # blocks by the words of their rows
         for i, b in enumerate(blocks):
