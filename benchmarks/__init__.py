@@ -9,6 +9,7 @@ measured in one process, interleaved, as medians:
   (probes, resources), optionally beside an older checkout (``--old``);
 - ``sites``: models with hundreds of small sites, with the least that module hooks cost;
 - ``parts``: where the time of one ``compare()`` goes, stage by stage;
+- ``ops``: the ops (dispatches) of one ``compare()``, by divtrace's function that made them;
 - ``lm``: language models — op sites, prompts of different lengths, generation;
 - ``backward``: one backward over the batch against gradient accumulation;
 - ``tables``: no figure changes — every table equal to an older checkout's.

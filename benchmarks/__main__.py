@@ -5,9 +5,10 @@ from __future__ import annotations
 import importlib
 import sys
 
-SUITES = ("floor", "overhead", "sites", "parts", "lm", "backward", "tables")
+SUITES = ("floor", "overhead", "sites", "parts", "ops", "lm", "backward", "tables")
 #: Suites that live in another suite's module: (module, function).
-_ENTRIES = {"parts": ("sites", "parts_main"), "floor": ("overhead", "floor_main")}
+_ENTRIES = {"parts": ("sites", "parts_main"), "ops": ("sites", "ops_main"),
+            "floor": ("overhead", "floor_main")}
 
 
 def main(argv: list[str]) -> int:

@@ -43,7 +43,10 @@ import argparse
 import copy
 import importlib
 import json
+import os
 import statistics
+import subprocess
+import sys
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -321,3 +324,84 @@ def _prompt_ways(device: torch.device, selection: dict[str, Any]
                 "floor: float64 copy and its passes": lambda: prompt_passes(
                     copy.deepcopy(model).double(), given),
                 "compare()": call})
+
+
+#: The counting child of ``ops``: one warm call of a case under a dispatch mode that
+#: counts every op by the innermost frame of divtrace's own files that made it (else
+#: "the model"); prints them as JSON. ``--cuda-path``: the CUDA queues' path on the CPU,
+#: their Triton kernels in Triton's interpreter (as ``tests/test_kernels.py`` runs them).
+_COUNT = r"""
+import collections, json, sys, torch
+from torch.utils._python_dispatch import TorchDispatchMode
+import divtrace
+from benchmarks.common import CASES, arguments, build
+if sys.argv[2] == "cuda-path":
+    from divtrace.measure import fused, queue
+    fused.supports = lambda b: b.dtype in (torch.float32, torch.float64)
+    queue.StatsQueue.takes = lambda *args: False
+    from divtrace.measure import printkernels
+    if hasattr(printkernels, "takes"):  # (a version before it: the CPU's fingerprints)
+        printkernels.takes = lambda device: True
+case = CASES[sys.argv[1]]
+model, x = build(case, torch.device("cpu"))
+kwargs = arguments(divtrace, case["chunk"], case["samples"])
+divtrace.compare(model, x, **kwargs)
+made = collections.Counter()
+class Count(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        frame, where = sys._getframe(1), "the model"
+        while frame is not None and "/torch/nn/modules/" not in frame.f_code.co_filename:
+            name = frame.f_code.co_filename.replace("\\", "/")
+            if "/divtrace" in name and "/site-packages/" not in name and (
+                    frame.f_code.co_name != "__torch_function__"):  # (the replay's mode)
+                where = name.rsplit("/divtrace", 1)[1].split("/", 1)[1] + ": " + (
+                    frame.f_code.co_name)
+                break
+            frame = frame.f_back
+        made[where] += 1
+        return func(*args, **(kwargs or {}))
+with Count():
+    divtrace.compare(model, x, **kwargs)
+print(json.dumps(made))
+"""
+
+
+def ops_main(argv: list[str]) -> int:
+    """``python -m benchmarks ops``: the ops one warm ``compare()`` makes, by the function
+    of divtrace's that made them (each op a dispatch, so a host cost on a GPU)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks ops", description=(
+        "The ops (dispatches) of one warm compare() on the CPU, by divtrace's function "
+        "that made them, against the model's own; --old: an older checkout's beside."))
+    parser.add_argument("--case", choices=list(CASES), default="mobilenet_v3_small_b16_chunk2")
+    parser.add_argument("--cuda-path", action="store_true",
+                        help="the CUDA queues' path, their kernels in Triton's interpreter")
+    parser.add_argument("--old", type=Path, help="an older checkout, counted beside")
+    parser.add_argument("--top", type=int, default=20)
+    args = parser.parse_args(argv)
+    root = Path(__file__).resolve().parents[1]
+    counts = {}
+    for label, checkout in (("this", root), ("old", args.old)):
+        if checkout is None:
+            continue
+        env = os.environ | {"PYTHONPATH": os.pathsep.join([str(checkout), str(root)]),
+                            **({"TRITON_INTERPRET": "1"} if args.cuda_path else {})}
+        done = subprocess.run([sys.executable, "-c", _COUNT, args.case,
+                               "cuda-path" if args.cuda_path else "cpu"], env=env,
+                              cwd=checkout, capture_output=True, text=True, check=True)
+        counts[label] = json.loads(done.stdout.splitlines()[-1])
+    this = counts["this"]
+    names = sorted(this, key=lambda name: -this[name])[:args.top]
+    print(f"{args.case}, {'the CUDA path (interpreted)' if args.cuda_path else 'cpu'}: ops "
+          f"of one warm call{', this version / the old one' if args.old else ''}")
+    for name in ["(total)", "(divtrace's)", *names]:
+        row = [_ops_of(found, name) for found in counts.values()]
+        print(f"  {' / '.join(f'{n:6d}' for n in row)}  {name}")
+    return 0
+
+
+def _ops_of(found: dict[str, int], name: str) -> int:
+    if name == "(total)":
+        return sum(found.values())
+    if name == "(divtrace's)":
+        return sum(n for key, n in found.items() if key != "the model")
+    return found.get(name, 0)

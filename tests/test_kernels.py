@@ -92,9 +92,12 @@ for dtype in [torch.float32, torch.float16, torch.bfloat16, torch.float64]:
     wide = torch.randn(3, 6000, generator=g).to(dtype).to(device)
     pairs.append((wide[:, 1000:3100], wide[:, 2000:4100]))  # strided rows
     pairs.append((wide[:, 1:97], wide[:, 3:99]))  # rows not aligned to 16 bytes
+    grid = torch.randn(3, 4, 5, 7, generator=g).to(dtype).to(device)  # [rows, ...] blocks
+    pairs.append((grid, grid + 1e-3))
+    pairs.append((grid[:2].clone(), torch.randn(2, 4, 5, 7, generator=g).to(dtype).to(device)))
     many = kernels.fused_many(pairs, 1e-3, 1e-5)
     for (b, r), got in zip(pairs, many, strict=True):
-        alone = kernels.fused_stats(b, r, 1e-3, 1e-5)
+        alone = kernels.fused_stats(b.reshape(len(b), -1), r.reshape(len(r), -1), 1e-3, 1e-5)
         assert got.shape == alone.shape == (len(b), len(FIELDS))
         assert torch.equal(got.contiguous().view(torch.int64),
                            alone.contiguous().view(torch.int64)), (dtype, b.shape)
@@ -107,7 +110,8 @@ for dtype in [torch.float32, torch.float16, torch.bfloat16, torch.float64]:
     for b, _ in pairs:
         b.mul_(3)
     again = launch.gathered()
-    after = torch.cat([kernels.fused_stats(b, r, 1e-3, 1e-5) for b, r in pairs])
+    after = torch.cat([kernels.fused_stats(b.reshape(len(b), -1), r.reshape(len(r), -1),
+                                           1e-3, 1e-5) for b, r in pairs])
     assert torch.equal(first.view(torch.int64), torch.cat(many).view(torch.int64)), dtype
     assert torch.equal(again.view(torch.int64), after.view(torch.int64)), dtype
     assert not torch.equal(first.view(torch.int64), again.view(torch.int64))
@@ -123,6 +127,7 @@ from tests import models
 # the interpreter runs the kernels on the CPU: let the CUDA path take CPU tensors
 fused.supports = lambda b: b.dtype in (torch.float32, torch.float64)
 queue.StatsQueue.takes = lambda *args: False
+limit = queue.FUSED_ELEMENTS
 launches = []
 run = fused.ManyLaunch.run  # every launch of the fused kernel over queued pairs
 fused.ManyLaunch.run = lambda self: launches.append(len(self._spans)) or run(self)
@@ -148,6 +153,27 @@ assert (found[0].table["mismatch"] > 0).any()
 sites = counted[0][0]
 assert counted[0] == [sites] * 2 and sites > 4, counted
 assert counted[1] == [1] * sum(counted[0]) and counted[2] == [], counted
+# sites of [rows, channels, height, width]: queued as they lie, as alone
+class BySize(torch.nn.Module):  # the runs differ by design: a scale by the batch's size
+    def forward(self, x):
+        return x * (1 + 1e-3 * x.shape[0])
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), BySize(), torch.nn.Conv2d(4, 2, 3),
+                            torch.nn.Flatten(), torch.nn.Linear(2 * 4 * 4, 3)).eval()
+x = torch.randn(6, 3, 8, 8)
+if wide:
+    model, x = model.double(), x.double() * 2.0 ** 450
+grids = []
+meter.budget_for = queue.budget_for  # (many sites a launch again)
+for elements in (limit, 0):
+    queue.FUSED_ELEMENTS = elements
+    launches.clear()
+    grids.append(divtrace.compare(model, x, samples=[0, 4], a=divtrace.Run(chunk=2),
+                                  progress=False, explain=["-independence"]))
+    assert max(launches, default=0) > (1 if elements else -1) and (
+        bool(launches) == bool(elements)), launches
+assert grids[0].table.equals(grids[1].table) and grids[0].per_sample.equals(grids[1].per_sample)
+assert (grids[0].table["mismatch"] > 0).sum() >= 4
 print("queued == alone")
 """
 

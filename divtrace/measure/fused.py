@@ -182,15 +182,10 @@ def supports(b: torch.Tensor) -> bool:
 
 
 def fused_stats(b: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> torch.Tensor:
-    """Per-row statistics of two ``[rows, elements]`` tensors, as ``[rows, fields]`` float64.
-
-    The columns are those of :data:`divtrace.measure.fields.FIELDS`. Rows may be strided;
-    elements within a row must be contiguous.
-    """
-    if b.stride(1) != 1:
-        b = b.contiguous()
-    if r.stride(1) != 1:
-        r = r.contiguous()
+    """Per-row statistics of two ``[rows, elements]`` tensors, as ``[rows, fields]`` float64
+    (the columns of :data:`divtrace.measure.fields.FIELDS`; rows may be strided)."""
+    b = b if b.stride(1) == 1 else b.contiguous()
+    r = r if r.stride(1) == 1 else r.contiguous()
     rows, cols = b.shape
     n_blocks = max(1, triton.cdiv(cols, BLOCK))
     partial = torch.empty((rows, n_blocks, len(FIELDS)), dtype=torch.float64, device=b.device)
@@ -220,7 +215,8 @@ class ManyLaunch:
     """:func:`fused_stats` of many pairs of one dtype on one device, planned once: one
     launch per kind of layout, each pair's fields exactly as :func:`fused_stats` gives
     them alone (the same kernel body on the same blocks, laid out alike). Rows of one
-    element are not taken (:func:`fused_stats` compiles them apart).
+    element are not taken (:func:`fused_stats` compiles them apart). Blocks are ``[rows,
+    elements]``, or contiguous ``[rows, ...]`` ones read as such.
 
     Each pair's fields come as a tensor shared with other pairs and the range of its rows
     in it, not sliced here: the pairs of one block per row share one tensor; the pairs of
@@ -239,12 +235,12 @@ class ManyLaunch:
         self.device = device = pairs[0][0].device
         self.dtype = pairs[0][0].dtype
         self.rtol, self.atol = rtol, atol
-        self.copied = any(b.stride(1) != 1 or r.stride(1) != 1 for b, r in pairs)
-        pairs = [(b if b.stride(1) == 1 else b.contiguous(), r if r.stride(1) == 1
-                  else r.contiguous()) for b, r in pairs]
+        self.copied = any(_step(b) is None or _step(r) is None for b, r in pairs)
+        pairs = [(b if _step(b) is not None else b.contiguous(),
+                  r if _step(r) is not None else r.contiguous()) for b, r in pairs]
         self._pairs = pairs  # (the copies alive until the launches ran)
-        shapes = [(b.shape[0], b.shape[1], max(1, triton.cdiv(b.shape[1], BLOCK)))
-                  for b, _ in pairs]
+        shapes = [(b.shape[0], width, max(1, triton.cdiv(width, BLOCK)))
+                  for b, _ in pairs for width in (b.numel() // max(b.shape[0], 1),)]
         # each pair's buffer of partial blocks: one per count of blocks, or its own
         keys = [blocks if blocks <= _SHARED_BLOCKS else -index - 1
                 for index, (_, _, blocks) in enumerate(shapes)]
@@ -274,11 +270,12 @@ class ManyLaunch:
             taken[key] += rows
             self._spans.append((None, *in_graph[key]) if key in in_graph
                                else (key, at, at + rows))
+            stride_b, stride_r = (int(_step(t) or 0) for t in (b, r))  # (None: not now)
             records.append((b.data_ptr(), r.data_ptr(),
                             out.data_ptr() + at * blocks * len(FIELDS) * out.element_size(),
-                            cols, b.stride(0), r.stride(0), blocks))
+                            cols, stride_b, stride_r, blocks))
             kinds.setdefault((b.data_ptr() % 16 == 0, r.data_ptr() % 16 == 0,
-                              b.stride(0) % 16 == 0, r.stride(0) % 16 == 0, cols % 16 == 0),
+                              stride_b % 16 == 0, stride_r % 16 == 0, cols % 16 == 0),
                              []).append(index)
         self._gather: tuple[list[int | None], torch.Tensor | None] | None = None
         self._tables = [(_table([records[i] for i in members],
@@ -313,6 +310,14 @@ class ManyLaunch:
         keys, order = self._gather
         whole = torch.cat([made[key] for key in keys]) if len(keys) > 1 else made[keys[0]].clone()
         return whole if order is None else whole.index_select(0, order)
+
+
+def _step(block: torch.Tensor) -> int | None:
+    """The elements from a row's start to the next's, where each row lies along memory
+    (a ``[rows, elements]`` block's side by side, a contiguous ``[rows, ...]`` block's)."""
+    if block.dim() == 2:
+        return block.stride(0) if block.stride(1) == 1 else None
+    return block.numel() // max(block.shape[0], 1) if block.is_contiguous() else None
 
 
 def _table(records: list[tuple[int, ...]], programs: list[int], device: torch.device

@@ -298,8 +298,10 @@ class Meter(Sink):
         n = rows.shape[0]  # (stored rows: the compared samples first)
         picked = self.store.pick(tensor)  # a copy: later ops cannot change it
         rtol, atol = self._tolerances(tensor.dtype)
-        return queue.add(*self._roles(picked.reshape(n, -1), rows.reshape(n, -1)), rtol,
-                         atol), picked
+        # [rows, elements] blocks; the kernels read a contiguous block's rows as they lie
+        b, r = ((t if t.is_contiguous() and queue is not self._queue else t.reshape(n, -1))
+                for t in (picked, rows))
+        return queue.add(*self._roles(b, r), rtol, atol), picked
 
     def _roles(self, live: torch.Tensor, stored: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:

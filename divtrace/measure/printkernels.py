@@ -16,7 +16,7 @@ if AVAILABLE:
     import triton
     import triton.language as tl
 
-__all__ = ["fused_many_prints", "fused_prints", "prints_at"]
+__all__ = ["fused_many_prints", "fused_prints", "prints_at", "takes"]
 
 if AVAILABLE:
 
@@ -56,6 +56,11 @@ if AVAILABLE:
         words_ptr = tl.load(rows_ptr + 2 * row).to(tl.pointer_type(tl.int64))
         tl.store(out_ptr + program, _weighted(words_ptr, tl.load(block_of_ptr + program),
                                               tl.load(rows_ptr + 2 * row + 1), BLOCK, PERIOD))
+
+
+def takes(device: torch.device) -> bool:
+    """Whether fingerprints on ``device`` are made by these kernels."""
+    return AVAILABLE and device.type == "cuda"
 
 
 def fused_prints(words: torch.Tensor, period: int) -> torch.Tensor:

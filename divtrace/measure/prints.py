@@ -150,7 +150,7 @@ class Fingerprints:
         whose rows are alike in length, times the weights of their positions, summed along
         the rows (a few operations per length of row)."""
         device = blocks[0].device
-        if device.type == "cuda" and fused.AVAILABLE:
+        if printkernels.takes(device):
             held: list[torch.Tensor] = []  # copies, alive until the launch is queued
             return printkernels.prints_at([r for b in blocks for r in _rows_at(b, held)],
                                           device, _PERIOD)

@@ -217,7 +217,7 @@ class WideQueue(FusedQueue):
 
     def _measure_part(self, pairs: _Pairs, device: torch.device, rtol: float, atol: float
                       ) -> None:
-        shapes = [tuple(b.shape) for _, b, _ in pairs]
+        shapes = [(b.shape[0], b.numel() // b.shape[0]) for _, b, _ in pairs]
         # copies of every pair end to end, each starting 16 bytes aligned (a zero after a
         # block of an odd count, counted in its last row): one kind of layout per width
         odd = [n * w % 2 for n, w in shapes]
@@ -251,7 +251,7 @@ class WideQueue(FusedQueue):
         fields[:, SCALE] = e.to(fields.dtype)
         self._put(pairs, shapes, common_many(fields, rows))
 
-    def _put(self, pairs: _Pairs, shapes: list[tuple[int, ...]], fields: torch.Tensor
+    def _put(self, pairs: _Pairs, shapes: list[tuple[int, int]], fields: torch.Tensor
              ) -> None:
         """Each pair's rows of ``fields`` (the pairs' rows end to end) to the host."""
         at = 0
@@ -260,7 +260,7 @@ class WideQueue(FusedQueue):
             at += n
 
 
-def _views(flat_b: torch.Tensor, flat_r: torch.Tensor, shapes: list[tuple[int, ...]],
+def _views(flat_b: torch.Tensor, flat_r: torch.Tensor, shapes: list[tuple[int, int]],
            odd: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The pairs of ``shapes`` in two copies end to end (``odd``: a zero after the pair)."""
     views, at = [], 0
